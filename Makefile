@@ -1,0 +1,29 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv when it is
+# missing and install the pinned dependencies (torch==2.13.0 is the CPU build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint setup clean
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/memplan demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info memplan-out

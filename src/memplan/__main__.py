@@ -1,0 +1,5 @@
+import sys
+
+from memplan.cli import main
+
+sys.exit(main())

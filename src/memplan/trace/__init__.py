@@ -1,0 +1,31 @@
+"""The lifetime trace: data model, validation, files, importers and exporters."""
+
+from memplan.trace.io import load, save, save_json, to_json
+from memplan.trace.model import (
+    ALLOC,
+    CATEGORIES,
+    CATEGORY,
+    FREE,
+    PHASE,
+    PHASES,
+    Trace,
+    from_events,
+)
+from memplan.trace.validate import TraceError, validate
+
+__all__ = [
+    "ALLOC",
+    "CATEGORIES",
+    "CATEGORY",
+    "FREE",
+    "PHASE",
+    "PHASES",
+    "Trace",
+    "TraceError",
+    "from_events",
+    "load",
+    "save",
+    "save_json",
+    "to_json",
+    "validate",
+]
