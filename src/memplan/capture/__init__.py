@@ -1,0 +1,184 @@
+"""Capture the lifetime trace of a training step, on real or fake tensors.
+
+`capture(step_fn, ...)` runs any training step under the dispatch-level `Recorder`
+and returns a validated `Trace`. It knows what the storages are from the model and
+the optimizer: parameters, `.grad` tensors, `optimizer.state`, the step's inputs and
+autograd's saved tensors (through `saved_tensors_hooks`); the recorder derives the
+phase (forward, backward, recompute, optimizer) and the micro-batch on its own.
+
+`capture_model(model, setup, fake=True)` builds a registry model, its optimizer and
+a batch (inside `FakeTensorMode` when `fake`), and captures its training step:
+forward, loss, backward for each gradient-accumulation micro-batch, then the
+optimizer step and `zero_grad(set_to_none=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._pytree import tree_flatten
+
+from memplan.capture.recorder import Recorder
+from memplan.trace.model import Trace
+
+__all__ = ["Recorder", "capture", "capture_model"]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in _tensors(state)]
+
+
+def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        rec.mark(p, "parameter")
+        if p.grad is not None:
+            rec.mark(p.grad, "gradient")
+    for buf in model.buffers():
+        rec.mark(buf, "other")
+
+
+def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            rec.mark(p, "parameter")
+            if p.grad is not None:
+                rec.mark(p.grad, "gradient")
+    for t in _optimizer_tensors(optimizer):
+        rec.mark(t, "optimizer_state")
+
+
+@contextlib.contextmanager
+def _recording_hooks(
+    rec: Recorder, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> Iterator[None]:
+    """Phase and category hooks active while the recorder runs."""
+
+    def pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        rec.in_optimizer = True
+        # gradients are final when the optimizer starts
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                rec.mark(p, "parameter")
+                if p.grad is not None:
+                    rec.mark(p.grad, "gradient")
+
+    def post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        _mark_optimizer(rec, optimizer)
+        rec.in_optimizer = False
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        rec.note_saved(t)
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    grad_hooks = []
+    for model in models:
+        for p in model.parameters():
+            if p.requires_grad:
+                grad_hooks.append(
+                    p.register_post_accumulate_grad_hook(
+                        lambda param: rec.mark(param.grad, "gradient")
+                    )
+                )
+    h_pre = register_optimizer_step_pre_hook(pre_step)
+    h_post = register_optimizer_step_post_hook(post_step)
+    try:
+        with rec.module_hooks(models), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        h_pre.remove()
+        h_post.remove()
+        for h in grad_hooks:
+            h.remove()
+        rec.in_optimizer = False
+
+
+def capture(
+    step_fn: Callable[..., Any],
+    *args: Any,
+    model: torch.nn.Module | list[torch.nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    iterations: int = 1,
+    warmup: int = 0,
+    meta: dict[str, Any] | None = None,
+    record_flops: bool = True,
+    inputs: Any = None,
+    **kwargs: Any,
+) -> Trace:
+    """Run `step_fn(*args, **kwargs)` `warmup` times untraced, then `iterations` times
+    under the recorder, and return the trace of the traced iterations.
+
+    Give `model` and `optimizer` so that every parameter, gradient and optimizer
+    state is in the trace from its first event, even if the step never touches it.
+    Tensors in `args`/`kwargs`, and in `inputs` (for a step that closes over its
+    batch), are the step's inputs. Works on real tensors and on
+    fake ones (call it inside the `FakeTensorMode` that made them).
+    """
+    if iterations < 1:
+        raise ValueError("iterations must be >= 1")
+    models = [model] if isinstance(model, torch.nn.Module) else list(model or [])
+    optimizers = (
+        [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
+    )
+    for _ in range(warmup):
+        step_fn(*args, **kwargs)
+    rec = Recorder(record_flops=record_flops)
+    for m in models:
+        _mark_model(rec, m)
+    for opt in optimizers:
+        _mark_optimizer(rec, opt)
+    for t in _tensors((args, kwargs, inputs)):
+        rec.mark(t, "input")
+    start = time.perf_counter()
+    with _recording_hooks(rec, models, optimizers), rec:
+        for it in range(iterations):
+            rec.iteration = it
+            rec.microbatch = 0
+            rec.reset_phase()
+            step_fn(*args, **kwargs)
+    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup}
+    info.update(meta or {})
+    return rec.finish(meta=info)
+
+
+def capture_model(
+    model: str,
+    setup: Any = None,
+    *,
+    fake: bool = True,
+    device: str = "cuda",
+    iterations: int = 1,
+    warmup: int = 1,
+    record_flops: bool = True,
+) -> Trace:
+    """Build registry model `model` with training setup `setup` and capture its step.
+
+    With `fake`, everything is built inside one `FakeTensorMode`, so any size traces
+    with no memory and `device` may be "cuda" on a machine without a GPU. With
+    `fake=False` the step runs for real (use small models and device "cpu").
+    """
+    from memplan.capture.step import training_step_capture
+
+    return training_step_capture(
+        model,
+        setup,
+        fake=fake,
+        device=device,
+        iterations=iterations,
+        warmup=warmup,
+        record_flops=record_flops,
+    )
