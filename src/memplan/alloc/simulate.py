@@ -1,0 +1,179 @@
+"""`simulate(trace, allocator=...)`: replay a trace's alloc/free events through an allocator.
+
+Allocators:
+- `caching`: PyTorch's CUDA caching allocator (`memplan.alloc.caching`) under the
+  given `PYTORCH_CUDA_ALLOC_CONF` string;
+- `expandable`: the same with `expandable_segments:True` forced on;
+- `ideal`: every byte live is a byte reserved, nothing more: the lower bound of any
+  allocator (fragmentation 0);
+- `planned`: a static offset plan served from one arena, unmatched requests going to
+  a caching fallback (`memplan.alloc.planned`, the layout work's replay).
+
+Each replay runs the events in order and stops at the first request that cannot be
+served within `capacity` (as the program would die there). The segment map at the
+peak needs the allocator's state at the event where reserved first peaks, so when
+that event is not the last one replayed, the (deterministic) replay runs a second
+time up to that event; pass `segment_map=False` to skip it. Every result passes
+`check_replay`, which shares no code with the allocators, before it is returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from memplan.alloc.caching import CachingAllocator, OutOfMemory
+from memplan.alloc.check import check_replay
+from memplan.alloc.conf import AllocConf
+from memplan.alloc.result import SimResult, fragmentation_of
+from memplan.errors import UserError
+from memplan.trace.model import ALLOC, Trace
+
+ALLOCATORS = ("caching", "expandable", "ideal", "planned")
+
+
+def simulate(
+    trace: Trace,
+    allocator: str = "caching",
+    alloc_conf: str | AllocConf | None = None,
+    capacity: int | None = None,
+    plan: Any = None,
+    *,
+    memory_fraction: float | None = None,
+    segment_map: bool = True,
+) -> SimResult:
+    """Replay `trace` through `allocator` and return its statistics (see SimResult).
+
+    `capacity` is the device memory in bytes (None: unlimited); `memory_fraction`
+    limits the allocator to that share of it, as
+    `torch.cuda.set_per_process_memory_fraction` does (and turns on the garbage
+    collection of `garbage_collection_threshold`).
+    """
+    if allocator not in ALLOCATORS:
+        raise UserError(f"unknown allocator {allocator!r}: choose one of {', '.join(ALLOCATORS)}")
+    if capacity is not None and capacity < 0:
+        raise UserError(f"capacity {capacity} is negative")
+    if memory_fraction is not None:
+        if capacity is None:
+            raise UserError("a memory fraction needs a capacity: give --capacity too")
+        if not 0.0 <= memory_fraction <= 1.0:
+            raise UserError(f"memory fraction {memory_fraction} must be between 0 and 1")
+    conf = alloc_conf if isinstance(alloc_conf, AllocConf) else AllocConf.parse(alloc_conf)
+    if allocator == "planned":
+        if plan is None:
+            raise UserError("the planned allocator needs a plan: pass --plan FILE (from `memplan plan`)")
+        from memplan.alloc.planned import simulate_planned
+
+        return simulate_planned(trace, plan, alloc_conf=alloc_conf, capacity=capacity)
+    if allocator == "ideal":
+        result = simulate_ideal(trace, capacity=capacity, memory_fraction=memory_fraction)
+    else:
+        if allocator == "expandable" and not conf.expandable_segments:
+            conf = AllocConf(**{**conf.__dict__, "expandable_segments": True})
+        result = simulate_caching(trace, conf, capacity=capacity, memory_fraction=memory_fraction,
+                                  segment_map=segment_map, name=allocator)
+    check_replay(trace, result)
+    return result
+
+
+def simulate_ideal(trace: Trace, capacity: int | None = None,
+                   memory_fraction: float | None = None) -> SimResult:
+    """The ideal allocator: reserved = allocated = requested = live bytes."""
+    live = trace.live_bytes()
+    limit = capacity if memory_fraction is None or capacity is None else int(memory_fraction * capacity)
+    oom = None
+    if limit is not None and live.shape[0] and int(live.max()) > limit:
+        event = int(np.argmax(live > limit))
+        request = int(trace.buffers["nbytes"][trace.events["buffer"][event]])
+        before = int(live[event - 1]) if event else 0
+        oom = {"event": event, "request_bytes": request, "alloc_bytes": request,
+               "allocated_bytes": before, "reserved_bytes": before, "capacity_bytes": limit}
+        live = live[:event]
+    peak = int(live.max()) if live.shape[0] else 0
+    return SimResult(
+        allocator="ideal",
+        peak_requested_bytes=peak,
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=peak,
+        fragmentation=0.0,
+        requested_bytes=live,
+        allocated_bytes=live.copy(),
+        reserved_bytes=live.copy(),
+        peak_event=int(np.argmax(live)) if live.shape[0] else -1,
+        oom=oom,
+    )
+
+
+def replay(trace: Trace, allocator: CachingAllocator, stop_after: int | None = None
+           ) -> tuple[list[int], list[int], OutOfMemory | None]:
+    """Run the trace's events through `allocator`; return the allocated and reserved series.
+
+    Stops after event `stop_after` when given, or at the first out-of-memory (which
+    is returned, not raised; its event gets no entry in the series).
+    """
+    kinds = trace.events["kind"].tolist()
+    event_buffers = trace.events["buffer"].tolist()
+    nbytes_of = trace.buffers["nbytes"].tolist()
+    stream_of = trace.buffers["stream"].tolist()
+    last = len(kinds) if stop_after is None else min(stop_after + 1, len(kinds))
+    allocated: list[int] = []
+    reserved: list[int] = []
+    add_allocated = allocated.append
+    add_reserved = reserved.append
+    malloc = allocator.malloc
+    free = allocator.free
+    oom = None
+    try:
+        for event in range(last):
+            buffer = event_buffers[event]
+            nbytes = nbytes_of[buffer]
+            if nbytes:
+                if kinds[event] == ALLOC:
+                    malloc(buffer, nbytes, stream_of[buffer], event)
+                else:
+                    free(buffer)
+            add_allocated(allocator.allocated_bytes)
+            add_reserved(allocator.reserved_bytes)
+    except OutOfMemory as exc:
+        oom = exc
+    return allocated, reserved, oom
+
+
+def simulate_caching(trace: Trace, conf: AllocConf, capacity: int | None = None,
+                     memory_fraction: float | None = None, segment_map: bool = True,
+                     name: str = "caching") -> SimResult:
+    """Replay through the caching allocator model (expandable when `conf` says so)."""
+    allocator = CachingAllocator(conf, capacity, memory_fraction)
+    allocated_list, reserved_list, oom = replay(trace, allocator)
+    allocated = np.asarray(allocated_list, dtype=np.int64)
+    reserved = np.asarray(reserved_list, dtype=np.int64)
+    requested = trace.live_bytes()[: reserved.shape[0]]
+    peak_event = int(np.argmax(reserved)) if reserved.shape[0] else -1
+    segments: list[dict[str, Any]] = []
+    if segment_map and peak_event >= 0:
+        if peak_event == reserved.shape[0] - 1:
+            segments = allocator.segment_map()
+        else:
+            again = CachingAllocator(conf, capacity, memory_fraction)
+            replay(trace, again, stop_after=peak_event)
+            segments = again.segment_map()
+    peak_allocated = int(allocated.max()) if allocated.shape[0] else 0
+    peak_reserved = int(reserved.max()) if reserved.shape[0] else 0
+    return SimResult(
+        allocator=name,
+        peak_requested_bytes=int(requested.max()) if requested.shape[0] else 0,
+        peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_reserved,
+        fragmentation=fragmentation_of(peak_allocated, peak_reserved),
+        segments=allocator.max_segments,
+        num_cuda_malloc=allocator.num_cuda_malloc,
+        num_cuda_free=allocator.num_cuda_free,
+        requested_bytes=requested,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        peak_event=peak_event,
+        segment_map=segments,
+        oom=None if oom is None else oom.as_dict(),
+        extra={"num_alloc_retries": allocator.num_alloc_retries},
+    )
