@@ -6,7 +6,14 @@ from memplan.alloc.caching import Block, CachingAllocator, OutOfMemory, allocati
 from memplan.alloc.check import ReplayCheckError, check_replay
 from memplan.alloc.conf import AllocConf
 from memplan.alloc.result import SimResult, fragmentation_of
-from memplan.alloc.simulate import ALLOCATORS, replay, simulate, simulate_caching, simulate_ideal
+from memplan.alloc.simulate import (
+    ALLOCATORS,
+    Replay,
+    replay,
+    simulate,
+    simulate_caching,
+    simulate_ideal,
+)
 
 __all__ = [
     "ALLOCATORS",
@@ -14,6 +21,7 @@ __all__ = [
     "Block",
     "CachingAllocator",
     "OutOfMemory",
+    "Replay",
     "ReplayCheckError",
     "SimResult",
     "allocation_size",

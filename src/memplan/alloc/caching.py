@@ -175,6 +175,10 @@ class CachingAllocator:
         self._segment_heads: dict[int, bool] = {}  # base address of each cudaMalloc segment
         self._expandable_segments: dict[int, ExpandableSegment] = {}
         self._next_address = _FIRST_ADDRESS
+        self._event = -1
+        # (event, +1 or -1, address, nbytes, stream, small, expandable segment base or -1):
+        # every segment cudaMalloc'ed or freed, every page range mapped or unmapped.
+        self.segment_log: list[tuple[int, int, int, int, int, bool, int]] = []
 
         self.requested_bytes = 0
         self.allocated_bytes = 0
@@ -192,6 +196,7 @@ class CachingAllocator:
     # --- the two calls a replay makes -------------------------------------------------
     def malloc(self, buffer: int, nbytes: int, stream: int = 0, event: int = -1) -> Block:
         """Serve `buffer`'s request of `nbytes` on `stream`; raise OutOfMemory if impossible."""
+        self._event = event
         if self._plain_rounding:
             size = 512 if nbytes < 512 else (nbytes + 511) & ~511
         else:
@@ -410,6 +415,7 @@ class CachingAllocator:
         block = Block(addr, alloc_size, stream, pool == 1)
         self._blocks[addr] = block
         self._segment_heads[addr] = True
+        self.segment_log.append((self._event, 1, addr, alloc_size, stream, pool == 1, -1))
         self.reserved_bytes += alloc_size
         if self.reserved_bytes > self.peak_reserved_bytes:
             self.peak_reserved_bytes = self.reserved_bytes
@@ -424,6 +430,7 @@ class CachingAllocator:
         self._free[1 if block.small else 0].remove(_free_key(block))
         del self._blocks[block.addr]
         del self._segment_heads[block.addr]
+        self.segment_log.append((self._event, -1, block.addr, block.size, block.stream, block.small, -1))
         self.reserved_bytes -= block.size
         self.segments -= 1
         self.num_cuda_free += 1
@@ -563,6 +570,8 @@ class CachingAllocator:
         pages = segment.pages
         joins = (begin > 0 and pages[begin - 1]) + (end < segment.num_pages and pages[end])
         pages[begin:end] = b"\x01" * (end - begin)
+        self.segment_log.append((self._event, 1, segment.base + begin * page, nbytes, to_map.stream,
+                                 to_map.small, segment.base))
         self.segments += 1 - joins
         if self.segments > self.max_segments:
             self.max_segments = self.segments
@@ -615,6 +624,7 @@ class CachingAllocator:
         pages = segment.pages
         joins = (begin > 0 and pages[begin - 1]) + (end < segment.num_pages and pages[end])
         pages[begin:end] = bytes(end - begin)
+        self.segment_log.append((self._event, -1, start, nbytes, block.stream, block.small, segment.base))
         self.segments += joins - 1
         self._merge(block, block.prev)
         self._merge(block, block.next)
@@ -628,3 +638,79 @@ class CachingAllocator:
         self._unmapped[1 if block.small else 0].remove(_unmapped_key(block))
         del self._blocks[block.addr]
         del self._expandable_segments[segment.base]
+
+
+def segment_map_from_log(
+    segment_log: list[tuple[int, int, int, int, int, bool, int]],
+    event: int,
+    live_buffers: list[int],
+    block_addr: list[int],
+    block_nbytes: list[int],
+    requested_nbytes: list[int],
+) -> list[dict[str, Any]]:
+    """The segment map just after `event`, rebuilt from a replay's records.
+
+    Segments are the log's cudaMalloc'ed segments and mapped page ranges alive after
+    `event` (contiguous mapped pages of one expandable segment form one segment);
+    allocated blocks are where the replay placed each buffer live then; every gap
+    between them inside a segment is one free block (free neighbours always
+    coalesce). This avoids a second replay to the peak.
+    """
+    plain: dict[int, tuple[int, int, bool]] = {}
+    mapped: dict[int, dict[int, tuple[int, int, bool]]] = {}  # expandable base -> page addr -> info
+    for logged_event, sign, addr, nbytes, stream, small, base in segment_log:
+        if logged_event > event:
+            break
+        if base < 0:
+            if sign > 0:
+                plain[addr] = (nbytes, stream, small)
+            else:
+                del plain[addr]
+            continue
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        pages = mapped.setdefault(base, {})
+        for page_addr in range(addr, addr + nbytes, page):
+            if sign > 0:
+                pages[page_addr] = (page, stream, small)
+            else:
+                del pages[page_addr]
+    segments: list[tuple[int, int, int, bool, bool]] = [
+        (addr, nbytes, stream, small, False) for addr, (nbytes, stream, small) in plain.items()
+    ]
+    for pages in mapped.values():
+        run_start = run_end = -1
+        info = (0, 0, False)
+        for page_addr in sorted(pages):
+            page, stream, small = pages[page_addr]
+            if page_addr != run_end:
+                if run_start >= 0:
+                    segments.append((run_start, run_end - run_start, info[1], info[2], True))
+                run_start = page_addr
+            run_end = page_addr + page
+            info = (page, stream, small)
+        if run_start >= 0:
+            segments.append((run_start, run_end - run_start, info[1], info[2], True))
+    segments.sort()
+    holders = sorted(live_buffers, key=lambda b: block_addr[b])
+    out: list[dict[str, Any]] = []
+    k = 0
+    for addr, nbytes, stream, small, expandable in segments:
+        end = addr + nbytes
+        blocks: list[dict[str, Any]] = []
+        cursor = addr
+        while k < len(holders) and block_addr[holders[k]] < end:
+            buffer = holders[k]
+            start = block_addr[buffer]
+            if start > cursor:
+                blocks.append({"address": cursor, "nbytes": start - cursor, "allocated": False,
+                               "buffer": None, "requested_bytes": 0})
+            blocks.append({"address": start, "nbytes": block_nbytes[buffer], "allocated": True,
+                           "buffer": buffer, "requested_bytes": requested_nbytes[buffer]})
+            cursor = start + block_nbytes[buffer]
+            k += 1
+        if cursor < end:
+            blocks.append({"address": cursor, "nbytes": end - cursor, "allocated": False,
+                           "buffer": None, "requested_bytes": 0})
+        out.append({"address": addr, "nbytes": nbytes, "stream": stream,
+                    "pool": "small" if small else "large", "expandable": expandable, "blocks": blocks})
+    return out

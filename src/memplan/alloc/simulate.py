@@ -11,19 +11,20 @@ Allocators:
 
 Each replay runs the events in order and stops at the first request that cannot be
 served within `capacity` (as the program would die there). The segment map at the
-peak needs the allocator's state at the event where reserved first peaks, so when
-that event is not the last one replayed, the (deterministic) replay runs a second
-time up to that event; pass `segment_map=False` to skip it. Every result passes
+peak (the event where reserved first peaks) is rebuilt after the replay from the
+allocator's log of segments and the recorded block of every buffer, so no second
+replay is needed; pass `segment_map=False` to skip it. Every result passes
 `check_replay`, which shares no code with the allocators, before it is returned.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from memplan.alloc.caching import CachingAllocator, OutOfMemory
+from memplan.alloc.caching import CachingAllocator, OutOfMemory, segment_map_from_log
 from memplan.alloc.check import check_replay
 from memplan.alloc.conf import AllocConf
 from memplan.alloc.result import SimResult, fragmentation_of
@@ -105,18 +106,29 @@ def simulate_ideal(trace: Trace, capacity: int | None = None,
     )
 
 
-def replay(trace: Trace, allocator: CachingAllocator, stop_after: int | None = None
-           ) -> tuple[list[int], list[int], OutOfMemory | None]:
-    """Run the trace's events through `allocator`; return the allocated and reserved series.
+@dataclass
+class Replay:
+    """What one pass over the events recorded: the series, placements and any out-of-memory."""
 
-    Stops after event `stop_after` when given, or at the first out-of-memory (which
-    is returned, not raised; its event gets no entry in the series).
+    allocated_bytes: list[int]
+    reserved_bytes: list[int]
+    block_addr: list[int]  # per buffer: address of its block (0 if never placed)
+    block_nbytes: list[int]  # per buffer: size of its block
+    oom: OutOfMemory | None
+
+
+def replay(trace: Trace, allocator: CachingAllocator) -> Replay:
+    """Run the trace's events through `allocator`, recording the series and placements.
+
+    Stops at the first out-of-memory, which is returned, not raised; its event gets
+    no entry in the series.
     """
     kinds = trace.events["kind"].tolist()
     event_buffers = trace.events["buffer"].tolist()
     nbytes_of = trace.buffers["nbytes"].tolist()
     stream_of = trace.buffers["stream"].tolist()
-    last = len(kinds) if stop_after is None else min(stop_after + 1, len(kinds))
+    block_addr = [0] * len(nbytes_of)
+    block_nbytes = [0] * len(nbytes_of)
     allocated: list[int] = []
     reserved: list[int] = []
     add_allocated = allocated.append
@@ -125,19 +137,21 @@ def replay(trace: Trace, allocator: CachingAllocator, stop_after: int | None = N
     free = allocator.free
     oom = None
     try:
-        for event in range(last):
+        for event in range(len(kinds)):
             buffer = event_buffers[event]
             nbytes = nbytes_of[buffer]
             if nbytes:
                 if kinds[event] == ALLOC:
-                    malloc(buffer, nbytes, stream_of[buffer], event)
+                    block = malloc(buffer, nbytes, stream_of[buffer], event)
+                    block_addr[buffer] = block.addr
+                    block_nbytes[buffer] = block.size
                 else:
                     free(buffer)
             add_allocated(allocator.allocated_bytes)
             add_reserved(allocator.reserved_bytes)
     except OutOfMemory as exc:
         oom = exc
-    return allocated, reserved, oom
+    return Replay(allocated, reserved, block_addr, block_nbytes, oom)
 
 
 def simulate_caching(trace: Trace, conf: AllocConf, capacity: int | None = None,
@@ -145,19 +159,20 @@ def simulate_caching(trace: Trace, conf: AllocConf, capacity: int | None = None,
                      name: str = "caching") -> SimResult:
     """Replay through the caching allocator model (expandable when `conf` says so)."""
     allocator = CachingAllocator(conf, capacity, memory_fraction)
-    allocated_list, reserved_list, oom = replay(trace, allocator)
-    allocated = np.asarray(allocated_list, dtype=np.int64)
-    reserved = np.asarray(reserved_list, dtype=np.int64)
+    record = replay(trace, allocator)
+    allocated = np.asarray(record.allocated_bytes, dtype=np.int64)
+    reserved = np.asarray(record.reserved_bytes, dtype=np.int64)
     requested = trace.live_bytes()[: reserved.shape[0]]
     peak_event = int(np.argmax(reserved)) if reserved.shape[0] else -1
     segments: list[dict[str, Any]] = []
     if segment_map and peak_event >= 0:
-        if peak_event == reserved.shape[0] - 1:
-            segments = allocator.segment_map()
-        else:
-            again = CachingAllocator(conf, capacity, memory_fraction)
-            replay(trace, again, stop_after=peak_event)
-            segments = again.segment_map()
+        nbytes = trace.buffers["nbytes"]
+        live = (trace.buffers["alloc_event"] <= peak_event) & (trace.free_event_or_end() > peak_event)
+        segments = segment_map_from_log(
+            allocator.segment_log, peak_event, np.flatnonzero(live & (nbytes > 0)).tolist(),
+            record.block_addr, record.block_nbytes, nbytes.tolist(),
+        )
+    oom = record.oom
     peak_allocated = int(allocated.max()) if allocated.shape[0] else 0
     peak_reserved = int(reserved.max()) if reserved.shape[0] else 0
     return SimResult(
