@@ -1,0 +1,46 @@
+"""Models and training setups: what a memplan trace is a trace *of*.
+
+A registry of public model configs shipped as Hugging Face `config.json` files
+(`registry`), the training setup and its command-line flags (`setup`), and builders of
+the model, optimizer and batch for one training step (`build`). See each module.
+"""
+
+from memplan.models.build import (
+    autocast,
+    build_model,
+    build_optimizer,
+    forward_loss,
+    is_fake_mode_active,
+    make_batch,
+    model_class,
+    sequence_length,
+)
+from memplan.models.registry import (
+    FactorySpec,
+    count_parameters,
+    list_models,
+    load_config,
+    provenance,
+    tiny_config,
+)
+from memplan.models.setup import TrainingSetup, add_setup_flags, setup_from_args
+
+__all__ = [
+    "FactorySpec",
+    "TrainingSetup",
+    "add_setup_flags",
+    "autocast",
+    "build_model",
+    "build_optimizer",
+    "count_parameters",
+    "forward_loss",
+    "is_fake_mode_active",
+    "list_models",
+    "load_config",
+    "make_batch",
+    "model_class",
+    "provenance",
+    "sequence_length",
+    "setup_from_args",
+    "tiny_config",
+]

@@ -1,0 +1,376 @@
+"""Builders: a model, its optimizer and an input batch for one `TrainingSetup`.
+
+The models are the plain Hugging Face classes (no memplan code inside them, as in
+torchtitan, where parallelism and checkpointing are applied from outside the network):
+
+- the class a config's `architectures` field names when it is a language-model head
+  (`*ForCausalLM`, `*LMHeadModel`, `*ForMaskedLM`), else `AutoModelForCausalLM`, else
+  `AutoModelForMaskedLM`, so every model returns a loss;
+- in the setup's dtype, training mode, `use_cache=False`;
+- attention: `eager` and `sdpa` are HF's implementations. `flash` builds HF's `sdpa`
+  path too — on CPU, and under fake tensors, PyTorch's SDPA dispatches to the flash
+  kernel (`_scaled_dot_product_flash_attention_for_cpu`) whenever there is no explicit
+  mask, which is what the causal batches of `make_batch` give — and records
+  `model.memplan_attention = "flash"` so the estimator can model the CUDA flash kernels.
+  `model.memplan_attn_implementation` is the HF implementation actually built (models
+  without SDPA support fall back to eager);
+- activation checkpointing, non-reentrant (`use_reentrant=False`): `full` is HF's
+  `activation_checkpointing_enable` (`gradient_checkpointing_enable` before 5.x) (every transformer block is recomputed in backward);
+  `selective` checkpoints only the attention submodule of each block, following the
+  selective recomputation of Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models", arXiv 2205.05198), which recomputes attention because its
+  activations are large and cheap to recompute — at HF module granularity, so the Q/K/V/O
+  projections inside the attention module are recomputed too;
+- LoRA through peft when `lora_rank > 0`, on peft's default targets for the family
+  (the attention projections; `query_key_value` for BLOOM, `c_attn` for GPT-2);
+- weights: under `FakeTensorMode` (or on the meta device) weight init is skipped
+  (`transformers.initialization.no_init_weights`), so a 70B model builds in about a second
+  with no memory; on real tensors init is seeded by `setup.seed` without touching the
+  global RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.errors import UserError
+from memplan.models.registry import FactorySpec, load_config
+from memplan.models.setup import DEFAULT_MAX_SEQ, TrainingSetup
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM")
+
+# LoRA targets for families peft's default table lacks.
+EXTRA_LORA_TARGETS = {"phi3": ["qkv_proj"]}
+
+# Fraction of tokens a masked-LM batch asks the model to predict (BERT's 15%).
+MLM_PROBABILITY = 0.15
+
+# Names of learned absolute position-embedding modules (GPT-2, OPT, BERT, RoBERTa):
+# these cannot run past their table, even with `allow_long_seq`.
+LEARNED_POSITION_MODULES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def is_fake_mode_active() -> bool:
+    """Whether a `FakeTensorMode` is active on this thread."""
+    return torch._guards.detect_fake_mode() is not None
+
+
+def model_class(config: Any) -> Any:
+    """The Hugging Face class `build_model` builds for a config."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None and name.endswith(LM_HEAD_SUFFIXES):
+            return cls
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return AutoModelForMaskedLM
+    raise UserError(f"model type '{config.model_type}' has no causal or masked language-model class in transformers")
+
+
+def instantiate(cls: Any, config: Any, **kwargs: Any) -> nn.Module:
+    """`cls` built from `config` (Auto classes via `from_config`, concrete ones `_from_config`)."""
+    if cls.__name__.startswith("AutoModel"):
+        return cls.from_config(config, **kwargs)
+    return cls._from_config(config, **kwargs)
+
+
+def is_masked_lm(model_or_config: Any) -> bool:
+    """True for BERT-style models trained with a masked-LM loss."""
+    if isinstance(model_or_config, nn.Module):
+        names = [cls.__name__ for cls in type(_base_model(model_or_config)).__mro__]
+        return any(name.endswith("ForMaskedLM") for name in names)
+    cls = model_class(model_or_config)
+    return getattr(cls, "__name__", "").endswith("ForMaskedLM")
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def max_positions(config: Any) -> int | None:
+    """Longest sequence the config's position encoding covers (None when unbounded)."""
+    value = getattr(config, "max_position_embeddings", None)
+    if value is None:
+        return None
+    if getattr(config, "model_type", "") == "roberta":
+        return value - (config.pad_token_id + 1)  # positions start after padding_idx
+    return int(value)
+
+
+def sequence_length(setup: TrainingSetup, model_or_config: Any) -> int:
+    """The setup's sequence length, resolving `seq=None` to min(max positions, 1024)."""
+    if setup.seq is not None:
+        return setup.seq
+    config = getattr(model_or_config, "config", model_or_config)
+    limit = max_positions(config) if config is not None else None
+    return DEFAULT_MAX_SEQ if limit is None else min(limit, DEFAULT_MAX_SEQ)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_model(spec: Any, setup: TrainingSetup, device: str = "cpu") -> nn.Module:
+    """Build the model a spec names, ready for one training step of `setup`.
+
+    `spec` is a registry name, a config.json path, `package.module:factory`, a
+    `PretrainedConfig` or a `FactorySpec`. Works on real tensors and inside
+    `FakeTensorMode` (on fake `cpu` or fake `cuda`). Raises `UserError` for impossible
+    setups (sequence longer than the model allows, LoRA targets that match nothing, ...).
+    """
+    setup.check()
+    if isinstance(spec, str):
+        spec = load_config(spec)
+    skip_init = is_fake_mode_active() or torch.device(device).type == "meta"
+    init = contextlib.nullcontext() if skip_init else _seeded(setup.seed)
+    with init:
+        if isinstance(spec, FactorySpec):
+            model = _build_from_factory(spec, setup, device)
+        else:
+            model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
+        _check_sequence(model, setup)
+        model.train()
+        _apply_checkpointing(model, setup)
+        if setup.lora_rank > 0:
+            model = _apply_lora(model, setup)
+    model.memplan_attention = setup.attn
+    return model
+
+
+def _build_from_config(config: Any, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:
+    from transformers.initialization import no_init_weights
+
+    cls = model_class(config)
+    config.use_cache = False
+    dtype = TORCH_DTYPES[setup.dtype]
+    wanted = "eager" if setup.attn == "eager" else "sdpa"
+    no_init = no_init_weights() if skip_init else contextlib.nullcontext()
+    with torch.device(device), no_init:
+        try:
+            model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)
+        except ValueError as exc:
+            if wanted != "sdpa":
+                raise UserError(f"cannot build {config.model_type}: {str(exc).splitlines()[0]}") from exc
+            wanted = "eager"  # this family has no SDPA path in transformers (e.g. BLOOM)
+            try:
+                model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)
+            except ValueError as exc2:
+                raise UserError(f"cannot build {config.model_type}: {str(exc2).splitlines()[0]}") from exc2
+    model.memplan_attn_implementation = wanted
+    return model
+
+
+def _build_from_factory(spec: FactorySpec, setup: TrainingSetup, device: str) -> nn.Module:
+    factory = spec.resolve()
+    try:
+        takes_setup = len(inspect.signature(factory).parameters) >= 1
+    except (TypeError, ValueError):
+        takes_setup = False
+    with torch.device(device):
+        model = factory(setup) if takes_setup else factory()
+    if not isinstance(model, nn.Module):
+        raise UserError(f"factory '{spec.spec}' returned {type(model).__name__}, not a torch.nn.Module")
+    model.to(device=device, dtype=TORCH_DTYPES[setup.dtype])
+    model.memplan_attn_implementation = "model"
+    return model
+
+
+def _check_sequence(model: nn.Module, setup: TrainingSetup) -> None:
+    config = getattr(model, "config", None)
+    seq = sequence_length(setup, model)
+    limit = max_positions(config) if config is not None else None
+    if limit is None or seq <= limit:
+        return
+    learned = [name for name, module in model.named_modules()
+               if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_MODULES]
+    if not setup.allow_long_seq or learned:
+        why = ("its learned position table ends there" if learned
+               else "pass allow_long_seq=True to run past it anyway")
+        raise UserError(f"sequence length {seq} exceeds the model's maximum of {limit} positions ({why}); use --seq {limit} or less")
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks: the longest `ModuleList` of same-class modules."""
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(child) for child in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
+    if best is None:
+        raise UserError(f"{type(model).__name__} has no repeated blocks (nn.ModuleList) to checkpoint")
+    return best
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Make `module` recompute its forward in backward (non-reentrant checkpoint)."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module.memplan_checkpointed = True
+
+
+def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
+    if setup.checkpointing == "none":
+        return
+    if setup.checkpointing == "full":
+        if getattr(model, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            for block in transformer_blocks(model):
+                _checkpoint_forward(block)
+        return
+    attention = []
+    for block in transformer_blocks(model):
+        found = [child for child in block.children() if "attention" in type(child).__name__.lower()]
+        if not found:
+            raise UserError(f"selective checkpointing: block {type(block).__name__} has no attention submodule")
+        attention.extend(found)
+    for module in attention:
+        _checkpoint_forward(module)
+
+
+def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
+    """Module-name suffixes LoRA adapts: the setup's, else peft's default for the family."""
+    if setup.lora_targets:
+        return list(setup.lora_targets)
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    targets = defaults.get(model_type) or EXTRA_LORA_TARGETS.get(model_type)
+    if not targets:
+        raise UserError(f"no default LoRA targets for model type '{model_type}': set TrainingSetup.lora_targets")
+    return list(targets)
+
+
+def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, setup)
+    names = [name for name, _ in model.named_modules()]
+    if not any(name == t or name.endswith("." + t) for name in names for t in targets):
+        raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
+    config = LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank, lora_dropout=0.0,
+                        target_modules=targets, bias="none")
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError(f"LoRA: {str(exc).splitlines()[0]}") from exc
+    peft_model.memplan_attn_implementation = getattr(model, "memplan_attn_implementation", None)
+    return peft_model
+
+
+def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None = None) -> torch.optim.Optimizer:
+    """The setup's optimizer over the model's trainable parameters.
+
+    `device` is the device the step is meant for (default: the parameters' device); it
+    decides the default implementation (foreach on CUDA, loop elsewhere), so a trace on
+    fake cpu of a CUDA job can pass `device="cuda"`. Hyper-parameters are PyTorch's
+    defaults (SGD without momentum, so it has no state) except the learning rate, 1e-4.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters")
+    impl = setup.resolved_optimizer_impl(device or params[0].device.type)
+    kwargs: dict[str, Any] = {"foreach": impl == "foreach"}
+    if impl == "fused":
+        kwargs = {"fused": True}
+    lr = 1e-4
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, **kwargs)
+    if setup.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, **kwargs)
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, **kwargs)
+    if impl == "fused":
+        raise UserError("torch.optim.Adafactor has no fused implementation: use foreach or loop")
+    return torch.optim.Adafactor(params, lr=lr, **kwargs)
+
+
+def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """One micro-batch (`setup.batch` x sequence length) that makes the model return a loss.
+
+    Causal LMs get `input_ids` and `labels` (the model shifts labels itself); masked LMs
+    get `labels` that ask for 15% of the tokens and ignore the rest (-100). No attention
+    mask: every token is real, so SDPA can take its causal fast path. A factory model with
+    a `make_batch(setup, device, seed)` method supplies its own batch. Works inside
+    `FakeTensorMode` (the values are then meaningless, the shapes are right).
+    """
+    own = getattr(model_or_config, "make_batch", None)
+    if isinstance(model_or_config, nn.Module) and callable(own):
+        return own(setup, device, seed)
+    config = getattr(model_or_config, "config", model_or_config)
+    if isinstance(model_or_config, str):
+        config = load_config(model_or_config)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise UserError("cannot make a batch: the model has no config.vocab_size and no make_batch(setup, device, seed) method")
+    seq = sequence_length(setup, config)
+    shape = (setup.batch, seq)
+    masked = is_masked_lm(model_or_config) if isinstance(model_or_config, nn.Module) or hasattr(config, "model_type") else False
+    if is_fake_mode_active():
+        # Values do not matter; make them straight on the (fake) device, since a fake
+        # copy from cpu to cuda fails on a CPU-only build.
+        input_ids = torch.randint(0, vocab, shape, device=device)
+        chosen = torch.rand(shape, device=device) < MLM_PROBABILITY if masked else None
+    else:  # seeded on the CPU so every device gets the same tokens
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab, shape, generator=generator).to(device)
+        chosen = (torch.rand(shape, generator=generator) < MLM_PROBABILITY).to(device) if masked else None
+    if chosen is None:
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Run `model(**batch)` and return its scalar loss (`.loss`, `["loss"]` or a tensor)."""
+    output = model(**batch)
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None:
+        raise UserError(f"{type(model).__name__}.forward returned {type(output).__name__} with no loss")
+    return loss
+
+
+def autocast(setup: TrainingSetup, device: str = "cpu") -> contextlib.AbstractContextManager:
+    """`torch.autocast` for the setup's autocast dtype, or a no-op for `autocast="none"`."""
+    if setup.autocast == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast])

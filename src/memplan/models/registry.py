@@ -1,0 +1,244 @@
+"""The model registry: public model configs shipped as JSON, user configs, user factories.
+
+A model is named in one of three ways, all resolved by `load_config`:
+
+- a registry name (`gpt2`, `llama-2-70b`, ...): one of the Hugging Face `config.json` files
+  shipped in `memplan/models/configs/`, written from the published configs of those models.
+  Each carries a `_memplan` block with its Hub id and published parameter count, which
+  the tests check against the model built from the config (on the meta device);
+- a path to a local Hugging Face `config.json`;
+- `package.module:factory`, a user function that returns an `nn.Module` (see `FactorySpec`).
+
+`tiny_config` scales any config down to the same architecture at toy size, for tests and
+real CPU runs. Assumes transformers >= 4.45 (tested on 5.x), where `AutoConfig.for_model`
+accepts both the old `torch_dtype`/`rope_scaling` keys and their newer spellings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import UserError
+
+CONFIG_PACKAGE = "memplan.models.configs"
+PROVENANCE_KEY = "_memplan"
+
+# Toy sizes used by `tiny_config`.
+TINY_LAYERS = 2
+TINY_HIDDEN = 64
+TINY_HEADS = 4
+TINY_KV_HEADS = 2
+TINY_VOCAB = 512
+TINY_MAX_POSITIONS = 256
+TINY_EXPERTS = 4
+TINY_EXPERTS_PER_TOKEN = 2
+TINY_SLIDING_WINDOW = 128
+
+
+@dataclass(frozen=True)
+class FactorySpec:
+    """A model given as `package.module:factory`.
+
+    The factory is called with no arguments, or with the `TrainingSetup` when it takes one
+    parameter, and returns an `nn.Module` whose `forward(**batch)` returns an object with
+    `.loss`, a dict with `"loss"`, or a loss tensor. If the module has a
+    `make_batch(setup, device, seed)` method, `make_batch` uses it; otherwise the module must
+    have a `config` with `vocab_size` (and optionally `max_position_embeddings`), and gets
+    causal-LM `input_ids` + `labels`.
+    """
+
+    module: str
+    attribute: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.module}:{self.attribute}"
+
+    def resolve(self) -> Any:
+        """Import the module and return the factory callable."""
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as exc:
+            raise UserError(f"cannot import module '{self.module}' for model '{self.spec}': {exc}") from exc
+        factory = getattr(module, self.attribute, None)
+        if factory is None or not callable(factory):
+            raise UserError(f"module '{self.module}' has no callable '{self.attribute}' (model '{self.spec}')")
+        return factory
+
+
+def list_models() -> list[str]:
+    """Names of the shipped model configs, sorted."""
+    root = resources.files(CONFIG_PACKAGE)
+    return sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def _read_json(path: Path | Any, label: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read model config {label}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"model config {label} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"model config {label} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def registry_entry(name: str) -> dict[str, Any]:
+    """The raw shipped JSON of a registry model, provenance block included."""
+    if name not in list_models():
+        raise UserError(_unknown_model_message(name))
+    return _read_json(resources.files(CONFIG_PACKAGE) / f"{name}.json", f"'{name}'")
+
+
+def provenance(name: str) -> dict[str, Any]:
+    """`{"hf_id", "parameters", "parameters_source"}` of a registry model."""
+    return dict(registry_entry(name)[PROVENANCE_KEY])
+
+
+def _unknown_model_message(spec: str) -> str:
+    names = list_models()
+    close = difflib.get_close_matches(spec.lower(), names, n=4, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return (
+        f"unknown model '{spec}': {hint}give a registry name (see `memplan trace --list-models`"
+        f" or memplan.models.list_models()), a path to a config.json, or package.module:factory"
+    )
+
+
+def config_from_dict(data: dict[str, Any], label: str) -> Any:
+    """A `PretrainedConfig` of the class its `model_type` names."""
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in data.items() if k != PROVENANCE_KEY}
+    model_type = data.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise UserError(f"model config {label} has no 'model_type' field")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except ValueError as exc:
+        raise UserError(f"model config {label}: {str(exc).splitlines()[0]}") from exc
+    except (TypeError, KeyError) as exc:
+        raise UserError(f"model config {label} is invalid: {exc}") from exc
+
+
+def load_config(spec: str) -> Any:
+    """Resolve a model spec to a `transformers.PretrainedConfig`, or a `FactorySpec`.
+
+    `spec` is a registry name, a path to a local HF `config.json` (or a directory holding
+    one), or `package.module:factory`. Unknown names raise `UserError` with close matches.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise UserError("a model is required: a registry name, a config.json path or package.module:factory")
+    if spec in list_models():
+        return config_from_dict(registry_entry(spec), f"'{spec}'")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists() or "/" in spec or "\\" in spec:
+        if not path.exists():
+            raise UserError(f"model config file {path} does not exist")
+        return config_from_dict(_read_json(path, str(path)), str(path))
+    if ":" in spec:
+        module, _, attribute = spec.partition(":")
+        if module and attribute.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+            return FactorySpec(module, attribute)
+    raise UserError(_unknown_model_message(spec))
+
+
+def _as_config(spec: Any) -> Any:
+    if isinstance(spec, str):
+        spec = load_config(spec)
+    if isinstance(spec, FactorySpec):
+        raise UserError(f"model '{spec.spec}' is a factory: it has no config to scale or count from")
+    return spec
+
+
+def tiny_config(spec: Any, **overrides: Any) -> Any:
+    """The same architecture as `spec` at toy size, for tests and real CPU runs.
+
+    2 layers, hidden 64, 4 heads (head dim 16), 2 KV heads when the model has grouped-query
+    attention (1 when it has multi-query attention), vocab 512, 256 positions, the
+    feed-forward width keeping the model's ratio to hidden, 4 experts top-2 for MoE, a
+    128-token sliding window where the model has one. `overrides` are set last (config
+    attribute names, e.g. `num_hidden_layers=4`).
+    """
+    config = _as_config(spec)
+    data = config.to_dict()
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    ffn_key = next((k for k in ("intermediate_size", "ffn_dim", "n_inner") if data.get(k)), None)
+    new: dict[str, Any] = {
+        "num_hidden_layers": TINY_LAYERS,
+        "hidden_size": TINY_HIDDEN,
+        "num_attention_heads": TINY_HEADS,
+        "vocab_size": TINY_VOCAB,
+    }
+    if "num_key_value_heads" in data:
+        new["num_key_value_heads"] = TINY_HEADS if kv_heads == heads else (1 if kv_heads == 1 else TINY_KV_HEADS)
+    if data.get("head_dim") is not None:
+        new["head_dim"] = TINY_HIDDEN // TINY_HEADS
+    if ffn_key is not None:
+        ratio = data[ffn_key] / hidden
+        new[ffn_key] = max(8, int(round(ratio * TINY_HIDDEN / 8)) * 8)
+    if "word_embed_proj_dim" in data:  # OPT-350m projects embeddings to a narrower width
+        narrower = data["word_embed_proj_dim"] != hidden
+        new["word_embed_proj_dim"] = TINY_HIDDEN // 2 if narrower else TINY_HIDDEN
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None:
+        # RoBERTa reserves padding_idx + 1 position slots before the first token.
+        reserved = max_positions - 512 if max_positions in (514, 1026) else 0
+        new["max_position_embeddings"] = TINY_MAX_POSITIONS + reserved
+    if data.get("n_ctx") is not None:
+        new["n_ctx"] = TINY_MAX_POSITIONS
+    if data.get("original_max_position_embeddings") is not None and "rope_scaling" not in data:
+        new["original_max_position_embeddings"] = TINY_MAX_POSITIONS
+    if data.get("sliding_window") is not None:
+        new["sliding_window"] = TINY_SLIDING_WINDOW
+    if data.get("max_window_layers") is not None:
+        new["max_window_layers"] = TINY_LAYERS
+    if isinstance(data.get("layer_types"), list):  # per-layer attention kinds, in order
+        new["layer_types"] = data["layer_types"][:TINY_LAYERS]
+    if data.get("num_local_experts"):
+        new["num_local_experts"] = TINY_EXPERTS
+        new["num_experts_per_tok"] = min(TINY_EXPERTS_PER_TOKEN, data.get("num_experts_per_tok") or 2)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        value = data.get(key)
+        if isinstance(value, int) and value >= TINY_VOCAB:
+            new[key] = TINY_VOCAB - 1
+        elif isinstance(value, list):
+            new[key] = [v if v < TINY_VOCAB else TINY_VOCAB - 1 for v in value]
+    tiny = config.__class__.from_dict({**data, **_canonical_keys(config, new)})
+    for key, value in overrides.items():
+        setattr(tiny, key, value)
+    return tiny
+
+
+def _canonical_keys(config: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Map generic names (hidden_size) to the class's own keys (n_embd) for `from_dict`."""
+    attribute_map = getattr(config, "attribute_map", {}) or {}
+    return {attribute_map.get(k, k): v for k, v in values.items()}
+
+
+def count_parameters(spec: Any) -> int:
+    """Number of parameters of the model a spec builds (tied weights counted once).
+
+    Builds on the meta device: no memory, a fraction of a second even for 70B models.
+    """
+    import torch
+
+    from memplan.models.build import instantiate, model_class
+
+    config = _as_config(spec)
+    with torch.device("meta"):
+        model = instantiate(model_class(config), config)
+    return sum(p.numel() for p in model.parameters())
