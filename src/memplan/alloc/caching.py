@@ -18,6 +18,9 @@ its fallback):
     allocator.num_cuda_malloc, allocator.num_cuda_free, allocator.segments, allocator.max_segments
     allocator.segment_map()                    # the memory as PyTorch's snapshot shows it
 
+A returned `Block` is the allocator's own record: read `addr` and `size` at once,
+because after later frees the same object may describe a merged free block.
+
 Assumptions, where a trace cannot say what the GPU did:
 - cudaMalloc succeeds while reserved + the segment size <= `capacity` (no CUDA
   context, no other process, no driver granularity); `capacity=None` is unlimited.
