@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from memplan.alloc import AllocConf, CachingAllocator, OutOfMemory, allocation_size, simulate
+from memplan.errors import UserError
 from memplan.trace import ALLOC, FREE, from_events
 
 MiB = 1 << 20
@@ -275,3 +276,21 @@ def test_zero_byte_buffers_never_reach_the_allocator() -> None:
     trace = trace_of([("a", 0), ("f", 0)], [0])
     result = simulate(trace, "caching")
     assert result.peak_reserved_bytes == 0 and result.num_cuda_malloc == 0
+
+
+def test_cpu_buffers_are_left_out_of_the_device_allocator() -> None:
+    trace = trace_of([("a", 0), ("a", 1), ("f", 0), ("f", 1)], [1000, 5 * MiB])
+    trace.devices = ["cpu", "cuda:0"]
+    trace.buffers["device"] = np.array([0, 1], np.int16)
+    result = simulate(trace, "caching")
+    assert result.peak_requested_bytes == 5 * MiB and result.peak_reserved_bytes == 20 * MiB
+    assert result.events_replayed == 4  # event numbers are kept
+
+
+def test_several_devices_need_a_choice() -> None:
+    trace = trace_of([("a", 0), ("a", 1)], [1000, 5 * MiB])
+    trace.devices = ["cuda:0", "cuda:1"]
+    trace.buffers["device"] = np.array([0, 1], np.int16)
+    with pytest.raises(UserError, match="--device"):
+        simulate(trace, "caching")
+    assert simulate(trace, "caching", device="cuda:1").peak_reserved_bytes == 20 * MiB

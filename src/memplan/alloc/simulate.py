@@ -43,13 +43,16 @@ def simulate(
     *,
     memory_fraction: float | None = None,
     segment_map: bool = True,
+    device: str | None = None,
 ) -> SimResult:
     """Replay `trace` through `allocator` and return its statistics (see SimResult).
 
     `capacity` is the device memory in bytes (None: unlimited); `memory_fraction`
     limits the allocator to that share of it, as
     `torch.cuda.set_per_process_memory_fraction` does (and turns on the garbage
-    collection of `garbage_collection_threshold`).
+    collection of `garbage_collection_threshold`). An allocator serves one device:
+    buffers on other devices (and on `cpu`) are left out, keeping the event numbers;
+    `device` picks it (by name, e.g. "cuda:0") when the trace has several.
     """
     if allocator not in ALLOCATORS:
         raise UserError(f"unknown allocator {allocator!r}: choose one of {', '.join(ALLOCATORS)}")
@@ -61,6 +64,7 @@ def simulate(
         if not 0.0 <= memory_fraction <= 1.0:
             raise UserError(f"memory fraction {memory_fraction} must be between 0 and 1")
     conf = alloc_conf if isinstance(alloc_conf, AllocConf) else AllocConf.parse(alloc_conf)
+    trace = device_view(trace, device)
     if allocator == "planned":
         if plan is None:
             raise UserError("the planned allocator needs a plan: pass --plan FILE (from `memplan plan`)")
@@ -76,6 +80,32 @@ def simulate(
                                   segment_map=segment_map, name=allocator)
     check_replay(trace, result)
     return result
+
+
+def device_view(trace: Trace, device: str | None = None) -> Trace:
+    """The trace with buffers of every other device (cpu included) given zero bytes.
+
+    With one non-cpu device (or none) and no `device` asked for, the trace itself.
+    """
+    names = trace.devices
+    used = sorted({names[int(i)] for i in np.unique(trace.buffers["device"])}) if trace.num_buffers else []
+    if device is None:
+        accelerators = [name for name in used if name != "cpu"]
+        if len(accelerators) > 1:
+            raise UserError(f"the trace has buffers on {', '.join(accelerators)}: pick one with --device")
+        if not accelerators or len(used) == 1:
+            return trace
+        device = accelerators[0]
+    if device not in names:
+        raise UserError(f"device {device!r} is not in the trace (it has {', '.join(used) or 'no buffers'})")
+    keep = trace.buffers["device"] == names.index(device)
+    if bool(keep.all()):
+        return trace
+    buffers = dict(trace.buffers)
+    buffers["nbytes"] = np.where(keep, trace.buffers["nbytes"], 0)
+    return Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr,
+                 op_names=trace.op_names, modules=trace.modules, devices=trace.devices,
+                 meta=trace.meta)
 
 
 def simulate_ideal(trace: Trace, capacity: int | None = None,
