@@ -168,6 +168,13 @@ def _build_from_config(config: Any, setup: TrainingSetup, device: str, skip_init
     dtype = TORCH_DTYPES[setup.dtype]
     wanted = "eager" if setup.attn == "eager" else "sdpa"
     no_init = no_init_weights() if skip_init else contextlib.nullcontext()
+    if skip_init and getattr(config, "num_local_experts", None) and setup.dtype == "fp32" and setup.autocast == "none":
+        # transformers' MoE kernel, torch._grouped_mm, has bf16-only meta (and CUDA)
+        # kernels, and the per-expert loop routes tokens with data-dependent shapes
+        raise UserError(
+            "an fp32 mixture-of-experts step cannot be traced on fake tensors (grouped_mm "
+            "is bf16-only on GPUs and in PyTorch's meta kernels): use --dtype bf16, or --real"
+        )
     with torch.device(device), no_init:
         try:
             model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)
@@ -179,6 +186,10 @@ def _build_from_config(config: Any, setup: TrainingSetup, device: str, skip_init
                 model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)
             except ValueError as exc2:
                 raise UserError(f"cannot build {config.model_type}: {str(exc2).splitlines()[0]}") from exc2
+    if skip_init:
+        # no_init_weights also skips tying: tie input and output embeddings as the real
+        # build does, or a fake model counts a tied lm_head twice
+        model.tie_weights()
     model.memplan_attn_implementation = wanted
     return model
 
@@ -285,12 +296,30 @@ def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
         raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
     config = LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank, lora_dropout=0.0,
                         target_modules=targets, bias="none")
+    fake = is_fake_mode_active()
+    # Under FakeTensorMode, `Module.to` on fake parameters fails (torch swaps fake
+    # parameters and the swap refuses tensors with weak references), and peft moves every
+    # new adapter with `.to` unless it is on the meta device. So the adapters are made on
+    # meta and then given fake storage on the model's device.
+    device = next(model.parameters()).device
     try:
-        peft_model = get_peft_model(model, config)
+        with torch.device("meta") if fake else contextlib.nullcontext():
+            peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"LoRA: {str(exc).splitlines()[0]}") from exc
+    if fake:
+        _materialize_meta_parameters(peft_model, device)
     peft_model.memplan_attn_implementation = getattr(model, "memplan_attn_implementation", None)
     return peft_model
+
+
+def _materialize_meta_parameters(model: nn.Module, device: torch.device) -> None:
+    """Give meta parameters (fresh, untied LoRA adapters) storage on `device`."""
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and param.device.type == "meta":
+                storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[key] = nn.Parameter(storage, requires_grad=param.requires_grad)
 
 
 def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None = None) -> torch.optim.Optimizer:

@@ -1,0 +1,108 @@
+"""TrainingSetup: defaults, validation, command-line flags, metadata round trip."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from memplan.errors import UserError
+from memplan.models import TrainingSetup, add_setup_flags, setup_from_args
+from memplan.models.setup import (
+    ATTENTIONS,
+    AUTOCASTS,
+    CHECKPOINTINGS,
+    DTYPES,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+)
+
+
+def parse(argv: list[str]) -> TrainingSetup:
+    parser = argparse.ArgumentParser()
+    add_setup_flags(parser)
+    return setup_from_args(parser.parse_args(argv))
+
+
+def test_defaults_are_what_pytorch_and_hf_do_unasked():
+    setup = TrainingSetup()
+    assert (setup.batch, setup.seq, setup.grad_accum) == (1, None, 1)
+    assert (setup.dtype, setup.autocast) == ("fp32", "none")
+    assert (setup.optimizer, setup.optimizer_impl) == ("adamw", None)
+    assert (setup.checkpointing, setup.lora_rank, setup.attn) == ("none", 0, "sdpa")
+
+
+def test_no_flags_give_the_dataclass_defaults():
+    assert parse([]) == TrainingSetup()
+
+
+def test_every_flag_parses_into_the_setup():
+    setup = parse(["--batch", "4", "--seq", "2048", "--dtype", "bf16", "--autocast", "fp16",
+                   "--optimizer", "adafactor", "--optimizer-impl", "foreach",
+                   "--checkpointing", "selective", "--lora-rank", "8", "--grad-accum", "3",
+                   "--attn", "flash"])
+    assert setup == TrainingSetup(batch=4, seq=2048, dtype="bf16", autocast="fp16",
+                                  optimizer="adafactor", optimizer_impl="foreach",
+                                  checkpointing="selective", lora_rank=8, grad_accum=3, attn="flash")
+
+
+def test_a_flag_value_outside_its_choices_exits_with_a_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        parse(["--dtype", "fp8"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--grad-accum", "0"], ["--seq", "-5"],
+                                  ["--lora-rank", "-1"]])
+def test_impossible_numbers_are_user_errors(argv):
+    with pytest.raises(UserError, match=">="):
+        parse(argv)
+
+
+def test_fused_adafactor_is_a_user_error():
+    with pytest.raises(UserError, match="Adafactor has no fused"):
+        TrainingSetup(optimizer="adafactor", optimizer_impl="fused")
+
+
+def test_unknown_dtype_is_a_user_error():
+    with pytest.raises(UserError, match="dtype must be one of fp32, bf16, fp16"):
+        TrainingSetup(dtype="float32")
+
+
+def test_optimizer_impl_defaults_to_foreach_on_cuda_and_loop_elsewhere():
+    setup = TrainingSetup()
+    assert setup.resolved_optimizer_impl("cuda") == "foreach"
+    assert setup.resolved_optimizer_impl("cuda:3") == "foreach"
+    assert setup.resolved_optimizer_impl("cpu") == "loop"
+    assert TrainingSetup(optimizer_impl="fused").resolved_optimizer_impl("cpu") == "fused"
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(UserError, match="unknown training setup field.*bacth"):
+        TrainingSetup.from_dict({"bacth": 2})
+
+
+setups = st.builds(
+    TrainingSetup,
+    batch=st.integers(1, 64),
+    seq=st.none() | st.integers(1, 1 << 17),
+    dtype=st.sampled_from(DTYPES),
+    autocast=st.sampled_from(AUTOCASTS),
+    optimizer=st.sampled_from([o for o in OPTIMIZERS if o != "adafactor"]),
+    optimizer_impl=st.none() | st.sampled_from(OPTIMIZER_IMPLS),
+    checkpointing=st.sampled_from(CHECKPOINTINGS),
+    lora_rank=st.integers(0, 64),
+    grad_accum=st.integers(1, 16),
+    attn=st.sampled_from(ATTENTIONS),
+    allow_long_seq=st.booleans(),
+    lora_targets=st.none() | st.lists(st.sampled_from(["q_proj", "v_proj", "c_attn"]), min_size=1).map(tuple),
+)
+
+
+@given(setups)
+def test_to_dict_and_from_dict_round_trip(setup):
+    import json
+
+    assert TrainingSetup.from_dict(json.loads(json.dumps(setup.to_dict()))) == setup
