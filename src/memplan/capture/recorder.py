@@ -263,6 +263,9 @@ class Recorder(TorchDispatchMode):
     # --- the dispatch mode -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func.namespace == "prim":
+            # metadata queries (prim.device, prim.layout) allocate nothing and are not ops
+            return func(*args, **kwargs)
         op = len(self._op_name)
         in_tensors = _tensors((args, kwargs))
         inputs = [self.buffer_of(t, op=op) for t in in_tensors]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,45 +26,23 @@ import torch
 from memplan.errors import UserError
 from memplan.trace.model import Trace
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss tensor of a model output: `.loss`, `["loss"]`, or the tensor itself."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise UserError(
-            "the model's forward returned no loss: give it labels, or return a loss tensor "
-            "(or an object with .loss) from the factory model"
-        )
-    return loss
-
 
 def make_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[dict[str, torch.Tensor]],
-    *,
-    autocast: str = "none",
-    device_type: str = "cpu",
+    setup: Any,
+    device: str,
 ) -> Any:
     """The training step closure for `capture`: micro-batches, backward, optimizer."""
+    from memplan.models import autocast, forward_loss
+
     accum = len(batches)
-    dtype = _AUTOCAST_DTYPES.get(autocast)
 
     def step() -> None:
         for batch in batches:
-            ctx = (
-                torch.autocast(device_type=device_type, dtype=dtype)
-                if dtype is not None
-                else contextlib.nullcontext()
-            )
-            with ctx:
-                loss = loss_of(model(**batch))
+            with autocast(setup, device):
+                loss = forward_loss(model, batch)
                 if accum > 1:
                     loss = loss / accum
             loss.backward()
@@ -73,8 +53,48 @@ def make_step(
     return step
 
 
+@dataclass
+class TrainingStep:
+    """A built training step: the model, its optimizer, the micro-batches and `run()`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: list[dict[str, torch.Tensor]]
+    run: Callable[[], None]
+    meta: dict[str, Any]
+
+
+def build_training_step(model_spec: Any, setup: Any = None, *, device: str = "cpu") -> TrainingStep:
+    """Build model, optimizer and batches for `setup` on `device` under the current mode.
+
+    Call it inside a `FakeTensorMode` for a fake step (then `device` may be "cuda").
+    """
+    from memplan import models
+
+    setup = setup if setup is not None else models.TrainingSetup()
+    config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
+    start = time.perf_counter()
+    if not models.is_fake_mode_active():
+        torch.manual_seed(setup.seed)
+    model = models.build_model(config, setup, device=device)
+    optimizer = models.build_optimizer(model, setup)
+    batches = [
+        models.make_batch(model, setup, device=device, seed=setup.seed + mb)
+        for mb in range(setup.grad_accum)
+    ]
+    meta = {
+        "model": model_spec if isinstance(model_spec, str) else type(model).__name__,
+        "setup": setup.to_dict(),
+        "device": device,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+        "build_s": round(time.perf_counter() - start, 3),
+    }
+    return TrainingStep(model, optimizer, batches, make_step(model, optimizer, batches, setup, device), meta)
+
+
 def training_step_capture(
-    model_spec: str,
+    model_spec: Any,
     setup: Any = None,
     *,
     fake: bool = True,
@@ -86,49 +106,20 @@ def training_step_capture(
     """Build `model_spec` under `setup` and capture `iterations` steps after `warmup`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan import models
     from memplan.capture import capture
 
-    setup = setup if setup is not None else models.TrainingSetup()
     if not fake and device != "cpu":
         raise UserError(f"a real (non-fake) capture runs on this machine's cpu, not {device!r}")
-    config = models.load_config(model_spec)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    start = time.perf_counter()
     with mode:
-        if not fake:
-            torch.manual_seed(0)
-        model = models.build_model(config, setup, device=device)
-        optimizer = models.build_optimizer(model, setup)
-        batches = [
-            models.make_batch(model, setup, device=device, seed=mb) for mb in range(setup.grad_accum)
-        ]
-        build_s = time.perf_counter() - start
-        step = make_step(
-            model,
-            optimizer,
-            batches,
-            autocast=setup.autocast,
-            device_type=torch.device(device).type,
-        )
-        meta = {
-            "model": model_spec,
-            "setup": setup.to_dict(),
-            "fake": fake,
-            "device": device,
-            "parameters": int(sum(p.numel() for p in model.parameters())),
-            "trainable_parameters": int(
-                sum(p.numel() for p in model.parameters() if p.requires_grad)
-            ),
-            "build_s": round(build_s, 3),
-        }
+        step = build_training_step(model_spec, setup, device=device)
         return capture(
-            step,
-            model=model,
-            optimizer=optimizer,
+            step.run,
+            model=step.model,
+            optimizer=step.optimizer,
             iterations=iterations,
             warmup=warmup,
-            meta=meta,
+            meta={**step.meta, "fake": fake},
             record_flops=record_flops,
-            inputs=batches,
+            inputs=step.batches,
         )

@@ -1,0 +1,31 @@
+"""Ground truth for real CPU runs: torch.profiler's memory timeline.
+
+`profiler_peak_bytes(step_fn)` runs the step once under
+`torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True)`
+and returns the peak of the total of `MemoryProfileTimeline` (every category,
+pre-existing tensors included) on the device, which is what
+`prof.export_memory_timeline` plots. memplan's captures are tested against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> int:
+    """Peak bytes of the profiler's memory timeline over one call of `step_fn`."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step_fn(*args, **kwargs)
+    timeline = MemoryProfileTimeline(prof._memory_profile())
+    _times, sizes = timeline._coalesce_timeline(torch.device(device))
+    totals = np.asarray(sizes, dtype=np.int64).sum(axis=1)
+    return int(totals.max()) if totals.size else 0
