@@ -338,3 +338,21 @@ def test_factory_returning_a_non_module_is_a_user_error(factory_module):
 def test_factory_in_a_missing_module_is_a_user_error():
     with pytest.raises(UserError, match="cannot import module 'no_such_memplan_module'"):
         build_model("no_such_memplan_module:factory", TrainingSetup())
+
+
+@pytest.mark.parametrize("impl", ["foreach", "loop"])
+def test_adafactor_steps_under_fake_tensors_with_the_real_state(impl):
+    setup = TrainingSetup(optimizer="adafactor", optimizer_impl=impl, batch=1, seq=16)
+
+    def state_after_step():
+        model = build_model(tiny_config("llama-2-7b"), setup)
+        optimizer = build_optimizer(model, setup)
+        forward_loss(model, make_batch(model, setup)).backward()
+        optimizer.step()
+        return [(k, tuple(v.shape), v.dtype) for state in optimizer.state.values()
+                for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+
+    real = state_after_step()
+    with FakeTensorMode():
+        fake = state_after_step()
+    assert fake == real and len(real) > 0

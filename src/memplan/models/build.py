@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import UserError
 from memplan.models.registry import FactorySpec, load_config
@@ -346,7 +347,33 @@ def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None =
         return torch.optim.SGD(params, lr=lr, **kwargs)
     if impl == "fused":
         raise UserError("torch.optim.Adafactor has no fused implementation: use foreach or loop")
-    return torch.optim.Adafactor(params, lr=lr, **kwargs)
+    return FakeTensorSafeAdafactor(params, lr=lr, **kwargs)
+
+
+class _ScalarReadsAsOne(TorchDispatchMode):
+    """Answer `tensor.item()` with 1 where the value cannot exist (fake tensors)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+        return func(*args, **(kwargs or {}))
+
+
+class FakeTensorSafeAdafactor(torch.optim.Adafactor):
+    """`torch.optim.Adafactor` that also steps under `FakeTensorMode`.
+
+    Adafactor reads scalars back from tensors (`step.item()`, `param.norm().item()`) to
+    scale its update; fake tensors have no values, so under fake tensors those reads
+    return 1. They only set the update's magnitude, never a shape or an allocation, so the
+    step allocates exactly what the real one does. On real tensors it is plain Adafactor.
+    """
+
+    def step(self, closure: Any = None) -> Any:
+        if not is_fake_mode_active():
+            return super().step(closure)
+        with _ScalarReadsAsOne():
+            return super().step(closure)
 
 
 def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:

@@ -109,8 +109,8 @@ def _unknown_model_message(spec: str) -> str:
     close = difflib.get_close_matches(spec.lower(), names, n=4, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     return (
-        f"unknown model '{spec}': {hint}give a registry name (see `memplan trace --list-models`"
-        f" or memplan.models.list_models()), a path to a config.json, or package.module:factory"
+        f"unknown model '{spec}': {hint}give a registry name ({', '.join(names)}),"
+        f" a path to a config.json, or package.module:factory"
     )
 
 
