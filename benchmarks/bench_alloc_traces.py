@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         f"<!-- bench:{BENCH} -->",
         "### Allocators on captured training steps",
         "",
-        "Command: `.venv/bin/python benchmarks/bench_alloc_traces.py`",
+        f"Command: `.venv/bin/python benchmarks/bench_alloc_traces.py --device {args.device}`",
         "",
         f"One training step (AdamW, bf16 weights) captured with fake tensors on a fake `{args.device}` device, "
         "replayed through each allocator with default settings and unlimited capacity. "
