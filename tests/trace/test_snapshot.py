@@ -356,6 +356,27 @@ def test_blocks_allocated_before_recording_are_live_from_start_to_end():
     assert trace.buffers["free_event"].tolist() == [-1, -1, 3]
 
 
+def test_address_reused_after_an_uncompleted_free_request_closes_at_the_request():
+    entries = [
+        {"action": "alloc", "addr": 4096, "size": 512, "time_us": 1},
+        {"action": "free_requested", "addr": 4096, "size": 512, "time_us": 2},
+        {"action": "alloc", "addr": 4096, "size": 1024, "time_us": 3},
+    ]
+    trace = load_snapshot({"segments": [], "device_traces": [entries]})
+    assert trace.buffers["alloc_event"].tolist() == [0, 2]
+    assert trace.buffers["free_event"].tolist() == [1, -1]
+
+
+def test_address_reused_without_any_free_is_freed_implicitly_and_counted():
+    entries = [
+        {"action": "alloc", "addr": 4096, "size": 512, "time_us": 1},
+        {"action": "alloc", "addr": 4096, "size": 1024, "time_us": 3},
+    ]
+    trace = load_snapshot({"segments": [], "device_traces": [entries]})
+    assert trace.buffers["free_event"].tolist() == [1, -1]
+    assert trace.meta["implicit_frees"] == 1
+
+
 def test_snapshot_with_no_history_imports_its_live_blocks():
     snapshot = {"segments": [{"address": 4096, "total_size": 2 * MiB, "stream": 0, "blocks": [
         {"size": 2 * MiB, "requested_size": 5, "state": "active_allocated"}]}]}  # fmt: skip
