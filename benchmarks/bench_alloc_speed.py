@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Synthetic training-like trace, {trace.num_events:,} events ({trace.num_buffers:,} buffers); "
         f"median of {args.repeats} runs on {platform.processor() or platform.machine()}, Python "
         f"{platform.python_version()}. *replay*: the event loop alone; *simulate*: `memplan.simulate` "
-        "(replay, series, second replay to the peak for the segment map, independent check). Target: <= 10 s.",
+        "(replay, series, segment map at the peak rebuilt from the log, independent check). Target: <= 10 s.",
         "",
         "| allocator | events | replay (s) | simulate (s) | peak reserved (GiB) | fragmentation |",
         "|---|---:|---:|---:|---:|---:|",
