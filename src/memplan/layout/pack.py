@@ -1,0 +1,138 @@
+"""`memplan.pack`: offsets for a set of buffers, minimal height or within a capacity.
+
+The flow, each step logged in the solution's `stats`:
+1. the lower bound: the most bytes live at one time (no packing can be lower);
+2. greedy-by-size best fit (`memplan.layout.greedy`) gives a first packing;
+3. if that is not already at the lower bound (or within the capacity), the exact
+   search (`memplan.layout.exact`) is asked about capacities: first the lower bound
+   itself, then a bisection between the proven lower bound and the best height found;
+4. every returned packing passes the independent validator (`memplan.layout.validate`).
+
+At the time limit it returns the best packing found with the best proven lower
+bound. When the problem has minimalloc "gaps" the solvers ignore them (a valid but
+possibly looser packing), so an exhausted search then proves nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from memplan.errors import UserError
+from memplan.layout.exact import FOUND, NOT_FOUND, solve_exact
+from memplan.layout.greedy import greedy_offsets
+from memplan.layout.problem import Problem, Solution
+from memplan.layout.validate import check_offsets
+
+log = logging.getLogger(__name__)
+
+
+def as_problem(buffers: Any, capacity: int | None = None) -> Problem:
+    """Accept a Problem, or rows of (lower, upper, nbytes[, alignment])."""
+    if isinstance(buffers, Problem):
+        return buffers.check()
+    rows = [tuple(int(v) for v in row) for row in buffers]
+    for i, row in enumerate(rows):
+        if len(row) not in (3, 4):
+            raise UserError(f"buffer {i}: expected (lower, upper, nbytes[, alignment]), got {len(row)} values")
+    if not rows:
+        return Problem.from_arrays([], [], [], 1, capacity=capacity)
+    lower = [r[0] for r in rows]
+    upper = [r[1] for r in rows]
+    nbytes = [r[2] for r in rows]
+    align = [r[3] if len(r) == 4 else 1 for r in rows]
+    return Problem.from_arrays(lower, upper, nbytes, align, capacity=capacity)
+
+
+def pack(
+    buffers: Any,
+    capacity: int | None = None,
+    minimize: bool = True,
+    time_limit_s: float = 10.0,
+) -> Solution:
+    """Place `buffers` (a Problem, or rows of (lower, upper, nbytes[, alignment])).
+
+    - `minimize=True`: the least height found (at most `capacity` if given); status
+      "optimal" when it meets a proven lower bound.
+    - `minimize=False` with a capacity: any packing within it ("feasible"), or
+      "infeasible" when none exists, or "unknown" at the time limit.
+    """
+    start = time.monotonic()
+    deadline = start + max(0.0, float(time_limit_s))
+    problem = as_problem(buffers, capacity)
+    if capacity is None:
+        capacity = problem.capacity
+    if capacity is not None and capacity < 0:
+        raise UserError(f"capacity {capacity} must be >= 0")
+    if not minimize and capacity is None:
+        raise UserError("deciding feasibility needs a capacity; give one, or ask to minimize")
+    n = problem.num_buffers
+    lower, upper, nbytes, align = problem.lower, problem.upper, problem.nbytes, problem.alignment
+    has_gaps = problem.gaps is not None and any(problem.gaps)
+    lower_bound = problem.live_lower_bound()
+    if n == 0:
+        return Solution(np.zeros(0, np.int64), 0, 0, "optimal", time.monotonic() - start, "empty")
+
+    stats: dict[str, Any] = {"nodes": 0, "backtracks": 0, "exact_calls": 0}
+    offsets = greedy_offsets(lower, upper, nbytes, align)
+    best = offsets
+    best_height = int((offsets + nbytes).max())
+    stats["greedy_height"] = best_height
+    method = "greedy"
+    proven_lb = lower_bound
+
+    def attempt(cap: int) -> int:
+        nonlocal best, best_height, method, proven_lb
+        stats["exact_calls"] += 1
+        status, found, counts = solve_exact(lower, upper, nbytes, align, cap, deadline=deadline)
+        stats["nodes"] += counts["nodes"]
+        stats["backtracks"] += counts["backtracks"]
+        if status == FOUND:
+            assert found is not None
+            height = int((found + nbytes).max())
+            if height < best_height:
+                best, best_height, method = found, height, "exact"
+        elif status == NOT_FOUND and not has_gaps:
+            proven_lb = max(proven_lb, cap + 1)
+        return status
+
+    if minimize:
+        ceiling = best_height - 1 if capacity is None else min(best_height - 1, capacity)
+        target = proven_lb  # the lower bound first: on tight instances it is the answer
+        while proven_lb <= ceiling and time.monotonic() < deadline:
+            status = attempt(target)
+            if status == FOUND:
+                ceiling = best_height - 1
+            elif status != NOT_FOUND or has_gaps:
+                break  # out of time, or a search that proves nothing
+            target = (proven_lb + ceiling) // 2
+        status_name = "optimal" if best_height <= proven_lb else "feasible"
+        if capacity is not None and best_height > capacity:
+            status_name = "infeasible" if proven_lb > capacity else "unknown"
+    else:
+        assert capacity is not None
+        if best_height <= capacity:
+            status_name = "feasible"
+        elif lower_bound > capacity:
+            status_name = "infeasible"
+        else:
+            status = attempt(capacity)
+            if status == FOUND:
+                status_name = "feasible"
+            elif status == NOT_FOUND and not has_gaps:
+                status_name = "infeasible"
+            else:
+                status_name = "unknown"
+
+    elapsed = time.monotonic() - start
+    if status_name in ("infeasible", "unknown"):
+        log.info("pack: %s at capacity %s after %.3f s", status_name, capacity, elapsed)
+        return Solution(None, None, proven_lb, status_name, elapsed, method, stats)
+    height = check_offsets(
+        lower, upper, nbytes, best, alignment=align, capacity=capacity, ids=problem.ids
+    )
+    log.info("pack: height %d (lower bound %d, %s) by %s in %.3f s", height, proven_lb, status_name, method, elapsed)
+    return Solution(best, height, min(proven_lb, height), status_name, elapsed, method, stats)
