@@ -385,6 +385,43 @@ def test_snapshot_with_no_history_imports_its_live_blocks():
     assert trace.peak() == (2 * MiB, 0)
 
 
+@pytest.fixture(scope="module")
+def profiler_snapshot() -> dict:
+    """A snapshot written by PyTorch's own code (`profile_plot`'s converter) from a real CPU step."""
+    torch = pytest.importorskip("torch")
+    memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(32, 64)
+    with torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        for _ in range(2):
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return memory_viz._profile_to_snapshot(prof)
+
+
+def test_pytorch_written_snapshot_ends_with_the_bytes_its_segments_hold(profiler_snapshot):
+    trace = load_snapshot(copy.deepcopy(profiler_snapshot))
+    active = sum(
+        blk["size"]
+        for seg in profiler_snapshot["segments"]
+        for blk in seg["blocks"]
+        if blk["state"] == "active_allocated"
+    )
+    assert int(trace.buffers["nbytes"][trace.buffers["free_event"] < 0].sum()) == active
+    # the step's parameters, batch... were allocated before profiling began
+    assert trace.meta["unrecorded_allocations"] > 0
+
+
+def test_pytorch_written_snapshot_keeps_categories_and_the_user_frame(profiler_snapshot):
+    trace = load_snapshot(copy.deepcopy(profiler_snapshot))
+    categories = set(trace.category_names().tolist())
+    assert {"parameter", "gradient", "optimizer_state", "activation"} <= categories
+    assert any(m.startswith("test_snapshot.py:") for m in trace.modules)
+
+
 # --- bad input --------------------------------------------------------------------------
 
 

@@ -105,6 +105,7 @@ _NO_MODULE = "<no module>"
 _NO_OP = "<no op>"
 _MEMPLAN_FRAME_FILE = "memplan"
 _MEMPLAN_FRAME_NAME = re.compile(r"^buffer (\d+) (\w+) (\w+) iteration (-?\d+) microbatch (-?\d+)$")
+_PROFILER_FRAME_NAME = re.compile(r"^(.+\.py)\((\d+)\): (.*)$")
 _INT32_MAX = 2**31 - 1
 
 
@@ -246,13 +247,29 @@ def _site_from_frames(frames: list) -> dict[str, Any]:
                 "iteration": int(match.group(4)),
                 "microbatch": int(match.group(5)),
             }
-    python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    user = [f for f in python if "/torch/" not in str(f.get("filename", "")).replace("\\", "/")]
+    python = [site for site in map(_python_site, frames) if site is not None]
+    user = [site for site in python if not _in_torch(site[0])]
     chosen = (user or python or [None])[0]
     if chosen is None:
         return {"module": ""}
-    filename = str(chosen.get("filename", "")).replace("\\", "/").split("/")[-1]
-    return {"module": f"{filename}:{chosen.get('line', 0)}:{chosen.get('name', '')}"}
+    path, line, function = chosen
+    return {"module": f"{path.split('/')[-1]}:{line}:{function}"}
+
+
+def _python_site(frame: dict) -> tuple[str, Any, str] | None:
+    """(path, line, function) of a Python frame, in either spelling PyTorch writes frames."""
+    filename = str(frame.get("filename", "")).replace("\\", "/")
+    if filename.endswith(".py"):
+        return filename, frame.get("line", 0), str(frame.get("name", ""))
+    # torch.cuda._memory_viz.profile_plot writes {"filename": "none", "name": "path.py(130): forward"}
+    match = _PROFILER_FRAME_NAME.match(str(frame.get("name", "")))
+    if match:
+        return match.group(1).replace("\\", "/"), int(match.group(2)), match.group(3)
+    return None
+
+
+def _in_torch(path: str) -> bool:
+    return path.startswith("torch/") or "/torch/" in path
 
 
 def _trace_from_events(snapshot: dict, where: str) -> Trace:
