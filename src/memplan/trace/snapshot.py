@@ -27,8 +27,10 @@ appearance and the original values are kept in `meta["snapshot_streams"]`. Devic
 named `cuda:i`. The importer builds no ops. It fills a buffer's module from its frames
 (innermost first): the innermost Python frame outside the `torch` package (the user's
 model code), written as `file.py:line:function` like memory_viz writes it, else the
-innermost Python frame, else "". The category comes from the entry's `category`
-(written by `torch.cuda._memory_viz.profile_plot` and by memplan), "other" otherwise.
+innermost Python frame, else "" (a Python frame: `filename` ends in .py, or, as
+`profile_plot` writes frames, `name` reads `path.py(line): function`). The category
+comes from the entry's `category` (written by `torch.cuda._memory_viz.profile_plot`
+and by memplan), "other" otherwise.
 
 **Export** (`to_snapshot`, `save_snapshot`). No allocator is simulated: each buffer is
 laid out in a slot of its size rounded up to 512 bytes, inside one segment per
