@@ -41,12 +41,13 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        rec.mark(p, "parameter")
+    for name, p in model.named_parameters():
+        owner = name.rpartition(".")[0] or type(model).__name__
+        rec.mark(p, "parameter", module=owner)
         if p.grad is not None:
-            rec.mark(p.grad, "gradient")
-    for buf in model.buffers():
-        rec.mark(buf, "other")
+            rec.mark(p.grad, "gradient", module=owner)
+    for name, buf in model.named_buffers():
+        rec.mark(buf, "other", module=name.rpartition(".")[0] or type(model).__name__)
 
 
 def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer) -> None:

@@ -217,9 +217,12 @@ class Recorder(TorchDispatchMode):
             idx = self._new_buffer(storage, tensor.device, preexisting=True, op=op)
         return idx
 
-    def mark(self, tensor: torch.Tensor, category: str) -> None:
-        """Force the category of `tensor`'s storage (parameters, gradients, states, inputs)."""
+    def mark(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None:
+        """Force the category of `tensor`'s storage (parameters, gradients, states, inputs);
+        `module` names the owning module of a pre-existing storage (e.g. a parameter's)."""
         idx = self.buffer_of(tensor)
+        if module is not None and self._b.preexisting[idx] and self._b.module[idx] == 0:
+            self._b.module[idx] = self._intern(self._modules, module)
         current = self._marked.get(idx)
         # a parameter stays a parameter even if an optimizer also lists it
         if current is None or CATEGORY[category] < current:

@@ -64,10 +64,14 @@ class TrainingStep:
     meta: dict[str, Any]
 
 
-def build_training_step(model_spec: Any, setup: Any = None, *, device: str = "cpu") -> TrainingStep:
+def build_training_step(
+    model_spec: Any, setup: Any = None, *, device: str = "cpu", target_device: str | None = None
+) -> TrainingStep:
     """Build model, optimizer and batches for `setup` on `device` under the current mode.
 
-    Call it inside a `FakeTensorMode` for a fake step (then `device` may be "cuda").
+    `target_device` is the device the job is meant for when it differs from where the
+    tensors live: a CUDA job traced on fake cpu tensors takes CUDA's defaults (foreach
+    optimizers). Call it inside a `FakeTensorMode` for a fake step.
     """
     from memplan import models
 
@@ -77,7 +81,7 @@ def build_training_step(model_spec: Any, setup: Any = None, *, device: str = "cp
     if not models.is_fake_mode_active():
         torch.manual_seed(setup.seed)
     model = models.build_model(config, setup, device=device)
-    optimizer = models.build_optimizer(model, setup)
+    optimizer = models.build_optimizer(model, setup, device=target_device or device)
     batches = [
         models.make_batch(model, setup, device=device, seed=setup.seed + mb)
         for mb in range(setup.grad_accum)
@@ -85,7 +89,7 @@ def build_training_step(model_spec: Any, setup: Any = None, *, device: str = "cp
     meta = {
         "model": model_spec if isinstance(model_spec, str) else type(model).__name__,
         "setup": setup.to_dict(),
-        "device": device,
+        "device": target_device or device,
         "parameters": int(sum(p.numel() for p in model.parameters())),
         "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
         "build_s": round(time.perf_counter() - start, 3),
@@ -103,17 +107,28 @@ def training_step_capture(
     warmup: int = 1,
     record_flops: bool = True,
 ) -> Trace:
-    """Build `model_spec` under `setup` and capture `iterations` steps after `warmup`."""
+    """Build `model_spec` under `setup` and capture `iterations` steps after `warmup`.
+
+    A "cuda" job is traced on fake *cpu* tensors: a CPU-only PyTorch cannot run
+    autograd on fake cuda tensors (its gradient accumulators need a CUDA device guard
+    and abort the process). CUDA's code paths that change memory are chosen
+    explicitly instead (foreach optimizer by default; SDPA's CPU flash kernel keeps the
+    same output + logsumexp as CUDA's flash and memory-efficient kernels), the buffers
+    are labelled with the target device, and CUDA-only terms (allocator rounding,
+    context, workspaces) are left to the allocator simulator and the estimator.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan.capture import capture
 
     if not fake and device != "cpu":
         raise UserError(f"a real (non-fake) capture runs on this machine's cpu, not {device!r}")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}: use cpu or cuda")
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:
-        step = build_training_step(model_spec, setup, device=device)
-        return capture(
+        step = build_training_step(model_spec, setup, device="cpu", target_device=device)
+        trace = capture(
             step.run,
             model=step.model,
             optimizer=step.optimizer,
@@ -123,3 +138,6 @@ def training_step_capture(
             record_flops=record_flops,
             inputs=step.batches,
         )
+    if device == "cuda":
+        trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]
+    return trace

@@ -62,8 +62,20 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
+def _quiet_libraries() -> None:
+    """Keep stderr for memplan's own progress: silence library chatter users cannot act on."""
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
+    _quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
