@@ -266,8 +266,9 @@ class Recorder(TorchDispatchMode):
     # --- the dispatch mode -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace == "prim":
-            # metadata queries (prim.device, prim.layout) allocate nothing and are not ops
+        if func.namespace in ("prim", "profiler"):
+            # metadata queries (prim.device) and profiler ranges (record_function, which
+            # Optimizer.step opens before its hooks run) allocate nothing and are not ops
             return func(*args, **kwargs)
         op = len(self._op_name)
         in_tensors = _tensors((args, kwargs))

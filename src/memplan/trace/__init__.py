@@ -11,6 +11,7 @@ from memplan.trace.model import (
     Trace,
     from_events,
 )
+from memplan.trace.snapshot import load_snapshot, save_snapshot, to_snapshot
 from memplan.trace.validate import TraceError, validate
 
 __all__ = [
@@ -24,8 +25,11 @@ __all__ = [
     "TraceError",
     "from_events",
     "load",
+    "load_snapshot",
     "save",
     "save_json",
+    "save_snapshot",
     "to_json",
+    "to_snapshot",
     "validate",
 ]
