@@ -186,6 +186,12 @@ def test_causal_batch_has_labels_equal_to_inputs_and_is_seeded():
     assert not torch.equal(make_batch(config, setup, seed=2)["input_ids"], batch["input_ids"])
 
 
+def test_batch_from_a_registry_name_uses_its_vocab_and_default_length():
+    batch = make_batch("bert-base", TrainingSetup(batch=2))
+    assert batch["input_ids"].shape == (2, 512)
+    assert int(batch["input_ids"].max()) < 30522 and (batch["labels"] == -100).any()
+
+
 def test_masked_lm_batch_asks_for_about_15_percent_of_tokens():
     setup = TrainingSetup(batch=8, seq=256)
     batch = make_batch(tiny_config("bert-base"), setup)

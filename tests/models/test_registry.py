@@ -92,6 +92,14 @@ def test_config_with_unknown_model_type_is_a_user_error(tmp_path):
         load_config(str(path))
 
 
+def test_config_with_a_mistyped_field_is_a_one_line_user_error(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": "wide"}))
+    with pytest.raises(UserError, match="config.json is invalid.*hidden_size") as exc:
+        load_config(str(path))
+    assert "\n" not in str(exc.value)
+
+
 def test_module_colon_factory_spec_resolves_to_a_factory_spec():
     assert load_config("mypkg.models:make_model") == FactorySpec("mypkg.models", "make_model")
 

@@ -396,7 +396,10 @@ def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", 
         raise UserError("cannot make a batch: the model has no config.vocab_size and no make_batch(setup, device, seed) method")
     seq = sequence_length(setup, config)
     shape = (setup.batch, seq)
-    masked = is_masked_lm(model_or_config) if isinstance(model_or_config, nn.Module) or hasattr(config, "model_type") else False
+    if isinstance(model_or_config, nn.Module):
+        masked = is_masked_lm(model_or_config)
+    else:
+        masked = hasattr(config, "model_type") and is_masked_lm(config)
     if is_fake_mode_active():
         # Values do not matter; make them straight on the (fake) device, since a fake
         # copy from cpu to cuda fails on a CPU-only build.

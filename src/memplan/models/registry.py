@@ -124,10 +124,9 @@ def config_from_dict(data: dict[str, Any], label: str) -> Any:
         raise UserError(f"model config {label} has no 'model_type' field")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except ValueError as exc:
-        raise UserError(f"model config {label}: {str(exc).splitlines()[0]}") from exc
-    except (TypeError, KeyError) as exc:
-        raise UserError(f"model config {label} is invalid: {exc}") from exc
+    except Exception as exc:  # transformers validates fields with several exception types
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise UserError(f"model config {label} is invalid: {message}") from exc
 
 
 def load_config(spec: str) -> Any:
