@@ -23,7 +23,7 @@ from memplan.models import (
 )
 
 FAMILIES = ["gpt2", "llama-3-8b", "mistral-7b", "opt-350m", "bert-base", "mixtral-8x7b",
-            "bloom-560m", "qwen2.5-0.5b"]
+            "bloom-560m", "qwen2.5-0.5b", "llama-3.1-8b", "phi-3-mini", "gemma-7b", "roberta-base"]
 
 
 def saved_activation_bytes(model, batch) -> int:

@@ -135,3 +135,9 @@ def test_tiny_config_applies_overrides_last():
 def test_count_parameters_of_a_factory_is_a_user_error():
     with pytest.raises(UserError, match="factory"):
         count_parameters("mypkg.models:make_model")
+
+
+def test_tiny_config_scales_long_context_rope_with_the_positions():
+    # Llama 3.1: 8192 original of 131072 positions -> 256 / 16 = 16 of 256
+    rope = tiny_config("llama-3.1-8b").rope_parameters
+    assert (rope["rope_type"], rope["original_max_position_embeddings"]) == ("llama3", 16)

@@ -199,8 +199,13 @@ def tiny_config(spec: Any, **overrides: Any) -> Any:
         new["max_position_embeddings"] = TINY_MAX_POSITIONS + reserved
     if data.get("n_ctx") is not None:
         new["n_ctx"] = TINY_MAX_POSITIONS
-    if data.get("original_max_position_embeddings") is not None and "rope_scaling" not in data:
+    if data.get("original_max_position_embeddings") is not None:  # Phi-3
         new["original_max_position_embeddings"] = TINY_MAX_POSITIONS
+    for key in ("rope_parameters", "rope_scaling"):  # Llama 3.1 / 3.2 long-context RoPE
+        rope = data.get(key)
+        if isinstance(rope, dict) and rope.get("original_max_position_embeddings") and max_positions:
+            shrink = rope["original_max_position_embeddings"] / max_positions
+            new[key] = {**rope, "original_max_position_embeddings": max(16, int(TINY_MAX_POSITIONS * shrink))}
     if data.get("sliding_window") is not None:
         new["sliding_window"] = TINY_SLIDING_WINDOW
     if data.get("max_window_layers") is not None:
