@@ -1,0 +1,389 @@
+"""The whole training step as one fx graph, and the facts about it that ordering needs.
+
+ROAM (Shu et al., arXiv 2310.19295; public code HuiyaoShu/ROAM) reorders the whole
+training step (forward, loss, backward and optimizer) as one graph. This module makes
+that graph with `make_fx` and derives from it what a scheduler needs:
+
+- the operators (`call_function` nodes), in program order;
+- storages: every distinct block of memory, with its size in bytes. Views and in-place
+  operators alias their input's storage (read off the operator schema's alias
+  annotations, `Tensor(a)` and `Tensor(a!)`); parameters, buffers and optimizer states
+  (graph constants) and the step's inputs are persistent, alive the whole step;
+- dependencies: data edges, plus the memory hazards that in-place updates create
+  (read-after-write, write-after-read, write-after-write on one storage, in program
+  order), plus the program order of random operators (so dropout draws the same
+  numbers in any order);
+- phases: forward up to the loss, backward, optimizer (from the first write to a
+  persistent storage), which the Inductor-style baselines keep apart.
+
+Capture: the graph is not functionalised: in-place optimizer updates stay in-place, so
+the graph executes as a GraphModule with the memory behaviour of eager PyTorch, and
+the hazards above keep every reorder equivalent. Tracing runs on fake tensors, in one
+of two ways:
+
+- `capture_step_graph(step_fn, *inputs)` with real model and optimizer in the closure:
+  tracing runs under a `FakeTensorMode` that lifts the real parameters and optimizer
+  states as graph constants (the very tensor objects, so running the GraphModule
+  updates them in place) and leaves them untouched while tracing;
+- `capture_model_step(spec, setup)`: the model, optimizer and batch are all built in
+  one `FakeTensorMode` (facts.md §5: an optimizer built over real parameters and traced
+  with fake inputs drops its update), for any model size.
+
+Assumptions: the step's optimizer state exists before tracing (one warm-up step),
+otherwise its lazy creation is traced as part of every step; the step reads no tensor
+value on the host (`.item()`, `if tensor:`) except where that only sets a scalar
+constant (Adam's step counter on CPU), which the trace then fixes (see `scalar_reads`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from memplan.errors import UserError
+
+FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2
+PHASE_NAMES = ("forward", "backward", "optimizer")
+
+PERSISTENT, INPUT, INTERMEDIATE = 0, 1, 2
+
+
+@dataclass
+class StepGraph:
+    """A traced training step and the scheduling facts about its operators.
+
+    Operators are numbered by program order (`ops[i]`). `preds[i]` are the operators
+    that must run before `i`; `creates[i]` the storages `i` allocates; `uses[i]` every
+    storage `i` reads, writes or returns a view of (a storage dies after its last use).
+    Storage `s` has `storage_nbytes[s]` and `storage_kind[s]` (PERSISTENT, INPUT,
+    INTERMEDIATE); `live_out` are storages the graph returns (alive to the end).
+    """
+
+    gm: fx.GraphModule
+    ops: list[fx.Node]
+    preds: list[list[int]]
+    creates: list[list[int]]
+    uses: list[list[int]]
+    storage_nbytes: list[int]
+    storage_kind: list[int]
+    live_out: set[int]
+    phase: list[int]
+    scalar_reads: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Parameters, buffers, optimizer states and inputs: alive the whole step."""
+        return sum(n for n, k in zip(self.storage_nbytes, self.storage_kind) if k != INTERMEDIATE)
+
+    def succs(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.ops]
+        for v, ps in enumerate(self.preds):
+            for u in ps:
+                out[u].append(v)
+        return out
+
+
+def _storage_nbytes(value: torch.Tensor) -> int:
+    try:
+        return int(value.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested): their own bytes
+        return int(value.numel() * value.element_size())
+
+
+def _tensor_args(node: fx.Node) -> list[tuple[fx.Node, int | None]]:
+    """(arg node, index of the schema argument or None) for every node argument."""
+    out: list[tuple[fx.Node, int | None]] = []
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        names = [a.name for a in schema.arguments]
+        for j, arg in enumerate(node.args):
+            for leaf in _flatten_nodes(arg):
+                out.append((leaf, j))
+        for key, arg in node.kwargs.items():
+            j = names.index(key) if key in names else None
+            for leaf in _flatten_nodes(arg):
+                out.append((leaf, j))
+        return out
+    for leaf in _flatten_nodes((node.args, node.kwargs)):
+        out.append((leaf, None))
+    return out
+
+
+def _flatten_nodes(value: Any) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _flatten_nodes(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _flatten_nodes(v)]
+    return []
+
+
+def _flatten_storages(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _flatten_storages(v)]
+    return []
+
+
+def _is_random(target: Any) -> bool:
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def analyse(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph:
+    """Scheduling facts of a traced step (see `StepGraph` and the module docstring)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storage_nbytes: list[int] = []
+    storage_kind: list[int] = []
+    const_storage: dict[Any, int] = {}
+    node_storage: dict[fx.Node, Any] = {}
+
+    def new_storage(nbytes: int, kind: int) -> int:
+        storage_nbytes.append(nbytes)
+        storage_kind.append(kind)
+        return len(storage_nbytes) - 1
+
+    ops: list[fx.Node] = []
+    creates: list[list[int]] = []
+    uses: list[list[int]] = []
+    writes: list[list[int]] = []
+    live_out: set[int] = set()
+    scalar_reads = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                node_storage[node] = new_storage(_storage_nbytes(val), INPUT)
+            continue
+        if node.op == "get_attr":
+            obj = getattr(gm, node.target)
+            if isinstance(obj, torch.Tensor):
+                key = StorageWeakRef(obj.untyped_storage())
+                if key not in const_storage:
+                    const_storage[key] = new_storage(_storage_nbytes(obj), PERSISTENT)
+                node_storage[node] = const_storage[key]
+            continue
+        if node.op == "output":
+            for leaf in _flatten_nodes(node.args):
+                live_out.update(_flatten_storages(node_storage.get(leaf)))
+            continue
+        if node.op != "call_function":
+            raise UserError(f"cannot schedule fx node {node.name} of kind {node.op}")
+        index = len(ops)
+        ops.append(node)
+        args = _tensor_args(node)
+        arg_storage = [(leaf, j, node_storage.get(leaf)) for leaf, j in args]
+        made: list[int] = []
+        written: list[int] = []
+        val = node.meta.get("val")
+        if node.target is operator.getitem:
+            source = node_storage.get(node.args[0])
+            item = source[node.args[1]] if isinstance(source, (list, tuple)) else source
+            node_storage[node] = item
+        elif node.target is torch.ops.aten._local_scalar_dense.default:
+            scalar_reads += 1
+        else:
+            schema = getattr(node.target, "_schema", None)
+            alias_of: dict[str, Any] = {}
+            if schema is not None:
+                for j, sarg in enumerate(schema.arguments):
+                    info = sarg.alias_info
+                    if info is None:
+                        continue
+                    for leaf, jj, st in arg_storage:
+                        if jj == j and st is not None:
+                            for name in info.before_set:
+                                alias_of.setdefault(name, st)
+                            if info.is_write:
+                                written.extend(_flatten_storages(st))
+            returns = list(schema.returns) if schema is not None else []
+
+            def storage_for(value: Any, ret_index: int) -> Any:
+                info = returns[ret_index].alias_info if ret_index < len(returns) else None
+                if info is not None:
+                    for name in info.before_set:
+                        if name in alias_of:
+                            return alias_of[name]
+                if isinstance(value, torch.Tensor):
+                    s = new_storage(_storage_nbytes(value), INTERMEDIATE)
+                    made.append(s)
+                    return s
+                if isinstance(value, (list, tuple)):
+                    return [storage_for(v, ret_index) for v in value]
+                return None
+
+            if isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and len(returns) == 1):
+                node_storage[node] = storage_for(val, 0)
+            elif isinstance(val, (list, tuple)):
+                node_storage[node] = [storage_for(v, k) for k, v in enumerate(val)]
+        touched = set()
+        for _leaf, _j, st in arg_storage:
+            touched.update(_flatten_storages(st))
+        touched.update(_flatten_storages(node_storage.get(node)))
+        creates.append(made)
+        uses.append(sorted(touched))
+        writes.append(sorted(set(written)))
+
+    index_of = {node: i for i, node in enumerate(ops)}
+    preds: list[set[int]] = [set() for _ in ops]
+    last_writer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    last_random = -1
+    for i, node in enumerate(ops):
+        for leaf in _flatten_nodes((node.args, node.kwargs)):
+            if leaf in index_of:
+                preds[i].add(index_of[leaf])
+        wrote = set(writes[i])
+        for s in uses[i]:
+            if s in last_writer:
+                preds[i].add(last_writer[s])
+            if s in wrote:
+                preds[i].update(readers.get(s, ()))
+                readers[s] = []
+                last_writer[s] = i
+            else:
+                readers.setdefault(s, []).append(i)
+        if _is_random(node.target):
+            if last_random >= 0:
+                preds[i].add(last_random)
+            last_random = i
+        preds[i].discard(i)
+    phase = _phases(ops, preds, writes, storage_kind)
+    return StepGraph(
+        gm=gm,
+        ops=ops,
+        preds=[sorted(p) for p in preds],
+        creates=creates,
+        uses=uses,
+        storage_nbytes=storage_nbytes,
+        storage_kind=storage_kind,
+        live_out=live_out,
+        phase=phase,
+        scalar_reads=scalar_reads,
+        meta=dict(meta or {}),
+    )
+
+
+def _phases(ops: list[fx.Node], preds: list[set[int]], writes: list[list[int]], kind: list[int]) -> list[int]:
+    """Forward up to the loss, backward from the gradient seed, optimizer from the first
+    write to a persistent storage (program order)."""
+    seed = next(
+        (i for i, n in enumerate(ops)
+         if n.target is torch.ops.aten.ones_like.default
+         and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 0),
+        None,
+    )
+    first_update = next(
+        (i for i, w in enumerate(writes) if any(kind[s] == PERSISTENT for s in w) and (seed is None or i > seed)),
+        None,
+    )
+    phase = []
+    for i in range(len(ops)):
+        if first_update is not None and i >= first_update:
+            phase.append(OPTIMIZER)
+        elif seed is not None and i >= seed:
+            phase.append(BACKWARD)
+        else:
+            phase.append(FORWARD)
+    return phase
+
+
+def _trace(step_fn: Callable[..., Any], inputs: tuple[Any, ...]) -> fx.GraphModule:
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        return make_fx(step_fn)(*inputs)
+    except (DataDependentOutputException, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
+        raise UserError(
+            "the step cannot be traced as one graph: it depends on tensor values "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); remove data-dependent "
+            "control flow (if/while on a tensor, .item(), .tolist(), nonzero) from the step"
+        ) from exc
+    except RuntimeError as exc:
+        text = str(exc)
+        if "data-dependent" in text or "data dependent" in text or "DataDependent" in text:
+            raise UserError(
+                "the step cannot be traced as one graph: it branches on tensor values; remove "
+                "data-dependent control flow (if/while on a tensor, .item()) from the step"
+            ) from exc
+        raise
+
+
+def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> StepGraph:
+    """Trace `step_fn(*example_inputs)` (real tensors in its closure) as one graph.
+
+    Runs on fake tensors: nothing of the real model or optimizer changes. The graph's
+    constants are the real parameters and states, so `gm(*inputs)` runs a real step.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake_inputs = tuple(
+            mode.from_tensor(x) if isinstance(x, torch.Tensor) else
+            ({k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+             if isinstance(x, dict) else x)
+            for x in example_inputs
+        )
+        gm = _trace(step_fn, fake_inputs)
+    graph = analyse(gm)
+    if graph.scalar_reads:
+        raise UserError(
+            f"the step reads {graph.scalar_reads} tensor value(s) on the host (.item(), bool(tensor): "
+            "data-dependent control flow, or an optimizer such as Adam/AdamW on CPU reading its step "
+            "counter), so one traced graph cannot replay later steps; use an optimizer without host "
+            "reads (SGD), or capturable=True on a GPU"
+        )
+    return graph
+
+
+def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> StepGraph:
+    """Build `spec` under `setup` on fake tensors and trace its whole training step.
+
+    Model, optimizer and batch are built inside one `FakeTensorMode`; one warm-up step
+    creates the optimizer state; the traced step is then forward, loss, backward,
+    `optimizer.step()` and `zero_grad(set_to_none=True)`. `device="cuda"` takes CUDA's
+    defaults (foreach optimizer) on fake cpu tensors.
+    """
+    import time
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan import models
+    from memplan.capture.step import build_training_step
+
+    setup = setup if setup is not None else models.TrainingSetup()
+    if setup.grad_accum != 1:
+        raise UserError("reorder traces one micro-batch per step: use --grad-accum 1")
+    start = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        step = build_training_step(spec, setup, device="cpu", target_device=device)
+        step.run()  # warm-up: the optimizer state exists before tracing
+        model, optimizer = step.model, step.optimizer
+
+        def train_step(batch: dict[str, torch.Tensor]) -> None:
+            with models.autocast(setup, "cpu"):
+                loss = models.forward_loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        gm = _trace(train_step, (step.batches[0],))
+    meta = {**step.meta, "trace_s": round(time.perf_counter() - start, 3)}
+    return analyse(gm, meta)
