@@ -7,7 +7,17 @@ import numpy as np
 import pytest
 
 from memplan.errors import UserError
-from memplan.trace import ALLOC, CATEGORY, FREE, TraceError, from_events, load, save, save_json, validate
+from memplan.trace import (
+    ALLOC,
+    CATEGORY,
+    FREE,
+    TraceError,
+    from_events,
+    load,
+    save,
+    save_json,
+    validate,
+)
 from memplan.trace.model import Trace
 
 
