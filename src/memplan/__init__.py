@@ -17,6 +17,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import memplan`
         from memplan.alloc import simulate
 
         return simulate
+    if name == "planned_allocator":
+        from memplan.runtime import planned_allocator
+
+        return planned_allocator
     if name in ("plan", "pack"):
         import memplan.layout as layout
 

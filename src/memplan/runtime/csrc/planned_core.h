@@ -1,0 +1,219 @@
+// The device-neutral core of memplan's planned allocator: which arena offset serves
+// the next allocation request, and the statistics of what happened.
+//
+// STWeaver/STAlloc's runtime (arXiv 2507.16274; public code infinigence/STAlloc): the
+// n-th allocation request of an iteration is matched to the n-th entry of that
+// iteration's plan (size checked) and served at the planned offset inside one arena;
+// a request that does not match is placed best-fit (aligned) into the plan's dynamic
+// reusable space intersected with what is free right now; anything else goes to the
+// device's default allocator. Iterations beyond the last planned one replay the last
+// planned iteration's entries (the plan is periodic).
+//
+// The core knows offsets only, never pointers, so the CPU glue (planned_allocator.cpp)
+// and the CUDA glue (planned_allocator_cuda.cpp) share it. It is not thread safe: the
+// glue holds a lock around every call.
+//
+// One deviation from STAlloc: a planned offset is served only if its bytes are free
+// right now (a sorted map of the live arena ranges is checked). When the run departs
+// from the plan (a tensor kept alive longer than it was when the plan was made), the
+// request falls back instead of overwriting live data; it is counted as a conflict.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace memplan {
+
+struct DynamicWindow {
+  int64_t begin_request;
+  int64_t end_request;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // [lo, hi) of the arena
+};
+
+struct GroupPlan {
+  int64_t iteration;  // -1: prologue
+  std::vector<int64_t> nbytes;
+  std::vector<int64_t> offset;  // -1: not planned
+  std::vector<DynamicWindow> windows;
+};
+
+struct IterationCounts {
+  int64_t iteration = 0;
+  int64_t requests = 0;
+  int64_t served_planned = 0;
+  int64_t served_dynamic = 0;
+  int64_t fallbacks = 0;
+};
+
+struct CoreStats {
+  int64_t requests = 0;
+  int64_t served_planned = 0;
+  int64_t served_dynamic = 0;
+  int64_t fallbacks = 0;
+  int64_t fallback_bytes = 0;  // requested bytes that went to the default allocator
+  int64_t size_mismatches = 0;  // the n-th request's size differed from the plan's
+  int64_t beyond_plan = 0;      // more requests than the plan has entries
+  int64_t unplanned = 0;        // the plan's entry is dynamic (offset -1)
+  int64_t conflicts = 0;        // the planned bytes were still in use
+  int64_t arena_live_bytes = 0;
+  int64_t arena_live_allocations = 0;
+  int64_t arena_peak_live_bytes = 0;
+};
+
+class PlannedCore {
+ public:
+  PlannedCore(std::vector<GroupPlan> groups, int64_t arena_bytes, int64_t alignment_bytes,
+              int64_t first_iteration)
+      : groups_(std::move(groups)),
+        arena_bytes_(arena_bytes),
+        alignment_bytes_(std::max<int64_t>(alignment_bytes, 1)),
+        iteration_(first_iteration) {
+    counts_.push_back(IterationCounts{iteration_});
+    select_group();
+  }
+
+  int64_t arena_bytes() const { return arena_bytes_; }
+  int64_t iteration() const { return iteration_; }
+  const CoreStats& stats() const { return stats_; }
+  const std::vector<IterationCounts>& counts() const { return counts_; }
+
+  // The arena offset that serves the next request of `nbytes`, or -1: fall back.
+  int64_t place(int64_t nbytes) {
+    const int64_t index = request_++;
+    stats_.requests++;
+    counts_.back().requests++;
+    if (group_ != nullptr) {
+      const auto n = static_cast<int64_t>(group_->nbytes.size());
+      if (index >= n) {
+        stats_.beyond_plan++;
+      } else if (group_->nbytes[index] != nbytes) {
+        stats_.size_mismatches++;
+      } else if (group_->offset[index] < 0) {
+        stats_.unplanned++;
+      } else if (is_free(group_->offset[index], nbytes)) {
+        take(group_->offset[index], nbytes);
+        stats_.served_planned++;
+        counts_.back().served_planned++;
+        return group_->offset[index];
+      } else {
+        stats_.conflicts++;
+      }
+      const int64_t offset = best_fit_dynamic(index, nbytes);
+      if (offset >= 0) {
+        take(offset, nbytes);
+        stats_.served_dynamic++;
+        counts_.back().served_dynamic++;
+        return offset;
+      }
+    }
+    stats_.fallbacks++;
+    stats_.fallback_bytes += nbytes;
+    counts_.back().fallbacks++;
+    return -1;
+  }
+
+  // Give back the arena bytes at `offset` (served by place()); returns their count, or -1.
+  int64_t release(int64_t offset) {
+    auto it = live_.find(offset);
+    if (it == live_.end()) return -1;
+    const int64_t nbytes = it->second - it->first;
+    stats_.arena_live_bytes -= nbytes;
+    stats_.arena_live_allocations--;
+    live_.erase(it);
+    return nbytes;
+  }
+
+  void next_iteration() {
+    iteration_++;
+    request_ = 0;
+    counts_.push_back(IterationCounts{iteration_});
+    select_group();
+  }
+
+ private:
+  void select_group() {
+    group_ = nullptr;
+    for (const auto& g : groups_) {
+      if (g.iteration == iteration_) group_ = &g;
+    }
+    // Periodic: beyond the last planned iteration, replay it.
+    if (group_ == nullptr && !groups_.empty() && groups_.back().iteration >= 0 &&
+        iteration_ > groups_.back().iteration) {
+      group_ = &groups_.back();
+    }
+  }
+
+  // live_ maps the start of each live arena range to its end; ranges never overlap.
+  bool is_free(int64_t lo, int64_t nbytes) const {
+    const int64_t hi = lo + nbytes;
+    if (lo < 0 || hi > arena_bytes_) return false;
+    auto it = live_.lower_bound(hi);
+    if (it == live_.begin()) return true;
+    --it;  // the live range with the largest start below hi: it reaches furthest
+    return it->second <= lo;
+  }
+
+  // nbytes > 0: the glue never asks the core about zero-byte requests.
+  void take(int64_t lo, int64_t nbytes) {
+    live_.emplace(lo, lo + nbytes);
+    stats_.arena_live_bytes += nbytes;
+    stats_.arena_live_allocations++;
+    stats_.arena_peak_live_bytes = std::max(stats_.arena_peak_live_bytes, stats_.arena_live_bytes);
+  }
+
+  int64_t align_up(int64_t x) const { return (x + alignment_bytes_ - 1) / alignment_bytes_ * alignment_bytes_; }
+
+  // Best fit into the free parts of the windows that cover request `index`.
+  int64_t best_fit_dynamic(int64_t index, int64_t nbytes) const {
+    int64_t best = -1;
+    int64_t best_room = INT64_MAX;
+    for (const auto& w : group_->windows) {
+      if (index < w.begin_request || index >= w.end_request) continue;
+      for (const auto& [lo, hi] : w.ranges) {
+        // Walk the gaps between the live ranges that meet [lo, hi).
+        auto it = live_.lower_bound(lo);
+        if (it != live_.begin()) {
+          auto prev = std::prev(it);
+          if (prev->second > lo) it = prev;
+        }
+        int64_t cursor = lo;
+        while (cursor < hi) {
+          const int64_t gap_end = (it == live_.end()) ? hi : std::min(hi, it->first);
+          const int64_t start = align_up(cursor);
+          const int64_t room = gap_end - start;
+          if (room >= nbytes && room < best_room) {
+            best = start;
+            best_room = room;
+          }
+          if (it == live_.end()) break;
+          cursor = std::max(cursor, it->second);
+          ++it;
+        }
+      }
+    }
+    return best;
+  }
+
+  std::vector<GroupPlan> groups_;
+  int64_t arena_bytes_;
+  int64_t alignment_bytes_;
+  int64_t iteration_;
+  int64_t request_ = 0;
+  const GroupPlan* group_ = nullptr;
+  std::map<int64_t, int64_t> live_;
+  CoreStats stats_;
+  std::vector<IterationCounts> counts_;
+};
+
+// Recording mode: every request and free, in order, with the iteration it fell in.
+struct RecordedEvent {
+  int8_t kind;  // 0 alloc, 1 free
+  int64_t buffer;
+  int64_t nbytes;
+  int64_t iteration;
+};
+
+}  // namespace memplan
