@@ -1,0 +1,10 @@
+"""Parallel layouts applied to a traced step: DP, ZeRO 0-3 / FSDP2 / HSDP, TP + SP, PP.
+
+`Layout` (degrees and their checks), `rank_plans` (the ranks that differ) and
+`rank_trace` (one rank's trace, modelled from the single-device trace). See each module.
+"""
+
+from memplan.parallel.layout import SCHEDULES, Layout, RankPlan, rank_plans
+from memplan.parallel.transform import rank_trace
+
+__all__ = ["SCHEDULES", "Layout", "RankPlan", "rank_plans", "rank_trace"]

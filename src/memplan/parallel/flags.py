@@ -1,0 +1,24 @@
+"""Command-line flags of a parallel layout, shared by `memplan estimate` and `memplan fit`."""
+
+from __future__ import annotations
+
+import argparse
+
+from memplan.parallel.layout import SCHEDULES, Layout
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallel layout")
+    group.add_argument("--world-size", type=int, default=None, metavar="N", help="GPUs in the job (default tp x pp)")
+    group.add_argument("--zero", type=int, default=0, metavar="STAGE",
+                       help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0)")
+    group.add_argument("--shard-size", type=int, default=None, metavar="N", help="HSDP: shard over N ranks (zero 3)")
+    group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (with sequence parallel)")
+    group.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree")
+    group.add_argument("--microbatches", type=int, default=1, metavar="M", help="pipeline micro-batches")
+    group.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"pipeline schedule: {', '.join(SCHEDULES)}")
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
+                  microbatches=args.microbatches, schedule=args.schedule)

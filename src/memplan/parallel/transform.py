@@ -1,0 +1,204 @@
+"""Reshape a single-GPU step trace into one rank's trace of a parallel layout.
+
+The traced terms stay traced; what a parallel layout changes is *modelled* on top of
+the single-device trace, rule by rule (the method of LLMem, arXiv 2404.10933, which
+models sharded DP and TP analytically over a measured single-GPU base; memplan applies
+the rules to every buffer of a trace instead of to totals):
+
+- **TP degree t** (torchtitan's Llama plan with sequence parallel and loss parallel):
+  parameters outside normalisation layers, their gradients, optimizer states and
+  optimizer temporaries shrink by t; forward/backward activations and temporaries
+  shrink by t (heads and MLP columns split, the sequence split between blocks,
+  vocabulary-parallel logits); plus, per block, the two all-gathered [B, S, H]
+  block-input copies that feed the attention and MLP projections (sequence-parallel
+  all-gather outputs saved for the weight gradients; live only inside the block
+  under full checkpointing).
+- **ZeRO over d ranks** (DeepSpeed semantics for stages 1-2, FSDP2 `fully_shard` with
+  `reshard_after_forward=True` for stage 3; HSDP shards over `shard_size`): stage >= 1
+  shards optimizer states and optimizer temporaries by d; stage >= 2 shards gradients
+  (plus one persistent reduce bucket of min(gradients, 5e8 elements), DeepSpeed's
+  `reduce_bucket_size` default with `contiguous_gradients`); stage 3 shards parameters,
+  and adds per block the unsharded all-gather output (the block's full parameter
+  bytes) during its forward and, again, its backward, prefetched one block ahead, and
+  the unsharded gradients of the block from its backward until the next block's
+  reduce-scatter; the root module's parameters (embeddings, head, final norm) are
+  gathered for the whole step.
+- **DDP** (data parallel, stage 0, d > 1): the reducer's gradient buckets, one
+  persistent copy of the gradients (`gradient_as_bucket_view=False`, the default).
+- **PP degree p** with m micro-batches: the rank traces one micro-batch of a model
+  with L/p blocks; middle stages carry no embedding/head buffers; activations are
+  multiplied by the micro-batches in flight at the stage: min(m, p - s) under 1F1B
+  (Narayanan et al. 2021), times (1 + (p - 1) / (p v)) under the interleaved
+  schedule with v = 2 chunks (Korthikanti et al. 2022, section 4.2.3).
+
+None of these rules has yet been checked against real multi-process runs
+(torchrun + gloo); docs/estimation.md says so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from memplan.estimate.gpu_terms import ExtraBuffer, with_extra_buffers
+from memplan.trace.model import CATEGORY, PHASE, Trace
+
+NORM_PATTERN = re.compile(r"(norm|ln_|layernorm|ln\d|\.ln$)", re.IGNORECASE)
+ZERO2_BUCKET_ELEMENTS = 500_000_000
+
+
+def _shrink(nbytes: np.ndarray, mask: np.ndarray, factor: float) -> np.ndarray:
+    out = nbytes.copy()
+    out[mask] = np.ceil(nbytes[mask] / factor).astype(np.int64)
+    return out
+
+
+def _block_index(trace: Trace, blocks_path: str) -> np.ndarray:
+    """Per module-table entry: the block index it belongs to, or -1."""
+    tail = re.escape(blocks_path.split(".")[-1])
+    rx = re.compile(rf"(?:^|\.){tail}\.(\d+)(?:\.|$)")
+    out = np.full(len(trace.modules), -1, np.int64)
+    for i, name in enumerate(trace.modules):
+        m = rx.search(name)
+        if m:
+            out[i] = int(m.group(1))
+    return out
+
+
+def _block_spans(trace: Trace, blocks_path: str) -> dict[int, dict[str, tuple[int, int]]]:
+    """Per block: the (first, one-past-last) event of its forward and of its backward ops."""
+    index = _block_index(trace, blocks_path)
+    spans: dict[int, dict[str, tuple[int, int]]] = {}
+    if trace.num_ops == 0:
+        return spans
+    first = trace.ops["first_event"]
+    ends = np.append(first[1:], trace.num_events)
+    block_of_op = index[trace.ops["module"]]
+    phase = trace.ops["phase"]
+    for name, phases in (("forward", (PHASE["forward"],)), ("backward", (PHASE["backward"], PHASE["recompute"]))):
+        sel = (block_of_op >= 0) & np.isin(phase, phases)
+        for b in np.unique(block_of_op[sel]).tolist():
+            ops = np.flatnonzero(sel & (block_of_op == b))
+            spans.setdefault(b, {})[name] = (int(first[ops].min()), int(ends[ops].max()))
+    return spans
+
+
+def rank_trace(step: Any, layout: Any, setup: Any, stage: int) -> Trace:
+    """The trace of one rank (pipeline `stage`) of `layout`; see the module docstring."""
+    trace: Trace = step.trace
+    tp, d, zero = layout.tp, layout.shard_degree, layout.zero
+    if tp == 1 and layout.dp == 1 and layout.pp == 1:
+        return trace
+    b = trace.buffers
+    nbytes = b["nbytes"].astype(np.int64)
+    cat, phase = b["category"], b["phase"]
+    block_of_module = _block_index(trace, step.blocks_path)
+    in_block = block_of_module[b["module"]] >= 0
+    is_param = cat == CATEGORY["parameter"]
+    is_grad = cat == CATEGORY["gradient"]
+    is_state = cat == CATEGORY["optimizer_state"]
+    in_optimizer = phase == PHASE["optimizer"]
+    opt_temp = in_optimizer & (cat == CATEGORY["temporary"])
+    flowing = ~in_optimizer & np.isin(cat, [CATEGORY["activation"], CATEGORY["temporary"]])
+    module_names = np.asarray(trace.modules, dtype=object)
+    is_norm = np.array([bool(NORM_PATTERN.search(str(m))) for m in module_names], bool)[b["module"]]
+    extras: list[ExtraBuffer] = []
+    device = int(np.bincount(b["device"]).argmax()) if trace.num_buffers else 0
+
+    # pipeline stage: middle stages hold no embedding / head; activations in flight
+    if layout.pp > 1:
+        last = layout.pp - 1
+        if 0 < stage < last:
+            nbytes[~in_block & (is_param | is_grad | flowing)] = 0
+        in_flight = min(layout.microbatches, layout.pp - stage)
+        if layout.schedule == "interleaved":
+            in_flight *= 1 + (layout.pp - 1) / (layout.pp * 2)
+        act = cat == CATEGORY["activation"]
+        nbytes[act] = np.ceil(nbytes[act] * in_flight).astype(np.int64)
+
+    # tensor parallel
+    if tp > 1:
+        tp_state = (is_param | is_grad) & ~is_norm
+        full_param = nbytes[is_param].sum()
+        nbytes = _shrink(nbytes, tp_state, tp)
+        ratio = nbytes[is_param].sum() / full_param if full_param else 1.0
+        nbytes = _shrink(nbytes, is_state | opt_temp, 1.0 / ratio if ratio else 1.0)
+        nbytes = _shrink(nbytes, flowing, tp)
+        hidden_bytes = _block_input_bytes(step, setup)
+        full_ckpt = setup.checkpointing == "full"
+        for spans in _block_spans(trace, step.blocks_path).values():
+            fwd, bwd = spans.get("forward"), spans.get("backward")
+            if fwd is None:
+                continue
+            for _ in range(2):  # attention input and MLP input, all-gathered
+                if full_ckpt or bwd is None:
+                    extras.append(ExtraBuffer(hidden_bytes, fwd[0], fwd[1], "activation", "forward", device=device))
+                    if bwd is not None:
+                        extras.append(ExtraBuffer(hidden_bytes, bwd[0], bwd[1], "activation", "backward", device=device))
+                else:
+                    extras.append(ExtraBuffer(hidden_bytes, fwd[0], bwd[1], "activation", "forward", device=device))
+
+    # data parallel / ZeRO
+    grad_bytes_full = int(nbytes[is_grad].sum())
+    if layout.dp > 1:
+        if zero == 0:
+            extras.append(ExtraBuffer(grad_bytes_full, 0, -1, "other", device=device))
+        if zero >= 1:
+            nbytes = _shrink(nbytes, is_state | opt_temp, d)
+        if zero >= 2:
+            nbytes = _shrink(nbytes, is_grad, d)
+        if zero == 2:
+            element = 4 if setup.dtype == "fp32" else 2
+            extras.append(ExtraBuffer(min(grad_bytes_full, ZERO2_BUCKET_ELEMENTS * element), 0, -1, "other",
+                                      device=device))
+        if zero == 3:
+            param_block = block_of_module[b["module"]]
+            block_param_bytes = {int(k): int(nbytes[is_param & (param_block == k)].sum())
+                                 for k in np.unique(param_block[is_param & in_block])}
+            block_grad_bytes = {int(k): int(nbytes[is_grad & (param_block == k)].sum())
+                                for k in np.unique(param_block[is_grad & in_block])}
+            root_param_bytes = int(nbytes[is_param & ~in_block].sum())
+            nbytes = _shrink(nbytes, is_param, d)
+            extras += _fsdp_buffers(trace, step.blocks_path, block_param_bytes, block_grad_bytes,
+                                    root_param_bytes, device)
+    buffers = dict(trace.buffers)
+    buffers["nbytes"] = nbytes
+    reshaped = Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr, op_names=trace.op_names,
+                     modules=trace.modules, devices=trace.devices, meta=dict(trace.meta))
+    return with_extra_buffers(reshaped, extras)
+
+
+def _block_input_bytes(step: Any, setup: Any) -> int:
+    """Bytes of one [B, S, H] block input in the activation dtype."""
+    hidden = step.head_dim * step.heads
+    dtype = setup.autocast if setup.autocast != "none" else setup.dtype
+    element = 4 if dtype == "fp32" else 2
+    return int(setup.batch * step.seq * hidden * element)
+
+
+def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], grad_bytes: dict[int, int],
+                  root_bytes: int, device: int) -> list[ExtraBuffer]:
+    """FSDP2 all-gather outputs (prefetched one block ahead) and unsharded gradients."""
+    spans = _block_spans(trace, blocks_path)
+    order_fwd = sorted(b for b in spans if "forward" in spans[b])
+    extras = []
+    fwd_start = min((spans[b]["forward"][0] for b in order_fwd), default=0)
+    bwd_ends = [spans[b]["backward"][1] for b in spans if "backward" in spans[b]]
+    if root_bytes:
+        extras.append(ExtraBuffer(root_bytes, fwd_start, max(bwd_ends) if bwd_ends else -1, "other", "forward",
+                                  device=device))
+    for i, blk in enumerate(order_fwd):
+        start = spans[order_fwd[i - 1]]["forward"][0] if i > 0 else spans[blk]["forward"][0]
+        extras.append(ExtraBuffer(param_bytes.get(blk, 0), start, spans[blk]["forward"][1], "other", "forward",
+                                  device=device))
+    order_bwd = sorted((b for b in spans if "backward" in spans[b]), key=lambda b: spans[b]["backward"][0])
+    for i, blk in enumerate(order_bwd):
+        start = spans[order_bwd[i - 1]]["backward"][0] if i > 0 else spans[blk]["backward"][0]
+        end = spans[blk]["backward"][1]
+        extras.append(ExtraBuffer(param_bytes.get(blk, 0), start, end, "other", "backward", device=device))
+        grad_end = spans[order_bwd[i + 1]]["backward"][1] if i + 1 < len(order_bwd) else end
+        extras.append(ExtraBuffer(grad_bytes.get(blk, 0), spans[blk]["backward"][0], grad_end, "gradient",
+                                  "backward", device=device))
+    return [x for x in extras if x.nbytes > 0]

@@ -1,0 +1,48 @@
+"""Block extrapolation (traces at 3 and 4 blocks) against full-depth traces."""
+
+import pytest
+
+from memplan import models
+from memplan.estimate import estimate
+from memplan.estimate.layers import with_layers
+from memplan.parallel import Layout
+
+CASES = [
+    ("llama-2-7b", {"dtype": "bf16"}, None),
+    ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, None),
+    ("gpt2", {"batch": 2}, None),
+    ("mistral-7b", {"lora_rank": 4, "autocast": "bf16"}, None),
+    ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
+    ("llama-2-7b", {"dtype": "bf16"}, Layout(world_size=4, tp=2)),
+]
+
+
+def _pair(family, options, layout, blocks=7):
+    config = with_layers(models.tiny_config(family), blocks)
+    setup = models.TrainingSetup(seq=64, **options)
+    fast = estimate(config, setup, layout, gpu="a100-80gb")
+    full = estimate(config, setup, layout, gpu="a100-80gb", extrapolate=False)
+    return fast, full
+
+
+@pytest.mark.parametrize(("family", "options", "layout"), CASES)
+def test_extrapolated_peak_allocated_and_breakdown_match_the_full_depth_trace_within_a_tenth_of_a_percent(
+        family, options, layout):
+    fast, full = _pair(family, options, layout)
+    assert fast.method == "extrapolated" and full.method == "full"
+    assert fast.peak_allocated_bytes == pytest.approx(full.peak_allocated_bytes, rel=1e-3)
+    for key, value in full.per_rank[0].breakdown.items():
+        assert fast.per_rank[0].breakdown[key] == pytest.approx(value, rel=1e-3, abs=4096), key
+    assert fast.per_rank[0].peak_phase == full.per_rank[0].peak_phase
+
+
+@pytest.mark.parametrize(("family", "options", "layout"), CASES)
+def test_extrapolated_peak_reserved_is_within_five_percent_or_two_segments_of_the_full_depth_trace(family, options, layout):
+    fast, full = _pair(family, options, layout)
+    # tiny test models: the allocator's 2 MiB small-pool segments dominate, so allow two of them
+    assert abs(fast.peak_reserved_bytes - full.peak_reserved_bytes) <= max(0.05 * full.peak_reserved_bytes, 4 * 2**20)
+
+
+def test_shallow_models_are_traced_at_full_depth():
+    result = estimate(models.tiny_config("gpt2"), models.TrainingSetup(seq=32), gpu="t4")
+    assert result.method == "full"
