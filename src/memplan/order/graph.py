@@ -183,7 +183,7 @@ def analyse(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph
             continue
         if node.op != "call_function":
             raise UserError(f"cannot schedule fx node {node.name} of kind {node.op}")
-        index = len(ops)
+
         ops.append(node)
         args = _tensor_args(node)
         arg_storage = [(leaf, j, node_storage.get(leaf)) for leaf, j in args]
@@ -204,7 +204,7 @@ def analyse(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph
                     info = sarg.alias_info
                     if info is None:
                         continue
-                    for leaf, jj, st in arg_storage:
+                    for _leaf, jj, st in arg_storage:
                         if jj == j and st is not None:
                             for name in info.before_set:
                                 alias_of.setdefault(name, st)
@@ -212,7 +212,8 @@ def analyse(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph
                                 written.extend(_flatten_storages(st))
             returns = list(schema.returns) if schema is not None else []
 
-            def storage_for(value: Any, ret_index: int) -> Any:
+            def storage_for(value: Any, ret_index: int, returns: list = returns, alias_of: dict = alias_of,
+                            made: list = made) -> Any:
                 info = returns[ret_index].alias_info if ret_index < len(returns) else None
                 if info is not None:
                     for name in info.before_set:
@@ -302,6 +303,111 @@ def _phases(ops: list[fx.Node], preds: list[set[int]], writes: list[list[int]], 
     return phase
 
 
+def split_foreach(gm: fx.GraphModule) -> int:
+    """Replace each `aten._foreach_*` operator by one per-tensor operator per list element.
+
+    A foreach optimizer (PyTorch's default on CUDA) updates every parameter in one call,
+    so no update can start before the last gradient is final; ROAM moves updates early,
+    which needs them per parameter. The per-tensor operators do the same arithmetic
+    element by element (on CPU the foreach kernels are exactly this loop), and the
+    list outputs' `getitem` users are rewired to the new nodes. An operator whose
+    per-tensor form cannot be found (checked by running it on the fake values) is kept.
+    Returns the number of foreach operators split.
+    """
+    split = 0
+    for node in list(gm.graph.nodes):
+        target = node.target
+        packet = getattr(target, "_overloadpacket", None)
+        name = getattr(packet, "__name__", "")
+        if node.op != "call_function" or not name.startswith("_foreach_"):
+            continue
+        lists = [a for a in node.args if isinstance(a, (list, tuple))]
+        if not lists:
+            continue
+        count = len(lists[0])
+        if any(len(a) != count for a in lists):
+            continue
+        per_tensor = getattr(torch.ops.aten, name[len("_foreach_"):], None)
+        if per_tensor is None:
+            continue
+        overloads = [target._overloadname, "Tensor", "Scalar", "default"]
+        if target._overloadname == "List":
+            overloads = ["Tensor", "default"]
+        elif target._overloadname == "ScalarList":
+            overloads = ["Scalar", "default"]
+        first = tuple(a[0] if isinstance(a, (list, tuple)) else a for a in node.args)
+        chosen = _pick_overload(per_tensor, overloads, first, node.kwargs)
+        if chosen is None:
+            continue
+        new_nodes = []
+        with gm.graph.inserting_before(node):
+            for k in range(count):
+                args_k = tuple(a[k] if isinstance(a, (list, tuple)) else a for a in node.args)
+                args_k, kwargs_k = _bind(chosen, args_k, node.kwargs)
+                new = gm.graph.call_function(chosen, args_k, kwargs_k)
+                new.meta["val"] = _fake_run(chosen, args_k, kwargs_k)
+                new_nodes.append(new)
+        for user in list(node.users):
+            if user.target is operator.getitem and isinstance(user.args[1], int):
+                user.replace_all_uses_with(new_nodes[user.args[1]])
+                gm.graph.erase_node(user)
+        if node.users:
+            raise RuntimeError(f"split_foreach: {node.name} has list users")
+        gm.graph.erase_node(node)
+        split += 1
+    if split:
+        gm.graph.lint()
+        gm.recompile()
+    return split
+
+
+def _meta_value(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_meta_value(a) for a in arg)
+    return arg
+
+
+def _fake_run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run `op` on the fake values of its argument nodes (clones: in-place ops must not
+    change the traced values)."""
+    values = [_meta_value(a) for a in args]
+    values = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    kw = {k: _meta_value(v) for k, v in kwargs.items()}
+    return op(*values, **kw)
+
+
+def _bind(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Move positional arguments beyond the schema's positional ones to its keyword-only
+    arguments (`_foreach_addcdiv_(self, t1, t2, scalars)` -> `addcdiv_(..., value=s)`)."""
+    arguments = op._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    keyword = [a for a in arguments if a.kwarg_only]
+    if len(args) <= len(positional):
+        return args, dict(kwargs)
+    extra = args[len(positional):]
+    if len(extra) > len(keyword):
+        return args, dict(kwargs)
+    out = dict(kwargs)
+    for sarg, value in zip(keyword, extra):
+        out[sarg.name] = value
+    return args[:len(positional)], out
+
+
+def _pick_overload(packet: Any, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    for name in names:
+        op = getattr(packet, name, None)
+        if op is None:
+            continue
+        try:
+            _fake_run(op, *_bind(op, args, kwargs))
+        except Exception:  # noqa: BLE001 - a schema that does not bind these arguments
+            continue
+        return op
+    return None
+
+
 def _trace(step_fn: Callable[..., Any], inputs: tuple[Any, ...]) -> fx.GraphModule:
     from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -341,7 +447,8 @@ def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> Ste
             for x in example_inputs
         )
         gm = _trace(step_fn, fake_inputs)
-    graph = analyse(gm)
+        split = split_foreach(gm)
+    graph = analyse(gm, {"foreach_split": split})
     if graph.scalar_reads:
         raise UserError(
             f"the step reads {graph.scalar_reads} tensor value(s) on the host (.item(), bool(tensor): "
@@ -385,5 +492,6 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
             optimizer.zero_grad(set_to_none=True)
 
         gm = _trace(train_step, (step.batches[0],))
-    meta = {**step.meta, "trace_s": round(time.perf_counter() - start, 3)}
+        split = split_foreach(gm)
+    meta = {**step.meta, "trace_s": round(time.perf_counter() - start, 3), "foreach_split": split}
     return analyse(gm, meta)

@@ -1,0 +1,324 @@
+"""memplan's order for a whole training step: ROAM's decomposition, solved with CP-SAT.
+
+Follows ROAM (Shu et al., arXiv 2310.19295; public code HuiyaoShu/ROAM):
+
+1. Weight updates early: an optimizer operator runs as soon as its dependencies allow
+   (its gradient is final and the backward pass has read the old weight), so
+   gradients and optimizer temporaries do not stack up at the end of the step.
+   `hoist_updates` applies this to a base order; the best of the hoisted candidates
+   (program order, Inductor-style, whole-graph LPMF) is the starting order.
+2. Key points: operators whose position is the same in every topological order
+   (#ancestors + #descendants + 1 == #operators). Memory between two key points does
+   not depend on the order elsewhere, so the step splits into independent segments.
+3. Segments longer than the node limit are cut into windows of the current order,
+   laid out as nested pairs around the loss (window k before the loss with its mirror
+   k after it, the pair nearest the loss first). With the order outside a window
+   fixed, any topological order of the window's operators keeps the whole order valid,
+   and the step's peak is the maximum over windows; so each window's order is solved
+   on its own, exactly, with OR-Tools CP-SAT: operator positions (all different,
+   dependencies as precedences), each storage an interval from its creation to its
+   last use, and one cumulative constraint whose capacity is the window's peak,
+   minimised. Storages alive across the whole window are a constant under it. A mirrored
+   pair decomposes into its two windows exactly (nothing crosses between them once the
+   middle is fixed), so pairs are solved as two subproblems, in parallel.
+4. Stitch: each window's solved order replaces its slice if it lowers the window's
+   peak; rounds repeat on the windows at the step's peak, with window boundaries
+   shifted by half a window every other round, until the time limit.
+
+Every returned order is checked by `memplan.order.validate` (dependencies, recomputed
+peak), which shares no code with this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memplan.errors import UserError
+from memplan.order.baselines import inductor_order, program_order, topological_sort_lpmf
+from memplan.order.graph import BACKWARD, INTERMEDIATE, OPTIMIZER, StepGraph
+from memplan.order.memory import last_uses, memory_timeline, peak_of_order
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NODE_LIMIT = 100
+DEFAULT_WINDOW_TIME_LIMIT_S = 10.0
+
+
+@dataclass
+class OrderResult:
+    """memplan's order and the figures the CLI reports."""
+
+    order: list[int]
+    baseline_peak_bytes: int
+    inductor_peak_bytes: int
+    optimized_peak_bytes: int
+    lower_bound_bytes: int | None
+    num_nodes: int
+    elapsed_s: float
+    verified: bool = False
+    stats: dict[str, object] = field(default_factory=dict)
+
+
+def lower_bound_bytes(graph: StepGraph) -> int:
+    """No order goes below this: persistent bytes plus, for the operator that needs most,
+    every intermediate storage it reads, writes or creates (all alive while it runs)."""
+    need = 0
+    for v in range(graph.num_ops):
+        touched = sum(graph.storage_nbytes[s] for s in graph.uses[v] if graph.storage_kind[s] == INTERMEDIATE)
+        need = max(need, touched)
+    return graph.persistent_bytes + need
+
+
+def hoist_updates(graph: StepGraph, base: Sequence[int]) -> list[int]:
+    """`base` with every optimizer operator moved as early as its dependencies allow."""
+    rank = {v: r for r, v in enumerate(base)}
+    succs = graph.succs()
+    indegree = [len(p) for p in graph.preds]
+    import heapq
+
+    heap: list[tuple[int, int, int]] = []
+    for v in range(graph.num_ops):
+        if indegree[v] == 0:
+            heapq.heappush(heap, (0 if graph.phase[v] == OPTIMIZER else 1, rank[v], v))
+    order: list[int] = []
+    while heap:
+        _urgent, _r, v = heapq.heappop(heap)
+        order.append(v)
+        for w in succs[v]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                heapq.heappush(heap, (0 if graph.phase[w] == OPTIMIZER else 1, rank[w], w))
+    if len(order) != graph.num_ops:
+        raise RuntimeError("hoist_updates: the dependency graph has a cycle")
+    return order
+
+
+def key_points(graph: StepGraph) -> list[int]:
+    """Operators at the same position in every topological order (ROAM's key points)."""
+    n = graph.num_ops
+    ancestors = [0] * n
+    for v in range(n):  # program order is topological
+        acc = 0
+        for u in graph.preds[v]:
+            acc |= ancestors[u] | (1 << u)
+        ancestors[v] = acc
+    succs = graph.succs()
+    descendants = [0] * n
+    for v in range(n - 1, -1, -1):
+        acc = 0
+        for w in succs[v]:
+            acc |= descendants[w] | (1 << w)
+        descendants[v] = acc
+    return [v for v in range(n) if ancestors[v].bit_count() + descendants[v].bit_count() + 1 == n]
+
+
+def _loss_position(graph: StepGraph, order: Sequence[int]) -> int:
+    for p, v in enumerate(order):
+        if graph.phase[v] == BACKWARD:
+            return p
+    return len(order) // 2
+
+
+def windows(graph: StepGraph, order: Sequence[int], node_limit: int, keys: set[int], shift: int = 0) -> list[tuple[int, int]]:
+    """Slices [a, b) of `order`, cut at key points and at most `node_limit` long, laid out
+    as nested pairs around the loss, nearest pair first."""
+    n = len(order)
+    center = _loss_position(graph, order)
+    cuts = {0, n}
+    cuts.update(p for p, v in enumerate(order) if v in keys)
+    cuts.update(p + 1 for p, v in enumerate(order) if v in keys)
+    # boundaries every node_limit positions outward from the loss (+ shift)
+    p = center + shift
+    while p < n:
+        cuts.add(p)
+        p += node_limit
+    p = center + shift - node_limit
+    while p > 0:
+        cuts.add(p)
+        p -= node_limit
+    bounds = sorted(c for c in cuts if 0 <= c <= n)
+    slices = [(a, b) for a, b in zip(bounds, bounds[1:]) if b - a > 1]
+    return sorted(slices, key=lambda ab: abs((ab[0] + ab[1]) / 2 - center))
+
+
+def _solve_window(
+    graph: StepGraph, order: Sequence[int], a: int, b: int, last: np.ndarray, time_limit_s: float
+) -> tuple[list[int] | None, int, int]:
+    """CP-SAT order of order[a:b] minimising its transient peak; returns (order or None,
+    solved peak, current peak) in bytes above the window's constant part."""
+    from ortools.sat.python import cp_model
+
+    nodes = list(order[a:b])
+    n = len(nodes)
+    local = {v: i for i, v in enumerate(nodes)}
+    nbytes = graph.storage_nbytes
+    # storages touched in the window: (start, end) as local positions or variables
+    creator: dict[int, int] = {}
+    for v in nodes:
+        for s in graph.creates[v]:
+            creator[s] = v
+    users: dict[int, list[int]] = {}
+    for v in nodes:
+        for s in graph.uses[v]:
+            if graph.storage_kind[s] == INTERMEDIATE and nbytes[s] > 0:
+                users.setdefault(s, []).append(v)
+    for s in creator:
+        if nbytes[s] > 0:
+            users.setdefault(s, [])
+    sizes = [nbytes[s] for s in users]
+    unit = math.gcd(*sizes) if sizes else 1
+    model = cp_model.CpModel()
+    pos = [model.new_int_var(0, n - 1, f"p{i}") for i in range(n)]
+    model.add_all_different(pos)
+    for v in nodes:
+        for u in graph.preds[v]:
+            if u in local:
+                model.add(pos[local[u]] < pos[local[v]])
+    intervals, demands = [], []
+    current_rows = []
+    for s, us in users.items():
+        used_after = last[s] >= b
+        if s in creator:
+            start = pos[local[creator[s]]]
+            cur_start = local[creator[s]]
+        else:
+            if used_after:
+                continue  # alive across the whole window: a constant
+            start = 0
+            cur_start = 0
+        if used_after:
+            end = n - 1
+            cur_end = n - 1
+        else:
+            ends = [pos[local[u]] for u in us]
+            if s in creator:
+                ends.append(start)
+            if len(ends) == 1:
+                end = ends[0]
+            else:
+                end = model.new_int_var(0, n - 1, f"e{s}")
+                model.add_max_equality(end, ends)
+            cur_end = max([local[u] for u in us] + ([cur_start] if s in creator else []))
+        if isinstance(start, int) and isinstance(end, int):
+            size: object = end - start + 1
+        else:
+            size = model.new_int_var(1, n, f"z{s}")
+            model.add(size == end - start + 1)
+        intervals.append(model.new_interval_var(start, size, end + 1, f"i{s}"))
+        demands.append(nbytes[s] // unit)
+        current_rows.append((cur_start, cur_end, nbytes[s]))
+    current = np.zeros(n, dtype=np.int64)
+    for lo, hi, nb in current_rows:
+        current[lo:hi + 1] += nb
+    current_peak = int(current.max()) if n else 0
+    if not intervals:
+        return None, current_peak, current_peak
+    capacity = model.new_int_var(0, int(sum(demands)), "peak")
+    model.add_cumulative(intervals, demands, capacity)
+    model.minimize(capacity)
+    for i in range(n):
+        model.add_hint(pos[i], i)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.num_workers = 1
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, current_peak, current_peak
+    solved_peak = int(solver.value(capacity)) * unit
+    new = sorted(nodes, key=lambda v: solver.value(pos[local[v]]))
+    return new, solved_peak, current_peak
+
+
+def optimize_order(
+    graph: StepGraph,
+    time_limit_s: float = 60.0,
+    node_limit: int = DEFAULT_NODE_LIMIT,
+    window_time_limit_s: float = DEFAULT_WINDOW_TIME_LIMIT_S,
+    workers: int = 2,
+) -> OrderResult:
+    """memplan's order for `graph` (see the module docstring), validated."""
+    from memplan.order.validate import validate_order
+
+    if not time_limit_s or time_limit_s <= 0:
+        raise UserError(f"the time limit must be more than 0 seconds, not {time_limit_s}")
+    if node_limit < 2:
+        raise UserError(f"the node limit must be at least 2, not {node_limit}")
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    program = program_order(graph)
+    baseline = peak_of_order(graph, program).peak_bytes
+    inductor, inductor_peaks = inductor_order(graph)
+    inductor_peak = peak_of_order(graph, inductor).peak_bytes
+    candidates = {
+        "program": program,
+        "inductor": inductor,
+        "program+early-updates": hoist_updates(graph, program),
+        "inductor+early-updates": hoist_updates(graph, inductor),
+    }
+    if time.perf_counter() < deadline:
+        lpmf = topological_sort_lpmf(graph)
+        candidates["lpmf"] = lpmf
+        candidates["lpmf+early-updates"] = hoist_updates(graph, lpmf)
+    peaks = {name: peak_of_order(graph, o).peak_bytes for name, o in candidates.items()}
+    start_name = min(peaks, key=lambda k: (peaks[k], k))
+    order = list(candidates[start_name])
+    best_peak = peaks[start_name]
+    log.info("reorder: start from %s (%d bytes); candidates %s", start_name, best_peak, peaks)
+    keys = set(key_points(graph)) if graph.num_ops <= 40000 else set()
+    stats: dict[str, object] = {
+        "start": start_name, "candidate_peaks": peaks, "inductor_peaks": inductor_peaks,
+        "key_points": len(keys), "windows_solved": 0, "windows_improved": 0, "rounds": 0,
+    }
+    rounds_without_gain = 0
+    round_index = 0
+    while time.perf_counter() < deadline - 0.1 and rounds_without_gain < 2:
+        shift = (node_limit // 2) if round_index % 2 else 0
+        round_index += 1
+        timeline = memory_timeline(graph, order)
+        transient_peak = int(timeline.max()) if len(timeline) else 0
+        last = last_uses(graph, order)
+        slices = [(a, b) for a, b in windows(graph, order, node_limit, keys, shift)
+                  if int(timeline[a:b].max()) >= transient_peak]
+        if not slices:
+            break
+        remaining = deadline - time.perf_counter()
+        per_window = min(window_time_limit_s, max(0.05, remaining * workers / max(1, len(slices))))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(_solve_window, graph, order, a, b, last, per_window) for a, b in slices]
+            results = [f.result() for f in futures]
+        stats["windows_solved"] = int(stats["windows_solved"]) + len(slices)  # type: ignore[arg-type]
+        trial = list(order)
+        improved = 0
+        for (a, b), (new, solved, current) in zip(slices, results):
+            if new is not None and solved < current:
+                trial[a:b] = new
+                improved += 1
+        trial_peak = peak_of_order(graph, trial).peak_bytes
+        if improved and trial_peak < best_peak:
+            order, best_peak = trial, trial_peak
+            stats["windows_improved"] = int(stats["windows_improved"]) + improved  # type: ignore[arg-type]
+            rounds_without_gain = 0
+        else:
+            rounds_without_gain += 1
+    stats["rounds"] = round_index
+    result_peak = validate_order(graph.gm, [graph.ops[v].name for v in order])
+    if result_peak != best_peak:
+        raise RuntimeError(f"reorder: the validator's peak {result_peak} differs from the solver's {best_peak}")
+    return OrderResult(
+        order=order,
+        baseline_peak_bytes=baseline,
+        inductor_peak_bytes=inductor_peak,
+        optimized_peak_bytes=best_peak,
+        lower_bound_bytes=lower_bound_bytes(graph),
+        num_nodes=graph.num_ops,
+        elapsed_s=round(time.perf_counter() - start, 3),
+        verified=True,
+        stats=stats,
+    )
