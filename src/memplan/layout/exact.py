@@ -1,24 +1,27 @@
 """Exact offset search: does a packing within a capacity exist? Find one, or prove none.
 
-The method is minimalloc's (Moffitt, "MiniMalloc: A Lightweight Memory Allocator for
-Hardware-Accelerated Machine Learning", ASPLOS 2023; google/minimalloc), reimplemented:
+Follows minimalloc's recipe (Moffitt, "MiniMalloc: A Lightweight Memory Allocator for
+Hardware-Accelerated Machine Learning", ASPLOS 2023; google/minimalloc) with a
+skyline branching rule that suits an interpreted language:
 
-- **Canonical placements.** Every buffer is placed at its *minimum offset*: the top of
-  the highest placed buffer it overlaps in time (rounded up to its alignment). Buffers
-  are placed in non-decreasing (offset, pre-order rank); every packing can be pushed
-  down into such a canonical one, so searching these alone is complete.
-- **Cross-section inference.** A section is a maximal time interval with a constant
-  live set. Each keeps a floor (the lowest offset still usable by its unplaced buffers)
-  and the bytes of its unplaced buffers; `max(floor, current offset) + bytes >
-  capacity` prunes the branch.
-- **Dominance.** No buffer is placed at or above the lowest top any unplaced buffer
-  could reach: that would leave a gap the lower buffer fills better.
-- **Decomposition.** Time points where no buffer is live split the problem
-  statically; during search, a section boundary that no unplaced buffer crosses
-  splits the rest into independent sub-problems, solved one after the other.
-- **Orderings tried in turn.** Static pre-orders (by width in sections, area and
-  largest section total) are tried round-robin under a node budget that doubles,
-  so one unlucky order does not stall the search.
+- **Canonical placements.** Only gravity-normalised packings are searched: every
+  buffer rests on offset 0 or on the top of another buffer. Each section (a maximal
+  time interval with a constant live set) has a *skyline*: below it everything is
+  placed or proven empty. The search takes the lowest, then leftmost, section that
+  still has unplaced buffers, and branches on what sits there: one of the unplaced
+  buffers that *start* in that section and whose whole lifetime is at that level
+  (any other buffer could not be there), or nothing, in which case the section's
+  skyline rises to the next level at which a buffer could rest. Every normalised
+  packing is reached this way, so an exhausted search proves infeasibility.
+- **Cross-section inference.** A section's unplaced bytes must fit between its skyline
+  and the capacity; a move that breaks this in any section it touched is pruned.
+- **Dominance.** Identical candidates (same lifetime, same size) are tried once;
+  waste is only tried after every buffer that could fill the spot.
+- **Decomposition.** Time points where no buffer is live split the problem into
+  parts solved one after another (a failure in one part does not re-search another).
+- **Orderings tried in turn.** Candidate orders (widest first, largest first, largest
+  area first) run round-robin under a node budget that doubles, as minimalloc does
+  with its pre-orderings, so one unlucky order does not stall the search.
 
 It answers a decision question; `memplan.layout.pack` turns it into minimisation.
 Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignments.
@@ -33,16 +36,14 @@ import numpy as np
 
 FOUND, NOT_FOUND, ABORTED, TIMEOUT = 0, 1, 2, 3
 
-# Pre-order heuristics, as in minimalloc: each letter a key, largest first.
-# W: sections spanned, A: area (bytes x time), T: largest section total, Z: size.
-HEURISTICS = ("WAT", "TAW", "TWA", "AWT")
-
-
-_UNPLACED = np.iinfo(np.int64).max // 4
+# Candidate orders, each a tuple of keys taken largest first:
+# W: sections spanned, Z: size, A: area (bytes x time).
+HEURISTICS = ("WZ", "ZW", "AZ")
+_DONE = np.iinfo(np.int64).max
 
 
 class _Search:
-    """Depth-first search state; numpy columns so each node costs O(sections x buffers) in C."""
+    """Skyline depth-first search over one decision problem."""
 
     def __init__(
         self,
@@ -54,186 +55,251 @@ class _Search:
         deadline: float,
     ) -> None:
         self.n = n = int(lower.shape[0])
-        self.size = nbytes.astype(np.int64)
-        self.size_list = self.size.tolist()
-        self.align = align.astype(np.int64)
+        self.size = nbytes.tolist()
+        self.align = align.tolist()
         self.capacity = capacity
         self.deadline = deadline
         points = np.unique(np.concatenate([lower, upper]))
-        self.s_lo = np.searchsorted(points, lower).astype(np.int64)
-        self.s_hi = np.searchsorted(points, upper).astype(np.int64)
-        self.s_lo_list = self.s_lo.tolist()
-        self.s_hi_list = self.s_hi.tolist()
+        s_lo = np.searchsorted(points, lower)
+        s_hi = np.searchsorted(points, upper)
+        self.s_lo, self.s_hi = s_lo.tolist(), s_hi.tolist()
         self.num_sections = num_sections = max(int(points.shape[0]) - 1, 0)
-        sections = np.arange(num_sections)
-        # members[s, b]: buffer b is live in section s.
-        self.members = (sections[:, None] >= self.s_lo[None, :]) & (sections[:, None] < self.s_hi[None, :])
-        self.total = (self.members * self.size[None, :]).sum(axis=1).astype(np.int64)
-        self.floor = np.zeros(num_sections, np.int64)
-        self.overlaps = []
-        for b in range(n):
-            mask = (lower < upper[b]) & (upper > lower[b])
-            mask[b] = False
-            self.overlaps.append(np.flatnonzero(mask))
-        # cuts[k]: buffers crossing the boundary between section k and k+1.
         diff = np.zeros(num_sections + 1, np.int64)
-        wide = self.s_hi - self.s_lo >= 2
-        np.add.at(diff, self.s_lo[wide], 1)
-        np.add.at(diff, self.s_hi[wide] - 1, -1)
-        self.cuts = np.cumsum(diff)[:num_sections].tolist()
-        self.placed = np.zeros(n, bool)
+        np.add.at(diff, s_lo, nbytes)
+        np.add.at(diff, s_hi, -nbytes)
+        self.total = np.cumsum(diff)[:num_sections]  # unplaced bytes per section
+        self.skyline = np.zeros(num_sections, np.int64)
+        self.starting: list[list[int]] = [[] for _ in range(num_sections)]
+        for b in range(n):
+            self.starting[self.s_lo[b]].append(b)
+        self.width = (s_hi - s_lo).tolist()
+        # cuts[k]: unplaced buffers live on both sides of the boundary after section k.
+        cut_diff = np.zeros(num_sections + 1, np.int64)
+        wide = s_hi - s_lo >= 2
+        np.add.at(cut_diff, s_lo[wide], 1)
+        np.add.at(cut_diff, s_hi[wide] - 1, -1)
+        self.cuts = np.cumsum(cut_diff)[:num_sections].tolist()
+        # members[s, b]: buffer b is live in section s; rest[b]: the lowest offset b could
+        # take now (the highest skyline over its lifetime), _DONE once placed.
+        sections = np.arange(num_sections)
+        self.members = (sections[:, None] >= s_lo[None, :]) & (sections[:, None] < s_hi[None, :])
+        self.rest = np.zeros(n, np.int64)
+        self.overlaps = [np.flatnonzero((lower < upper[b]) & (upper > lower[b])) for b in range(n)]
+        self.covering = [np.flatnonzero(self.members[k]) for k in range(num_sections)]
+        self.placed = [False] * n
         self.offset = np.full(n, -1, np.int64)
-        self.solution = np.full(n, -1, np.int64)
-        self.min_off = np.zeros(n, np.int64)
-        self.pre = np.zeros(n, np.int64)
         self.nodes = 0
         self.backtracks = 0
         self.node_limit = 1 << 62
-        self.heuristic = HEURISTICS[0]
+        self.key: list[tuple[int, ...]] = [()] * n
 
-    def static_partitions(self) -> list[tuple[np.ndarray, int, int]]:
-        """Runs of sections with a non-empty live set, and the buffers in each."""
+    def static_partitions(self) -> list[tuple[int, int]]:
+        """Runs of sections that no buffer's lifetime crosses out of (cut count zero)."""
         parts = []
-        live = self.members.any(axis=1).tolist()
-        s = 0
-        while s < self.num_sections:
-            if not live[s]:
-                s += 1
-                continue
-            start = s
-            while s < self.num_sections and live[s]:
-                s += 1
-            cols = np.flatnonzero((self.s_lo < s) & (self.s_hi > start))
-            parts.append((cols, start, s))
+        start = 0
+        for k in range(self.num_sections):
+            if k == self.num_sections - 1 or self.cuts[k] == 0:
+                if int(self.total[start : k + 1].max()) > 0:
+                    parts.append((start, k + 1))
+                start = k + 1
         return parts
 
     def solve(self, heuristics: tuple[str, ...] = HEURISTICS) -> int:
-        """FOUND (self.solution holds offsets), NOT_FOUND (proven) or TIMEOUT."""
-        if self.n and (int(self.size.max()) > self.capacity or int(self.total.max()) > self.capacity):
+        """FOUND (self.offset holds offsets), NOT_FOUND (proven) or TIMEOUT."""
+        if self.n and (max(self.size) > self.capacity or int(self.total.max()) > self.capacity):
             return NOT_FOUND
-        parts = self.static_partitions()
-        budget = max(self.n, 1)
+        for s_start, s_end in self.static_partitions():
+            status = self._solve_part(s_start, s_end, heuristics)
+            if status != FOUND:
+                return status
+        return FOUND
+
+    def _solve_part(self, s_start: int, s_end: int, heuristics: tuple[str, ...]) -> int:
+        budget = max(self.n, 64)
         while True:
-            budget *= 2
             for heuristic in heuristics:
-                self.heuristic = heuristic
+                by_letter = {
+                    "W": self.width,
+                    "Z": self.size,
+                    "A": [self.size[b] * self.width[b] for b in range(self.n)],
+                }
+                self.key = [tuple(-by_letter[c][b] for c in heuristic) + (b,) for b in range(self.n)]
                 self.node_limit = self.nodes + budget if len(heuristics) > 1 else 1 << 62
-                status = FOUND
-                for cols, s_start, s_end in parts:
-                    status = self._sub_solve(cols, s_start, s_end)
-                    if status != FOUND:
-                        break
-                if status in (FOUND, NOT_FOUND, TIMEOUT):
+                status = self._search(s_start, s_end)
+                if status != ABORTED:
                     return status
+            budget *= 2
 
-    def _sub_solve(self, cols: np.ndarray, s_start: int, s_end: int) -> int:
-        """Rank the partition's buffers by the current heuristic, then search it."""
-        sub = self.members[s_start:s_end][:, cols]
-        width = (self.s_hi - self.s_lo)[cols]
-        area = self.size[cols] * width
-        totals = np.where(sub, self.total[s_start:s_end, None], 0).max(axis=0)
-        by_letter = {"W": width, "A": area, "T": totals, "Z": self.size[cols]}
-        keys = [cols] + [-by_letter[c] for c in reversed(self.heuristic)]
-        ranked = np.lexsort(keys)
-        self.pre[cols[ranked]] = np.arange(cols.shape[0])
-        return self._search(cols, sub, s_start, s_end, -1, -1)
-
-    def _search(self, cols: np.ndarray, sub: np.ndarray, s_start: int, s_end: int, min_offset: int, min_pre: int) -> int:
+    def _search(self, s_start: int, s_end: int) -> int:
         self.nodes += 1
         if self.nodes > self.node_limit:
             return ABORTED
-        if (self.nodes & 63) == 0 and time.monotonic() > self.deadline:
+        if (self.nodes & 255) == 0 and time.monotonic() > self.deadline:
             return TIMEOUT
-        placed, min_off, size = self.placed, self.min_off, self.size
-        unplaced = cols[~placed[cols]]
-        if unplaced.shape[0] == 0:
-            done = self.placed
-            self.solution[done] = self.offset[done]
-            return FOUND
-        offsets = min_off[unplaced]
-        ranks = self.pre[unplaced]
-        order = np.lexsort((ranks, offsets))
-        min_height = int((offsets + size[unplaced]).min())
+        total = self.total[s_start:s_end]
+        sky = self.skyline[s_start:s_end]
+        open_rows = total > 0
+        if not open_rows.any():
+            return FOUND  # every buffer of this part is placed
         capacity = self.capacity
-        floor, total = self.floor, self.total
-        for k in order.tolist():
-            offset = int(offsets[k])
-            if offset >= min_height:
-                break  # dominance: a lower unplaced buffer would fill this gap better
-            rank = int(ranks[k])
-            if offset < min_offset or (offset == min_offset and rank < min_pre):
-                continue  # not canonical
-            b = int(unplaced[k])
-            top = offset + self.size_list[b]
+        lowest = int(np.where(open_rows, sky, _DONE).min())
+        tight = np.flatnonzero(open_rows & (sky == lowest) & (sky + total == capacity))
+        if tight.shape[0]:
+            # A lowest section with no slack must be filled exactly from its skyline up:
+            # some buffer sits right there, with its whole lifetime at that level. Branch
+            # on the section with the fewest such buffers (fail first).
+            levels = sky[tight]
+            fits = self.members[s_start + tight] & (self.rest[None, :] == levels[:, None])
+            counts = fits.sum(axis=1)
+            row = int(np.argmin(counts))
+            h = int(levels[row])
+            candidates = [b for b in np.flatnonzero(fits[row]).tolist() if h % self.align[b] == 0]
+            status = self._branch(candidates, h, s_start, s_end)
+            if status == NOT_FOUND:
+                self.backtracks += 1
+            return status
+        # Otherwise the lowest, leftmost open section: a buffer starting there sits at
+        # its skyline, or nothing does.
+        level = np.where(open_rows, sky, _DONE)
+        s = int(np.argmin(level))
+        h = int(level[s])
+        s += s_start
+        skyline, size, s_hi = self.skyline, self.size, self.s_hi
+        candidates = []
+        for b in self.starting[s]:
+            if self.placed[b] or h % self.align[b] or h + size[b] > capacity:
+                continue
+            if int(skyline[s : s_hi[b]].max()) != h:
+                continue
+            candidates.append(b)
+        status = self._branch(candidates, h, s_start, s_end)
+        if status != NOT_FOUND:
+            return status
+        # Nothing sits at (s, h): raise the section to the next level a buffer could rest at.
+        rise = self._next_level(s, h)
+        if rise is not None and rise + int(self.total[s]) <= capacity:
+            skyline[s] = rise
+            cov = self.covering[s]
+            saved_rest = self.rest[cov]
+            self.rest[cov] = np.maximum(saved_rest, rise)
+            if self._floors_fit(cov):
+                status = self._search(s_start, s_end)
+            self.rest[cov] = saved_rest
+            skyline[s] = h
+        if status == NOT_FOUND:
+            self.backtracks += 1
+        return status
+
+    def _branch(self, candidates: list[int], h: int, s_start: int, s_end: int) -> int:
+        """Try each candidate at offset h (identical ones once); NOT_FOUND if none works."""
+        skyline, size, capacity = self.skyline, self.size, self.capacity
+        candidates.sort(key=self.key.__getitem__)
+        tried: set[tuple[int, int, int]] = set()
+        for b in candidates:
+            lo, hi = self.s_lo[b], self.s_hi[b]
+            signature = (lo, hi, size[b])
+            if signature in tried:
+                continue  # an identical buffer was tried here already
+            tried.add(signature)
+            top = h + size[b]
             if top > capacity:
                 continue
-            placed[b] = True
-            self.offset[b] = offset
-            # Raise the minimum offsets of the unplaced buffers it overlaps.
+            saved = skyline[lo:hi].copy()
+            skyline[lo:hi] = top
+            self.total[lo:hi] -= size[b]
+            self.placed[b] = True
+            self.offset[b] = h
             ov = self.overlaps[b]
-            raised = ov[~placed[ov] & (min_off[ov] < top)]
-            old_min = min_off[raised]
-            a = self.align[raised]
-            min_off[raised] = -(-top // a) * a
-            # Sections it spans: floor to its top, its bytes leave the unplaced total.
-            lo, hi = self.s_lo_list[b], self.s_hi_list[b]
-            old_floor = floor[lo:hi].copy()
-            floor[lo:hi] = top
-            total[lo:hi] -= self.size_list[b]
+            saved_rest = self.rest[ov]
+            self.rest[ov] = np.maximum(saved_rest, top)
+            self.rest[b] = _DONE
             status = NOT_FOUND
-            if self._check(cols, sub, s_start, s_end, offset):
-                status = self._decompose(cols, sub, s_start, s_end, offset, rank, b)
-            floor[lo:hi] = old_floor
-            total[lo:hi] += self.size_list[b]
-            min_off[raised] = old_min
-            placed[b] = False
-            self.offset[b] = -1
+            if not bool((skyline[lo:hi] + self.total[lo:hi] > capacity).any()) and self._floors_fit(ov):
+                status = self._place_rest(s_start, s_end, lo, hi)
+            self.rest[ov] = saved_rest
+            self.placed[b] = False
+            self.total[lo:hi] += size[b]
+            skyline[lo:hi] = saved
             if status != NOT_FOUND:
+                if status != FOUND:
+                    self.offset[b] = -1
                 return status
-        self.backtracks += 1
+            self.offset[b] = -1
         return NOT_FOUND
 
-    def _check(self, cols: np.ndarray, sub: np.ndarray, s_start: int, s_end: int, offset: int) -> bool:
-        """Cross-section inference: every section's unplaced bytes fit above its floor."""
-        total = self.total[s_start:s_end]
-        # A section's floor is at least the lowest minimum offset of its unplaced buffers.
-        waiting = np.where(self.placed[cols], _UNPLACED, self.min_off[cols])
-        lowest = np.where(sub, waiting[None, :], _UNPLACED).min(axis=1)
-        floor = np.maximum(np.maximum(self.floor[s_start:s_end], lowest), offset)
-        return not bool(((total > 0) & (floor + total > self.capacity)).any())
+    def _floors_fit(self, changed: np.ndarray) -> bool:
+        """In every section of the buffers whose rest level rose, some unplaced buffer
+        must still be able to sit low enough for the section's unplaced bytes to fit."""
+        a = min(self.s_lo[b] for b in changed.tolist())
+        z = max(self.s_hi[b] for b in changed.tolist())
+        lowest = np.where(self.members[a:z], self.rest[None, :], _DONE).min(axis=1)
+        total = self.total[a:z]
+        return not bool(((total > 0) & (lowest + total > self.capacity)).any())
 
-    def _decompose(
-        self, cols: np.ndarray, sub: np.ndarray, s_start: int, s_end: int, offset: int, rank: int, b: int
-    ) -> int:
+    def _place_rest(self, s_start: int, s_end: int, lo: int, hi: int) -> int:
+        """Search on after a buffer over sections [lo, hi) was placed, splitting the range
+        where no unplaced buffer crosses a boundary any more: the parts are independent."""
         cuts = self.cuts
-        cutpoints = [s_start]
-        lo, hi = self.s_lo_list[b], self.s_hi_list[b]
-        for s in range(lo, hi - 1):
-            cuts[s] -= 1
-            if cuts[s] == 0:
-                cutpoints.append(s + 1)
+        splits = []
+        for k in range(lo, hi - 1):
+            cuts[k] -= 1
+            if cuts[k] == 0:
+                splits.append(k + 1)
         try:
-            if len(cutpoints) == 1:
-                return self._search(cols, sub, s_start, s_end, offset, rank)
-            cutpoints.append(s_end)
-            solved_any = False
-            for k in range(1, len(cutpoints)):
-                c_lo, c_hi = cutpoints[k - 1], cutpoints[k]
-                if c_lo >= c_hi:
-                    continue
-                inside = cols[~self.placed[cols] & (self.s_lo[cols] < c_hi) & (self.s_hi[cols] > c_lo)]
-                if inside.shape[0] == 0:
-                    continue
-                status = self._sub_solve(inside, c_lo, c_hi)
-                if status != FOUND:
-                    return status
-                solved_any = True
-            if not solved_any:  # nothing left to place: record this leaf
-                return self._search(cols, sub, s_start, s_end, offset, rank)
+            if not splits:
+                return self._search(s_start, s_end)
+            bounds = [s_start, *splits, s_end]
+            for k in range(len(bounds) - 1):
+                a, b = bounds[k], bounds[k + 1]
+                if a < b and int(self.total[a:b].max()) > 0:
+                    status = self._search(a, b)
+                    if status != FOUND:
+                        return status
             return FOUND
         finally:
-            for s in range(lo, hi - 1):
-                cuts[s] += 1
+            for k in range(lo, hi - 1):
+                cuts[k] += 1
+
+    def _next_level(self, s: int, h: int) -> int | None:
+        """Lowest offset above h at which an unplaced buffer live in section s could rest."""
+        best = None
+        skyline = self.skyline
+        for b in self._unplaced_in(s):
+            lo, hi = self.s_lo[b], self.s_hi[b]
+            others = np.concatenate([skyline[lo:s], skyline[s + 1 : hi]])
+            level = int(others.max()) if others.shape[0] else 0
+            if level <= h:
+                # It would rest on an unplaced buffer of another section: at least that high.
+                sizes = [self.size[o] for o in self._unplaced_beside(b, s)]
+                if not sizes:
+                    continue
+                level = h + min(sizes)
+            a = self.align[b]
+            level = -(-level // a) * a
+            if best is None or level < best:
+                best = level
+        return best
+
+    def _unplaced_in(self, s: int) -> list[int]:
+        out = []
+        for t in range(s, -1, -1):
+            for b in self.starting[t]:
+                if not self.placed[b] and self.s_hi[b] > s:
+                    out.append(b)
+        return out
+
+    def _unplaced_beside(self, b: int, s: int) -> list[int]:
+        """Unplaced buffers other than b live in b's sections other than s, and not in s."""
+        lo, hi = self.s_lo[b], self.s_hi[b]
+        out = []
+        for t in range(0, hi):
+            for o in self.starting[t]:
+                if o == b or self.placed[o]:
+                    continue
+                o_lo, o_hi = self.s_lo[o], self.s_hi[o]
+                if o_hi > lo and o_lo < hi and not (o_lo <= s < o_hi):
+                    out.append(o)
+        return out
 
 
 def solve_exact(
@@ -264,5 +330,5 @@ def solve_exact(
         sys.setrecursionlimit(old_limit)
     stats = {"nodes": search.nodes, "backtracks": search.backtracks}
     if status == FOUND:
-        return FOUND, search.solution.copy(), stats
+        return FOUND, search.offset.copy(), stats
     return status, None, stats
