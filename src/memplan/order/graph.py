@@ -430,6 +430,60 @@ def _trace(step_fn: Callable[..., Any], inputs: tuple[Any, ...]) -> fx.GraphModu
         raise
 
 
+def reachable_tensors(step_fn: Callable[..., Any], depth: int = 4) -> list[torch.Tensor]:
+    """Real tensors a step function can reach: through its closure, bound object and the
+    globals it names, into modules (parameters, buffers), optimizers (state) and
+    containers, `depth` levels of functions deep. Each tensor once."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, level: int) -> None:
+        if id(obj) in seen or level < 0:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for t in (*obj.parameters(), *obj.buffers()):
+                found.setdefault(id(t), t)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for p in group["params"]:
+                    found.setdefault(id(p), p)
+            for state in obj.state.values():
+                for value in state.values():
+                    visit(value, level)
+        elif isinstance(obj, (list, tuple, set)):
+            for item in obj:
+                visit(item, level)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, level)
+        elif callable(obj) and hasattr(obj, "__code__"):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, level - 1)
+                except ValueError:  # an empty cell
+                    pass
+            names = obj.__code__.co_names
+            module_globals = getattr(obj, "__globals__", {})
+            for name in names:
+                if name in module_globals:
+                    value = module_globals[name]
+                    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, list, dict, tuple)) or (
+                        callable(value) and getattr(value, "__module__", None) == obj.__module__
+                    ):
+                        visit(value, level - 1)
+            if hasattr(obj, "__self__"):
+                visit(obj.__self__, level - 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and level > 0:
+            for value in vars(obj).values():
+                visit(value, level - 1)
+
+    visit(step_fn, depth)
+    return [t for t in found.values() if not isinstance(t, torch._subclasses.fake_tensor.FakeTensor)]
+
+
 def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> StepGraph:
     """Trace `step_fn(*example_inputs)` (real tensors in its closure) as one graph.
 
@@ -438,16 +492,25 @@ def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> Ste
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    # FakeTensorMode runs an operator for real when none of its inputs is fake (an
+    # optimizer's `buf.mul_(momentum)` on real state), so the real state the step can
+    # reach is saved first and put back after tracing.
+    saved = [(t, t.detach().clone()) for t in reachable_tensors(step_fn)]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fake_inputs = tuple(
-            mode.from_tensor(x) if isinstance(x, torch.Tensor) else
-            ({k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-             if isinstance(x, dict) else x)
-            for x in example_inputs
-        )
-        gm = _trace(step_fn, fake_inputs)
-        split = split_foreach(gm)
+    try:
+        with mode:
+            fake_inputs = tuple(
+                mode.from_tensor(x) if isinstance(x, torch.Tensor) else
+                ({k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+                 if isinstance(x, dict) else x)
+                for x in example_inputs
+            )
+            gm = _trace(step_fn, fake_inputs)
+            split = split_foreach(gm)
+    finally:
+        with torch.no_grad():
+            for tensor, value in saved:
+                tensor.copy_(value)
     graph = analyse(gm, {"foreach_split": split})
     if graph.scalar_reads:
         raise UserError(
