@@ -1,0 +1,59 @@
+"""`memplan estimate` on the command line: JSON keys, and one-line errors with exit code 2."""
+
+import json
+
+import pytest
+
+from memplan.cli import main
+
+TINY = ["--seq", "32"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_has_the_issue_keys(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "gpt2", *TINY, "--gpu", "t4", "--json")
+    assert code == 0
+    data = json.loads(out)
+    for key in ("model", "parameters", "setup", "per_rank", "peak_allocated_bytes", "peak_reserved_bytes",
+                "device_used_bytes", "capacity_bytes", "fits", "elapsed_s"):
+        assert key in data
+    rank = data["per_rank"][0]
+    assert set(rank) >= {"rank", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes", "breakdown",
+                         "peak_phase"}
+    assert set(rank["breakdown"]) == {"parameters", "gradients", "optimizer_state", "activations", "temporaries",
+                                      "other"}
+    assert sum(rank["breakdown"].values()) == rank["peak_allocated_bytes"]
+    assert data["peak_allocated_bytes"] <= data["peak_reserved_bytes"] < data["device_used_bytes"]
+    assert data["fits"] is True and data["parameters"] == 124439808
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--world-size", "6", "--tp", "4"], "not divisible by tp"),
+    (["--tp", "5"], "does not divide the 12 attention heads"),
+    (["--gpu", "h1000"], "unknown GPU 'h1000'.*a100-40gb"),
+    (["--capacity", "80 parsecs"], "cannot read size"),
+    (["--zero", "4"], "zero stage must be"),
+    (["--allocator", "buddy"], "unknown allocator"),
+])
+def test_bad_input_is_one_line_on_stderr_and_exit_code_2(capsys, argv, message):
+    import re
+
+    code, out, err = run_cli(capsys, "estimate", "gpt2", *TINY, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err)
+
+
+def test_kv_heads_that_tp_does_not_divide_are_refused(capsys):
+    code, _, err = run_cli(capsys, "estimate", "llama-3-8b", "--seq", "32", "--tp", "16")
+    assert code == 2 and "8 key/value heads" in err
+
+
+def test_capacity_below_the_estimate_does_not_fit(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "gpt2", *TINY, "--capacity", "1GiB", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["capacity_bytes"] == 2**30 and data["fits"] is False

@@ -1,0 +1,75 @@
+"""Parallel layouts: checks, and the sharding rules on hand-computable tiny steps."""
+
+import pytest
+
+from memplan import models
+from memplan.errors import UserError
+from memplan.estimate import estimate
+from memplan.parallel import Layout
+
+SETUP = models.TrainingSetup(seq=32, dtype="bf16")
+
+
+def _rank0(layout, family="llama-2-7b", **options):
+    setup = models.TrainingSetup(seq=32, dtype="bf16", **options)
+    return estimate(models.tiny_config(family), setup, layout, allocator="none", device="cpu").per_rank[0]
+
+
+def test_world_size_defaults_to_tp_times_pp_and_dp_is_what_remains():
+    assert Layout(tp=2, pp=2).world_size == 4
+    assert Layout(world_size=16, tp=2, pp=2).dp == 4
+
+
+def test_world_size_not_divisible_by_tp_times_pp_is_a_user_error():
+    with pytest.raises(UserError, match="not divisible"):
+        Layout(world_size=6, tp=4)
+
+
+def test_shard_size_must_divide_the_data_parallel_degree_and_needs_zero_3():
+    with pytest.raises(UserError, match="must divide"):
+        Layout(world_size=8, zero=3, shard_size=3)
+    with pytest.raises(UserError, match="needs --zero 3"):
+        Layout(world_size=8, zero=2, shard_size=2)
+
+
+def test_tp_must_divide_attention_and_kv_heads():
+    config = models.tiny_config("llama-2-70b")  # 4 heads, 2 KV heads
+    with pytest.raises(UserError, match="key/value heads"):
+        Layout(tp=4).check(config, SETUP)
+    Layout(tp=2).check(config, SETUP)
+
+
+def test_pipeline_stages_must_split_the_blocks_evenly():
+    with pytest.raises(UserError, match="do not split evenly"):
+        Layout(pp=2, schedule="interleaved").check(models.tiny_config("gpt2"), SETUP)
+
+
+def test_zero_1_shards_optimizer_state_by_the_data_parallel_degree():
+    single = _rank0(None).breakdown
+    zero1 = _rank0(Layout(world_size=4, zero=1)).breakdown
+    # every state buffer is divided by 4 and rounded up to a whole byte
+    assert single["optimizer_state"] / 4 <= zero1["optimizer_state"] <= single["optimizer_state"] / 4 + 64 * 4
+
+
+def test_zero_3_shards_parameters_and_adds_gathered_blocks():
+    single = _rank0(None)
+    zero3 = _rank0(Layout(world_size=8, zero=3), checkpointing="full")
+    assert zero3.breakdown["parameters"] <= single.breakdown["parameters"] / 8 + 4096
+    assert zero3.breakdown["other"] > 0  # all-gathered unsharded parameters
+
+
+def test_ddp_keeps_one_gradient_sized_bucket_copy():
+    single = _rank0(None, optimizer="sgd")
+    ddp = _rank0(Layout(world_size=2), optimizer="sgd")
+    assert ddp.peak_allocated_bytes > single.peak_allocated_bytes
+
+
+def test_tensor_parallel_lowers_the_peak():
+    assert _rank0(Layout(tp=2)).peak_allocated_bytes < _rank0(None).peak_allocated_bytes
+
+
+def test_pipeline_reports_first_middle_and_last_stage_ranks():
+    config = models.tiny_config("gpt2", num_hidden_layers=4)
+    result = estimate(config, SETUP, Layout(pp=4, microbatches=8), device="cpu", allocator="none")
+    assert [r.rank for r in result.per_rank] == [0, 1, 3]
+    assert result.per_rank[1].ranks == [1, 2]
