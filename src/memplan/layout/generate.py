@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from memplan.layout.problem import Problem
+from memplan.trace.model import Trace
 
 
 def tight_instance(
@@ -57,3 +58,78 @@ def tight_instance(
     offsets = np.array([r[2] * quantum_bytes for r in rects], np.int64)
     problem = Problem.from_arrays(lower, upper, nbytes, 1, capacity=height_quanta * quantum_bytes)
     return problem, offsets
+
+
+def training_trace(
+    *,
+    iterations: int = 3,
+    microbatches: int = 2,
+    layers: int = 4,
+    hidden_bytes: int = 1 << 20,
+    weight_bytes: int = 4 << 20,
+    dynamic: bool = False,
+    seed: int = 0,
+) -> Trace:
+    """A synthetic training step: weights, then per iteration forward (saved activations
+    and short temporaries per layer and micro-batch), backward (frees activations in
+    reverse, gradients on the first micro-batch, live until the next iteration starts),
+    and an optimizer step (states created in iteration 0, kept). With `dynamic`, one
+    activation per layer changes size between iterations (MoE-like routing)."""
+    from memplan.trace.model import ALLOC, CATEGORY, FREE, PHASE, from_events
+
+    rng = np.random.default_rng(seed)
+    kinds: list[int] = []
+    events: list[int] = []
+    sizes: list[int] = []
+    meta: list[tuple[int, int, int, int]] = []  # category, phase, iteration, microbatch
+    live_grads: list[int] = []
+
+    def alloc(nbytes: int, category: str, phase: str, it: int, mb: int) -> int:
+        sizes.append(int(nbytes))
+        meta.append((CATEGORY[category], PHASE[phase], it, mb))
+        kinds.append(ALLOC)
+        events.append(len(sizes) - 1)
+        return len(sizes) - 1
+
+    def free(buf: int) -> None:
+        kinds.append(FREE)
+        events.append(buf)
+
+    weights = [alloc(weight_bytes, "parameter", "other", -1, 0) for _ in range(layers)]
+    states: list[int] = []
+    for it in range(iterations):
+        for g in live_grads:
+            free(g)
+        live_grads = []
+        for mb in range(microbatches):
+            saved: list[list[int]] = []
+            for _layer in range(layers):
+                acts = []
+                for mult in (1, 4, 1):
+                    acts.append(alloc(hidden_bytes * mult, "activation", "forward", it, mb))
+                    tmp = alloc(hidden_bytes * 2, "temporary", "forward", it, mb)
+                    free(tmp)
+                if dynamic:
+                    routed = int(hidden_bytes * (1 + (rng.random() if it else 0.5)))
+                    acts.append(alloc(routed // 512 * 512, "activation", "forward", it, mb))
+                saved.append(acts)
+            for layer in reversed(range(layers)):
+                tmp = alloc(hidden_bytes * 4, "temporary", "backward", it, mb)
+                if mb == 0:
+                    live_grads.append(alloc(weight_bytes, "gradient", "backward", it, mb))
+                free(tmp)
+                for a in reversed(saved[layer]):
+                    free(a)
+        if it == 0:
+            states = [alloc(weight_bytes, "optimizer_state", "optimizer", it, 0) for _ in range(2 * layers)]
+        for _ in range(layers):
+            tmp = alloc(weight_bytes, "temporary", "optimizer", it, 0)
+            free(tmp)
+    del states, weights
+    trace = from_events(np.array(kinds), np.array(sizes), np.array(events))
+    cols = np.array(meta, dtype=np.int64).reshape(-1, 4)
+    trace.buffers["category"] = cols[:, 0].astype(np.int8)
+    trace.buffers["phase"] = cols[:, 1].astype(np.int8)
+    trace.buffers["iteration"] = cols[:, 2].astype(np.int32)
+    trace.buffers["microbatch"] = cols[:, 3].astype(np.int32)
+    return trace

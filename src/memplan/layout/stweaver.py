@@ -1,0 +1,384 @@
+"""`memplan.plan(trace)`: a periodic static plan of a training step, after STWeaver/STAlloc.
+
+STWeaver (arXiv 2507.16274, EuroSys '26; code infinigence/STAlloc) plans the
+allocations of the first iterations ahead and replays iteration 1's plan for every
+later one. This module follows its structure:
+
+1. **Window.** The prologue (buffers that exist before iteration 0, such as weights),
+   iteration 0 and iteration 1 (the *periodic* iteration L) are planned; later
+   iterations replay L's offsets. Time is the trace's event axis, cut at the end of L.
+   A buffer of L that is still live when L+1 starts *wraps*: in the periodic replay
+   it overlaps the start of the next period, so it gets a second piece at the start of
+   L (its free time is read from iteration L+1 of the trace, or from L-1's buffer at the
+   same request index when the trace ends with L).
+2. **Fixed regions.** Buffers live over the whole periodic window (weights, gradients
+   and optimizer states that persist) are stacked at the bottom of the arena:
+   parameters, gradients, optimizer states, then the rest, in allocation order.
+3. **Cross-phase groups.** Activations allocated in one phase of a micro-batch and
+   freed in another are grouped by (iteration, micro-batch, phase -> phase); a group is
+   packed on its own and placed as one unit whose height is its packed height. Groups
+   that use under 70% of their unit's space-time are dissolved (STAlloc's rule).
+4. **The rest into the gaps** by greedy-by-size best fit (`memplan.layout.greedy`).
+   The planner also packs everything without groups and keeps the lower plan, as
+   STAlloc tries two algorithms and keeps the smaller.
+5. **Dynamic reusable space.** Requests whose size differs between iterations at the
+   same request index (MoE routing, variable sequence lengths) are not given offsets;
+   their largest size is still reserved in the layout, and for each such request the
+   plan lists the arena ranges that no planned buffer uses during its lifetime.
+
+Sizes are rounded up to `alignment_bytes` (512, as PyTorch's allocator rounds).
+Every plan passes the independent validator (`memplan.layout.validate`) before it
+is returned. Assumes a validated trace of one device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from memplan.errors import UserError
+from memplan.layout.greedy import greedy_by_size
+from memplan.layout.plan import (
+    PROLOGUE,
+    DynamicWindow,
+    IterationPlan,
+    Plan,
+    requests_by_group,
+    trace_fingerprint,
+)
+from memplan.layout.validate import check_offsets
+from memplan.trace.model import CATEGORY, PHASE, Trace
+
+log = logging.getLogger(__name__)
+
+_FIXED_ORDER = [CATEGORY["parameter"], CATEGORY["gradient"], CATEGORY["optimizer_state"]]
+
+
+def plan(
+    trace: Trace,
+    *,
+    alignment_bytes: int = 512,
+    periodic_iteration: int | None = None,
+    device: str | None = None,
+) -> Plan:
+    """A periodic STWeaver plan for `trace`'s allocations (see the module docstring).
+
+    Only one device is planned: buffers of other devices (and cpu) count as zero bytes,
+    exactly as `memplan.simulate` views the trace (`device` picks one when it has several).
+    """
+    from memplan.alloc.simulate import device_view
+
+    start = time.monotonic()
+    trace = device_view(trace, device)
+    if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
+        raise UserError(f"alignment {alignment_bytes} must be a power of two")
+    groups = requests_by_group(trace)
+    iterations = sorted(g for g in groups if g >= 0)
+    if not groups:
+        raise UserError("the trace has no allocations to plan")
+    if periodic_iteration is None:
+        last = min(iterations[-1], 1) if iterations else PROLOGUE
+    else:
+        if periodic_iteration not in iterations:
+            raise UserError(f"iteration {periodic_iteration} is not in the trace (it has {iterations})")
+        last = periodic_iteration
+    planned = [g for g in groups if g <= last]
+    b = trace.buffers
+    nbytes = b["nbytes"].astype(np.int64)
+    alloc = b["alloc_event"].astype(np.int64)
+    free = trace.free_event_or_end()
+    n_events = trace.num_events
+    slot = -(-nbytes // alignment_bytes) * alignment_bytes
+
+    # -- the periodic window --------------------------------------------------------
+    if last >= 0:
+        period_start = int(alloc[groups[last]].min())
+        window_end = int(alloc[groups[last + 1]].min()) if (last + 1) in groups else n_events
+    else:
+        period_start, window_end = 0, n_events
+    dynamic = _dynamic_indices(groups, nbytes, last)
+    reserve = slot.copy()
+    if last >= 0 and dynamic.size:
+        later = [g for g in groups if g >= last]
+        for j in dynamic.tolist():
+            sizes = [int(slot[groups[g][j]]) for g in later if j < groups[g].shape[0]]
+            reserve[groups[last][j]] = max(sizes)
+
+    items: list[int] = []  # buffer ids of the instance
+    pieces_lo: list[int] = []
+    pieces_hi: list[int] = []
+    pieces_item: list[int] = []
+    fixed: list[int] = []
+    for g in planned:
+        ids = groups[g]
+        for idx, buf in enumerate(ids.tolist()):
+            if nbytes[buf] <= 0:
+                continue
+            a, f = int(alloc[buf]), int(free[buf])
+            spans = []
+            if g < last or last < 0:
+                spans.append((a, min(f, window_end) if f <= window_end else window_end))
+            else:
+                spans.append((a, min(f, window_end)))
+                if f > window_end or b["free_event"][buf] < 0:
+                    wrap_end = _wrap_end(trace, groups, last, idx, buf, period_start, window_end)
+                    if wrap_end > period_start:
+                        spans.append((period_start, wrap_end))
+            spans = _merge(spans)
+            whole = spans[0][0] <= period_start and spans[-1][1] >= window_end and len(spans) == 1
+            if whole and a < period_start and last >= 0:
+                fixed.append(buf)
+                continue
+            k = len(items)
+            items.append(buf)
+            for lo, hi in spans:
+                if hi > lo:
+                    pieces_lo.append(lo)
+                    pieces_hi.append(hi)
+                    pieces_item.append(k)
+
+    # -- fixed regions ------------------------------------------------------------------
+    offsets = np.full(trace.num_buffers, -1, np.int64)
+    category = b["category"].astype(np.int64)
+    rank = {c: i for i, c in enumerate(_FIXED_ORDER)}
+    fixed.sort(key=lambda x: (rank.get(int(category[x]), len(rank)), int(alloc[x])))
+    top = 0
+    for buf in fixed:
+        offsets[buf] = top
+        top += int(reserve[buf])
+    fixed_bytes = top
+
+    # -- the rest: with cross-phase groups as units, and without; keep the lower --------
+    item_ids = np.asarray(items, np.int64)
+    plo = np.asarray(pieces_lo, np.int64)
+    phi = np.asarray(pieces_hi, np.int64)
+    pitem = np.asarray(pieces_item, np.int64)
+    sizes = reserve[item_ids] if item_ids.size else np.zeros(0, np.int64)
+    t0 = time.monotonic()
+    plain = greedy_by_size(plo, phi, pitem, sizes, alignment_bytes, base_offset=fixed_bytes)
+    plain_height = int((plain + sizes).max()) if sizes.size else fixed_bytes
+    method = "greedy"
+    chosen = plain
+    grouped, groups_used = _grouped_layout(trace, item_ids, plo, phi, pitem, sizes, alignment_bytes, fixed_bytes)
+    if grouped is not None:
+        grouped_height = int((grouped + sizes).max())
+        if grouped_height < plain_height:
+            chosen, method = grouped, "cross-phase groups + greedy"
+    greedy_s = time.monotonic() - t0
+    offsets[item_ids] = chosen
+
+    # -- validate: every piece of every planned buffer, independently --------------------
+    fixed_ids = np.asarray(fixed, np.int64)
+    all_hi = np.concatenate([phi, np.full(len(fixed), max(window_end, 1), np.int64)])
+    fixed_lo = alloc[fixed_ids] if fixed_ids.size else np.zeros(0, np.int64)
+    all_lo = np.concatenate([plo, fixed_lo])
+    all_owner = np.concatenate([item_ids[pitem] if pitem.size else np.zeros(0, np.int64), fixed_ids])
+    height = check_offsets(all_lo, all_hi, reserve[all_owner], offsets[all_owner], alignment=alignment_bytes)
+    lower_bound = _live_peak(all_lo, all_hi, reserve[all_owner])
+
+    # -- the plan -------------------------------------------------------------------------
+    is_dynamic = np.zeros(trace.num_buffers, bool)
+    if last >= 0 and dynamic.size:
+        is_dynamic[groups[last][dynamic]] = True
+    entries = []
+    for g in planned:
+        ids = groups[g]
+        off = offsets[ids].copy()
+        off[is_dynamic[ids]] = -1
+        entries.append(IterationPlan(g, nbytes[ids].copy(), off))
+    windows = _dynamic_windows(groups, last, dynamic, alloc, free, window_end, all_lo, all_hi, all_owner, offsets, reserve, is_dynamic, height)
+    elapsed = time.monotonic() - start
+    result = Plan(
+        trace_fingerprint=trace_fingerprint(trace, planned),
+        arena_bytes=height,
+        alignment_bytes=alignment_bytes,
+        iterations=entries,
+        lower_bound_bytes=lower_bound,
+        dynamic_space=windows,
+        stats={
+            "method": method,
+            "fixed_bytes": fixed_bytes,
+            "fixed_buffers": len(fixed),
+            "planned_buffers": len(items) + len(fixed),
+            "dynamic_requests": int(dynamic.size),
+            "cross_phase_groups": groups_used,
+            "greedy_height": plain_height,
+            "trace_peak_bytes": int(trace.peak()[0]),
+            "packing_s": round(greedy_s, 3),
+            "elapsed_s": round(elapsed, 3),
+        },
+    )
+    log.info("plan: arena %d B, lower bound %d B, %s, %.2f s", height, lower_bound, method, elapsed)
+    return result
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    spans = sorted(s for s in spans if s[1] > s[0])
+    out: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _wrap_end(trace: Trace, groups: dict, last: int, idx: int, buf: int, period_start: int, window_end: int) -> int:
+    """Where, in the periodic window, a buffer of iteration `last` live past its end is freed."""
+    f = int(trace.buffers["free_event"][buf])
+    if f >= 0:
+        return period_start + (f - window_end)
+    prev = groups.get(last - 1)
+    nbytes = trace.buffers["nbytes"]
+    if prev is not None and idx < prev.shape[0] and nbytes[prev[idx]] == nbytes[buf]:
+        f_prev = int(trace.buffers["free_event"][prev[idx]])
+        if f_prev >= period_start:
+            return f_prev  # freed at this point of the next period, as its predecessor was
+    return window_end  # never freed: live over the whole period
+
+
+def _dynamic_indices(groups: dict, nbytes: np.ndarray, last: int) -> np.ndarray:
+    """Request indices of the periodic iteration whose size differs in a later iteration."""
+    if last < 0 or last not in groups:
+        return np.zeros(0, np.int64)
+    base = nbytes[groups[last]]
+    differs = np.zeros(base.shape[0], bool)
+    for g, ids in groups.items():
+        if g <= last:
+            continue
+        m = min(base.shape[0], ids.shape[0])
+        differs[:m] |= nbytes[ids[:m]] != base[:m]
+        differs[m:] |= ids.shape[0] < base.shape[0]
+    return np.flatnonzero(differs)
+
+
+def _grouped_layout(
+    trace: Trace,
+    item_ids: np.ndarray,
+    plo: np.ndarray,
+    phi: np.ndarray,
+    pitem: np.ndarray,
+    sizes: np.ndarray,
+    alignment: int,
+    base: int,
+) -> tuple[np.ndarray | None, int]:
+    """STWeaver's cross-phase activation groups packed as units, the rest greedy around them."""
+    if item_ids.size == 0:
+        return None, 0
+    b = trace.buffers
+    single = np.bincount(pitem, minlength=item_ids.shape[0]) == 1
+    free = trace.buffers["free_event"][item_ids]
+    free_phase = np.full(item_ids.shape[0], -1, np.int64)
+    freed = free >= 0
+    op = trace.events["op"][free[freed]]
+    phase_of_op = np.where(op >= 0, trace.ops["phase"][np.maximum(op, 0)] if trace.num_ops else -1, -1)
+    free_phase[freed] = phase_of_op
+    alloc_phase = b["phase"][item_ids].astype(np.int64)
+    cross = (
+        single
+        & freed
+        & (b["category"][item_ids] == CATEGORY["activation"])
+        & (free_phase >= 0)
+        & (free_phase != alloc_phase)
+        & (alloc_phase != PHASE["other"])
+    )
+    if not cross.any():
+        return None, 0
+    first_piece = np.full(item_ids.shape[0], -1, np.int64)
+    first_piece[pitem[::-1]] = np.arange(pitem.shape[0])[::-1]
+    keys: dict[tuple[int, ...], list[int]] = {}
+    for k in np.flatnonzero(cross).tolist():
+        buf = int(item_ids[k])
+        key = (int(b["iteration"][buf]), int(b["microbatch"][buf]), int(alloc_phase[k]), int(free_phase[k]))
+        keys.setdefault(key, []).append(k)
+    unit_of = np.full(item_ids.shape[0], -1, np.int64)
+    units: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []  # lo, hi, height, members, local offsets
+    for members in keys.values():
+        if len(members) < 2:
+            continue
+        m = np.asarray(members)
+        lo = plo[first_piece[m]]
+        hi = phi[first_piece[m]]
+        local = greedy_by_size(lo, hi, np.arange(m.shape[0]), sizes[m], alignment)
+        height = int((local + sizes[m]).max())
+        span_lo, span_hi = int(lo.min()), int(hi.max())
+        use = float((sizes[m] * (hi - lo)).sum()) / max(1.0, float(height) * (span_hi - span_lo))
+        if use < 0.7:
+            continue  # dissolved: too sparse to reserve as a block
+        unit_of[m] = len(units)
+        units.append((span_lo, span_hi, height, m, local))
+    if not units:
+        return None, 0
+    # Items for the outer packing: the units, then every buffer not in a unit.
+    rest = np.flatnonzero(unit_of < 0)
+    out_lo = [u[0] for u in units]
+    out_hi = [u[1] for u in units]
+    out_item = list(range(len(units)))
+    out_size = [u[2] for u in units]
+    keep = np.isin(pitem, rest)
+    remap = np.full(item_ids.shape[0], -1, np.int64)
+    remap[rest] = np.arange(rest.shape[0]) + len(units)
+    lo_all = np.concatenate([np.asarray(out_lo, np.int64), plo[keep]])
+    hi_all = np.concatenate([np.asarray(out_hi, np.int64), phi[keep]])
+    item_all = np.concatenate([np.asarray(out_item, np.int64), remap[pitem[keep]]])
+    size_all = np.concatenate([np.asarray(out_size, np.int64), sizes[rest]])
+    placed = greedy_by_size(lo_all, hi_all, item_all, size_all, alignment, base_offset=base)
+    offsets = np.full(item_ids.shape[0], -1, np.int64)
+    for u, (_, _, _, m, local) in enumerate(units):
+        offsets[m] = placed[u] + local
+    offsets[rest] = placed[len(units) :]
+    return offsets, len(units)
+
+
+def _live_peak(lo: np.ndarray, hi: np.ndarray, size: np.ndarray) -> int:
+    if lo.size == 0:
+        return 0
+    t = np.concatenate([lo, hi])
+    d = np.concatenate([size, -size])
+    order = np.lexsort((d, t))
+    return int(np.cumsum(d[order]).max())
+
+
+def _dynamic_windows(
+    groups: dict,
+    last: int,
+    dynamic: np.ndarray,
+    alloc: np.ndarray,
+    free: np.ndarray,
+    window_end: int,
+    piece_lo: np.ndarray,
+    piece_hi: np.ndarray,
+    piece_owner: np.ndarray,
+    offsets: np.ndarray,
+    reserve: np.ndarray,
+    is_dynamic: np.ndarray,
+    height: int,
+) -> list[DynamicWindow]:
+    """For each dynamic request: arena ranges no planned (static) buffer uses in its lifetime."""
+    if last < 0 or dynamic.size == 0:
+        return []
+    ids = groups[last]
+    static = ~is_dynamic[piece_owner]
+    s_lo, s_hi, s_owner = piece_lo[static], piece_hi[static], piece_owner[static]
+    s_off = offsets[s_owner]
+    s_top = s_off + reserve[s_owner]
+    alloc_of_group = alloc[ids]
+    windows = []
+    for j in dynamic.tolist():
+        buf = int(ids[j])
+        a, f = int(alloc[buf]), min(int(free[buf]), window_end)
+        end_request = int(np.searchsorted(alloc_of_group, f, side="left"))
+        busy = (s_lo < max(f, a + 1)) & (s_hi > a)
+        intervals = sorted(zip(s_off[busy].tolist(), s_top[busy].tolist()))
+        ranges = []
+        cursor = 0
+        for lo, hi in intervals:
+            if lo > cursor:
+                ranges.append((cursor, lo))
+            cursor = max(cursor, hi)
+        if cursor < height:
+            ranges.append((cursor, height))
+        windows.append(DynamicWindow(last, j, max(end_request, j + 1), ranges))
+    return windows

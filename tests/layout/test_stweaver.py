@@ -1,0 +1,163 @@
+"""The STWeaver planner and the planned replay: periodic, fixed regions, dynamic space, bounds."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memplan
+from memplan.alloc.planned import simulate_planned
+from memplan.cli import main
+from memplan.errors import UserError
+from memplan.layout import load_plan, plan, save_plan
+from memplan.layout.generate import training_trace
+from memplan.layout.plan import requests_by_group
+from memplan.trace import ALLOC, CATEGORY, FREE, from_events, save, validate
+
+
+def test_plan_of_a_training_trace_meets_the_live_lower_bound():
+    trace = training_trace(iterations=3, microbatches=2, layers=4)
+    result = plan(trace)
+    assert result.arena_bytes == result.lower_bound_bytes == trace.peak()[0]
+
+
+def test_weights_and_optimizer_states_sit_in_the_fixed_region_at_the_bottom():
+    trace = training_trace(iterations=2, layers=2)
+    result = plan(trace)
+    prologue = result.for_iteration(-1)
+    assert sorted(prologue.offset.tolist()) == [0, 4 << 20]  # two weights, stacked from 0
+    assert result.stats["fixed_bytes"] >= 2 * (4 << 20)
+
+
+def test_the_plan_is_periodic_iteration_1_is_replayed_for_later_ones():
+    trace = training_trace(iterations=4)
+    result = plan(trace)
+    assert result.groups == [-1, 0, 1]
+    assert result.for_iteration(3) is result.for_iteration(1)
+
+
+def test_planned_replay_serves_every_static_request_from_the_arena():
+    trace = training_trace(iterations=4, microbatches=2, layers=3)
+    replay = memplan.simulate(trace, "planned", plan=plan(trace))
+    assert replay.extra["fallback_requests"] == 0 and replay.extra["dynamic_requests"] == 0
+    assert replay.peak_reserved_bytes == trace.peak()[0]
+    caching = memplan.simulate(trace, "caching")
+    assert replay.peak_reserved_bytes < caching.peak_reserved_bytes
+
+
+def test_requests_whose_size_varies_use_the_dynamic_space_within_one_percent():
+    trace = training_trace(iterations=4, dynamic=True, seed=1)
+    result = plan(trace)
+    assert result.stats["dynamic_requests"] > 0 and result.dynamic_space
+    replay = simulate_planned(trace, result)
+    assert replay.extra["dynamic_requests"] > 0
+    assert replay.peak_reserved_bytes <= 1.01 * trace.peak()[0]
+
+
+def test_a_buffer_live_across_the_iteration_boundary_wraps_into_the_period():
+    # it0: g (grad) alloc, it1: g freed at start, then a; g' alloc; it2: g' freed, a'.
+    # In the periodic replay, iteration 2's `a` is live while iteration 1's g' is:
+    # the plan must keep them apart.
+    kinds = [ALLOC, FREE, ALLOC, ALLOC, FREE, FREE, ALLOC, FREE, ALLOC, ALLOC, FREE, FREE]
+    bufs = [0, 0, 1, 2, 2, 1, 3, 3, 4, 5, 5, 4]
+    # iteration 0: buffers 0 (temp), 1 (grad, freed in it1); iteration 1: 2 (temp)?
+    trace = from_events(kinds, [512, 1024, 2048, 512, 1024, 2048], bufs)
+    trace.buffers["iteration"][:] = [0, 0, 0, 1, 1, 1]
+    result = plan(trace)
+    replay = simulate_planned(trace, result)
+    assert replay.extra["fallback_requests"] == 0
+
+
+def test_a_plan_for_another_trace_is_refused():
+    result = plan(training_trace(layers=3))
+    with pytest.raises(UserError, match="another trace"):
+        simulate_planned(training_trace(layers=4), result)
+
+
+def test_plan_files_replay_from_disk(tmp_path):
+    trace = training_trace()
+    save_plan(plan(trace), tmp_path / "p.json")
+    replay = simulate_planned(trace, str(tmp_path / "p.json"))
+    assert replay.peak_reserved_bytes == load_plan(tmp_path / "p.json").arena_bytes
+
+
+def test_requests_beyond_the_plan_go_to_the_fallback():
+    trace = training_trace(iterations=2, layers=2)
+    result = plan(trace)
+    result.iterations[-1].offset[:] = -1  # nothing planned for iteration 1
+    replay = simulate_planned(trace, result)
+    assert replay.extra["fallback_requests"] == requests_by_group(trace)[1].shape[0]
+    assert replay.num_cuda_malloc > 1
+
+
+def test_a_hundred_thousand_buffer_trace_plans_within_30_s():
+    import time
+
+    trace = training_trace(iterations=2, microbatches=8, layers=900)
+    assert trace.num_buffers >= 100_000
+    start = time.monotonic()
+    result = plan(trace)
+    assert time.monotonic() - start <= 30
+    assert result.arena_bytes <= 1.01 * trace.peak()[0]
+
+
+events = st.lists(st.tuples(st.integers(1, 8), st.integers(1, 6)), min_size=1, max_size=30)
+
+
+@settings(max_examples=40, deadline=None)
+@given(events, st.integers(1, 3))
+def test_planned_replay_never_overlaps_and_stays_at_or_above_the_live_peak(sizes, iterations):
+    # Each iteration allocates the same buffers in order; buffer k is freed just before
+    # allocation k + life, or at the end of its iteration.
+    kinds, bufs, nbytes, its = [], [], [], []
+    for it in range(iterations):
+        due: dict[int, list[int]] = {}
+        for k, (size, life) in enumerate(sizes):
+            for d in due.pop(k, []):
+                kinds.append(FREE)
+                bufs.append(d)
+            b = len(nbytes)
+            nbytes.append(size * 512)
+            its.append(it)
+            kinds.append(ALLOC)
+            bufs.append(b)
+            due.setdefault(k + life, []).append(b)
+        for k in sorted(due):
+            for d in due[k]:
+                kinds.append(FREE)
+                bufs.append(d)
+    trace = validate(from_events(kinds, nbytes, bufs))
+    trace.buffers["iteration"][:] = its
+    trace.buffers["category"][:] = CATEGORY["activation"]
+    result = plan(trace)
+    replay = simulate_planned(trace, result)  # checks reserved >= allocated >= requested
+    assert replay.extra["fallback_requests"] == 0
+    assert replay.peak_reserved_bytes == result.arena_bytes >= trace.peak()[0]
+
+
+def test_cli_plan_then_simulate(tmp_path, capsys):
+    path = tmp_path / "t.memtrace"
+    save(training_trace(), path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "-o", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["arena_bytes"] == doc["lower_bound_bytes"]
+    assert main(["simulate", str(path), "--allocator", "planned", "--plan", str(out), "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["peak_reserved_bytes"] == doc["arena_bytes"]
+
+
+def test_cli_plan_of_a_missing_trace_exits_2(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "none.memtrace"), "-o", str(tmp_path / "p.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_plan_offsets_never_collide_in_the_validator():
+    trace = training_trace(iterations=3, microbatches=3, layers=5, dynamic=True)
+    result = plan(trace)
+    for it in result.iterations:
+        assert (it.offset[it.offset >= 0] % 512 == 0).all()
+        assert np.all(it.offset + it.nbytes <= result.arena_bytes)
