@@ -7,6 +7,7 @@ import torch
 import memplan
 from memplan import models
 from memplan.capture.step import build_training_step
+from memplan.runtime import PlannedAllocator
 
 STEPS = 5
 WARMUP = 2
@@ -45,7 +46,7 @@ def default_run(name: str, seqs: list[int]) -> Training:
     return run
 
 
-def planned_run(name: str, seqs: list[int]) -> tuple[Training, memplan.runtime.PlannedAllocator]:
+def planned_run(name: str, seqs: list[int]) -> tuple[Training, PlannedAllocator]:
     run = Training(name)
     pa = memplan.planned_allocator.from_step(run.step, warmup=WARMUP)
     with pa:

@@ -12,6 +12,7 @@ hash, so only the first use after a change pays the compile (about a minute here
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from functools import cache
@@ -23,6 +24,13 @@ from memplan.errors import UserError
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_EXTENSION = "memplan_planned_allocator"
 CUDA_EXTENSION = "memplan_planned_allocator_cuda"
+
+
+def _cflags() -> list[str]:
+    # cpp_extension rebuilds when the sources or flags change, not the headers: the
+    # header's hash in a flag makes a change to the shared core rebuild both glues.
+    digest = hashlib.sha256((CSRC / "planned_core.h").read_bytes()).hexdigest()[:16]
+    return ["-O2", "-std=c++17", f"-DMEMPLAN_CORE_SHA={digest}"]
 
 
 def missing_build_tools() -> list[str]:
@@ -58,7 +66,7 @@ def cpu_extension() -> ModuleType:
             name=CPU_EXTENSION,
             sources=[str(CSRC / "planned_allocator.cpp")],
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O2", "-std=c++17"],
+            extra_cflags=_cflags(),
             verbose=False,
         )
     except (RuntimeError, OSError) as exc:
@@ -79,7 +87,7 @@ def cuda_extension() -> str:
         name=CUDA_EXTENSION,
         sources=[str(CSRC / "planned_allocator_cuda.cpp")],
         extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O2", "-std=c++17"],
+        extra_cflags=_cflags(),
         with_cuda=True,
         is_python_module=False,
         verbose=False,

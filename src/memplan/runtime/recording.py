@@ -17,6 +17,11 @@ ones (STAlloc replays iteration 1's plan for every later iteration):
   around it;
 - a request never freed (state created once) is left unplanned (offset -1), as
   STAlloc hands never-freed tensors to its fallback allocator;
+- requests made inside an intra-op parallel region (`at::in_parallel_region()`:
+  per-thread scratch of a kernel) interleave differently from run to run, so each
+  lives, in the plan, over the whole run of consecutive parallel-region events it
+  belongs to: they get distinct offsets whatever the order of their allocs and frees
+  (a deviation from STAlloc, whose CUDA kernels allocate from one host thread);
 - offsets come from greedy-by-size best fit (`memplan.layout.greedy_by_size`, which
   takes multi-piece lifetimes) and pass `memplan.layout.check_offsets`, which shares
   no code with it, before the plan is returned.
@@ -60,14 +65,22 @@ def record_step(step_fn: Callable[[], object], iterations: int) -> Trace:
             session.next_iteration()
     finally:
         session.uninstall()
-    kinds, buffers, nbytes, iteration = (np.asarray(c) for c in session.events())
-    return trace_from_recording(kinds, buffers, nbytes, iteration)
+    kinds, buffers, nbytes, iteration, parallel = (np.asarray(c) for c in session.events())
+    return trace_from_recording(kinds, buffers, nbytes, iteration, parallel)
 
 
 def trace_from_recording(
-    kinds: np.ndarray, buffers: np.ndarray, nbytes: np.ndarray, iteration: np.ndarray
+    kinds: np.ndarray,
+    buffers: np.ndarray,
+    nbytes: np.ndarray,
+    iteration: np.ndarray,
+    parallel: np.ndarray | None = None,
 ) -> Trace:
-    """A Trace of recorded (kind, buffer, nbytes, iteration) events, buffers numbered 0.."""
+    """A Trace of recorded (kind, buffer, nbytes, iteration) events, buffers numbered 0..
+
+    `parallel[e]` marks events inside an intra-op parallel region; their indices go to
+    `meta["parallel_events"]`.
+    """
     kinds = np.asarray(kinds, np.int8)
     buffers = np.asarray(buffers, np.int64)
     iteration = np.asarray(iteration, np.int64)
@@ -81,7 +94,11 @@ def trace_from_recording(
         kinds,
         nbytes_per_buffer,
         buffers,
-        meta={"source": "memplan.runtime recording", "iteration_first_event": first_event},
+        meta={
+            "source": "memplan.runtime recording",
+            "iteration_first_event": first_event,
+            "parallel_events": [] if parallel is None else np.flatnonzero(parallel).tolist(),
+        },
     )
     trace.buffers["iteration"][buffers[alloc]] = iteration[alloc].astype(np.int32)
     return trace
@@ -104,6 +121,7 @@ def plan_steady_state(
     free = trace.buffers["free_event"][requests]
     nbytes = trace.buffers["nbytes"][requests]
     wrap_free = _wrap_free_events(trace, by_group.get(last - 1), requests, t0)
+    alloc, free = _widen_parallel(trace, alloc, free, t0)
 
     piece_lower, piece_upper, piece_buffer = [], [], []
     planned = np.zeros(requests.shape[0], bool)
@@ -143,6 +161,31 @@ def plan_steady_state(
             "plan_s": round(time.perf_counter() - start, 4),
         },
     )
+
+
+def _widen_parallel(trace: Trace, alloc: np.ndarray, free: np.ndarray, t0: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stretch the requests allocated or freed in a run of consecutive parallel-region
+    events over the whole run. `alloc` is local to the iteration, `free` absolute (-1: live)."""
+    events = np.asarray(trace.meta.get("parallel_events", []), np.int64)
+    events = events[events >= t0] - t0
+    if events.shape[0] == 0:
+        return alloc, free
+    is_start = np.concatenate([[True], np.diff(events) > 1])
+    starts = np.flatnonzero(is_start)
+    run_start = events[starts]
+    run_end = np.append(events[starts[1:] - 1], events[-1]) + 1  # half-open
+    run_of = np.full(trace.num_events - t0, -1, np.int64)
+    run_of[events] = np.cumsum(is_start) - 1
+    alloc, free = alloc.copy(), free.copy()
+    run = run_of[alloc]
+    hit = run >= 0
+    alloc[hit] = run_start[run[hit]]
+    run = np.full(free.shape[0], -1, np.int64)
+    run[free >= 0] = run_of[free[free >= 0] - t0]
+    freed_in_run = run >= 0
+    free[freed_in_run] = np.maximum(free[freed_in_run], run_end[run[freed_in_run]] + t0)
+    alloc[freed_in_run] = np.minimum(alloc[freed_in_run], run_start[run[freed_in_run]])
+    return alloc, free
 
 
 def _wrap_free_events(trace: Trace, previous: np.ndarray | None, requests: np.ndarray, t0: int) -> np.ndarray:

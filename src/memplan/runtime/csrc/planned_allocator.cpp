@@ -16,6 +16,7 @@
 // One lock guards all sessions: intra-op threads may allocate too.
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -146,7 +147,7 @@ void delete_recorded(void* ptr) {
     auto it = s->record_live.find(ptr);
     if (it == s->record_live.end()) continue;
     const auto [buffer, nbytes] = it->second;
-    if (s->installed) s->events.push_back(RecordedEvent{1, buffer, nbytes, s->record_iteration});
+    if (s->installed) s->events.push_back(RecordedEvent{1, buffer, nbytes, s->record_iteration, at::in_parallel_region()});
     s->record_live.erase(it);
     report(ptr, -nbytes, nullptr);
     c10::free_cpu(ptr);
@@ -173,7 +174,7 @@ struct PlannedCPUAllocator final : public c10::Allocator {
       void* p = c10::alloc_cpu(n);
       const int64_t id = s->next_buffer++;
       s->record_live.emplace(p, std::make_pair(id, nbytes));
-      s->events.push_back(RecordedEvent{0, id, nbytes, s->record_iteration});
+      s->events.push_back(RecordedEvent{0, id, nbytes, s->record_iteration, at::in_parallel_region()});
       report(p, nbytes, nullptr);
       return {p, p, &delete_recorded, cpu};
     }
@@ -325,6 +326,20 @@ py::dict stats(const std::shared_ptr<Session>& s) {
     per_iteration.append(e);
   }
   d["iterations"] = per_iteration;
+  py::list conflicts;
+  for (const auto& c : s->core->conflict_log()) {
+    py::dict e;
+    e["iteration"] = c.iteration;
+    e["request"] = c.request;
+    e["nbytes"] = c.nbytes;
+    e["offset"] = c.offset;
+    e["holder_iteration"] = c.holder_iteration;
+    e["holder_request"] = c.holder_request;
+    e["holder_offset"] = c.holder_offset;
+    e["holder_nbytes"] = c.holder_nbytes;
+    conflicts.append(e);
+  }
+  d["conflict_log"] = conflicts;
   return d;
 }
 
@@ -338,20 +353,22 @@ void next_iteration(const std::shared_ptr<Session>& s) {
   }
 }
 
-// (kind, buffer, nbytes, iteration) columns of a recorder's log.
-std::tuple<std::vector<int8_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> events(
-    const std::shared_ptr<Session>& s) {
+// (kind, buffer, nbytes, iteration, parallel) columns of a recorder's log.
+std::tuple<std::vector<int8_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+           std::vector<int8_t>>
+events(const std::shared_ptr<Session>& s) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  std::vector<int8_t> kind;
+  std::vector<int8_t> kind, parallel;
   std::vector<int64_t> buffer, nbytes, iteration;
   for (const auto& e : s->events) {
     kind.push_back(e.kind);
     buffer.push_back(e.buffer);
     nbytes.push_back(e.nbytes);
     iteration.push_back(e.iteration);
+    parallel.push_back(e.parallel);
   }
-  return {kind, buffer, nbytes, iteration};
+  return {kind, buffer, nbytes, iteration, parallel};
 }
 
 }  // namespace

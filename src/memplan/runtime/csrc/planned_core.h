@@ -48,6 +48,12 @@ struct IterationCounts {
   int64_t fallbacks = 0;
 };
 
+// Why a planned request could not take its offset: which earlier request still held it.
+struct Conflict {
+  int64_t iteration, request, nbytes, offset;
+  int64_t holder_iteration, holder_request, holder_offset, holder_nbytes;
+};
+
 struct CoreStats {
   int64_t requests = 0;
   int64_t served_planned = 0;
@@ -79,6 +85,8 @@ class PlannedCore {
   int64_t iteration() const { return iteration_; }
   const CoreStats& stats() const { return stats_; }
   const std::vector<IterationCounts>& counts() const { return counts_; }
+  const std::vector<Conflict>& conflict_log() const { return conflict_log_; }
+  static constexpr size_t kConflictLogSize = 32;
 
   // The arena offset that serves the next request of `nbytes`, or -1: fall back.
   int64_t place(int64_t nbytes) {
@@ -94,16 +102,17 @@ class PlannedCore {
       } else if (group_->offset[index] < 0) {
         stats_.unplanned++;
       } else if (is_free(group_->offset[index], nbytes)) {
-        take(group_->offset[index], nbytes);
+        take(group_->offset[index], nbytes, index);
         stats_.served_planned++;
         counts_.back().served_planned++;
         return group_->offset[index];
       } else {
         stats_.conflicts++;
+        log_conflict(index, nbytes, group_->offset[index]);
       }
       const int64_t offset = best_fit_dynamic(index, nbytes);
       if (offset >= 0) {
-        take(offset, nbytes);
+        take(offset, nbytes, index);
         stats_.served_dynamic++;
         counts_.back().served_dynamic++;
         return offset;
@@ -119,7 +128,7 @@ class PlannedCore {
   int64_t release(int64_t offset) {
     auto it = live_.find(offset);
     if (it == live_.end()) return -1;
-    const int64_t nbytes = it->second - it->first;
+    const int64_t nbytes = it->second.end - it->first;
     stats_.arena_live_bytes -= nbytes;
     stats_.arena_live_allocations--;
     live_.erase(it);
@@ -146,19 +155,39 @@ class PlannedCore {
     }
   }
 
-  // live_ maps the start of each live arena range to its end; ranges never overlap.
+  struct LiveRange {
+    int64_t end, iteration, request;
+  };
+
+  // The live range that overlaps [lo, lo + nbytes), or live_.end().
+  std::map<int64_t, LiveRange>::const_iterator overlapping(int64_t lo, int64_t nbytes) const {
+    auto it = live_.lower_bound(lo + nbytes);
+    if (it == live_.begin()) return live_.end();
+    --it;  // live ranges never overlap: the one with the largest start below hi reaches furthest
+    return it->second.end > lo ? it : live_.end();
+  }
+
   bool is_free(int64_t lo, int64_t nbytes) const {
-    const int64_t hi = lo + nbytes;
-    if (lo < 0 || hi > arena_bytes_) return false;
-    auto it = live_.lower_bound(hi);
-    if (it == live_.begin()) return true;
-    --it;  // the live range with the largest start below hi: it reaches furthest
-    return it->second <= lo;
+    if (lo < 0 || lo + nbytes > arena_bytes_) return false;
+    return overlapping(lo, nbytes) == live_.end();
+  }
+
+  void log_conflict(int64_t index, int64_t nbytes, int64_t offset) {
+    if (conflict_log_.size() >= kConflictLogSize) return;
+    Conflict c{iteration_, index, nbytes, offset, -1, -1, -1, 0};
+    auto it = overlapping(offset, nbytes);
+    if (it != live_.end()) {
+      c.holder_iteration = it->second.iteration;
+      c.holder_request = it->second.request;
+      c.holder_offset = it->first;
+      c.holder_nbytes = it->second.end - it->first;
+    }
+    conflict_log_.push_back(c);
   }
 
   // nbytes > 0: the glue never asks the core about zero-byte requests.
-  void take(int64_t lo, int64_t nbytes) {
-    live_.emplace(lo, lo + nbytes);
+  void take(int64_t lo, int64_t nbytes, int64_t index) {
+    live_.emplace(lo, LiveRange{lo + nbytes, iteration_, index});
     stats_.arena_live_bytes += nbytes;
     stats_.arena_live_allocations++;
     stats_.arena_peak_live_bytes = std::max(stats_.arena_peak_live_bytes, stats_.arena_live_bytes);
@@ -177,7 +206,7 @@ class PlannedCore {
         auto it = live_.lower_bound(lo);
         if (it != live_.begin()) {
           auto prev = std::prev(it);
-          if (prev->second > lo) it = prev;
+          if (prev->second.end > lo) it = prev;
         }
         int64_t cursor = lo;
         while (cursor < hi) {
@@ -189,7 +218,7 @@ class PlannedCore {
             best_room = room;
           }
           if (it == live_.end()) break;
-          cursor = std::max(cursor, it->second);
+          cursor = std::max(cursor, it->second.end);
           ++it;
         }
       }
@@ -203,9 +232,10 @@ class PlannedCore {
   int64_t iteration_;
   int64_t request_ = 0;
   const GroupPlan* group_ = nullptr;
-  std::map<int64_t, int64_t> live_;
+  std::map<int64_t, LiveRange> live_;  // start -> (end, who took it)
   CoreStats stats_;
   std::vector<IterationCounts> counts_;
+  std::vector<Conflict> conflict_log_;
 };
 
 // Recording mode: every request and free, in order, with the iteration it fell in.
@@ -214,6 +244,7 @@ struct RecordedEvent {
   int64_t buffer;
   int64_t nbytes;
   int64_t iteration;
+  int8_t parallel;  // inside an intra-op parallel region: its order against others may vary
 };
 
 }  // namespace memplan
