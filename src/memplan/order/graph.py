@@ -373,9 +373,31 @@ def _fake_run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run `op` on the fake values of its argument nodes (clones: in-place ops must not
     change the traced values)."""
     values = [_meta_value(a) for a in args]
-    values = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
     kw = {k: _meta_value(v) for k, v in kwargs.items()}
-    return op(*values, **kw)
+    try:
+        return op(*_clones(values), **_clones(kw))
+    except Exception:  # noqa: BLE001 - fake values from different modes: run on meta instead
+        return op(*_on_meta(values), **_on_meta(kw))
+
+
+def _clones(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clones(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clones(v) for k, v in value.items()}
+    return value
+
+
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
 
 
 def _bind(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

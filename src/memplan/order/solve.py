@@ -100,23 +100,54 @@ def hoist_updates(graph: StepGraph, base: Sequence[int]) -> list[int]:
     return order
 
 
-def key_points(graph: StepGraph) -> list[int]:
-    """Operators at the same position in every topological order (ROAM's key points)."""
+def key_points(graph: StepGraph, ignore_sources: bool = True) -> list[int]:
+    """Operators at the same position in every topological order (ROAM's key points):
+    #ancestors + #descendants + 1 == #operators.
+
+    With `ignore_sources`, only operators connected to the loss (its ancestors and
+    descendants) are counted: the others (a constant `arange`, profiler markers, an
+    optimizer step counter) float anywhere and would leave no key point at all. The
+    points are then fixed relative to every connected operator, which is what window
+    boundaries need.
+    """
     n = graph.num_ops
+    counted = [True] * n
+    seed = next((v for v in range(n) if graph.phase[v] == BACKWARD), None)
+    if ignore_sources and seed is not None:
+        connected = {seed}
+        stack = [seed]
+        while stack:
+            for u in graph.preds[stack.pop()]:
+                if u not in connected:
+                    connected.add(u)
+                    stack.append(u)
+        succs0 = graph.succs()
+        down = {seed}
+        stack = [seed]
+        while stack:
+            for w in succs0[stack.pop()]:
+                if w not in down:
+                    down.add(w)
+                    stack.append(w)
+        connected |= down
+        counted = [v in connected for v in range(n)]
+    bit = [(1 << v) if counted[v] else 0 for v in range(n)]
     ancestors = [0] * n
     for v in range(n):  # program order is topological
         acc = 0
         for u in graph.preds[v]:
-            acc |= ancestors[u] | (1 << u)
+            acc |= ancestors[u] | bit[u]
         ancestors[v] = acc
     succs = graph.succs()
     descendants = [0] * n
     for v in range(n - 1, -1, -1):
         acc = 0
         for w in succs[v]:
-            acc |= descendants[w] | (1 << w)
+            acc |= descendants[w] | bit[w]
         descendants[v] = acc
-    return [v for v in range(n) if ancestors[v].bit_count() + descendants[v].bit_count() + 1 == n]
+    total = sum(counted)
+    return [v for v in range(n)
+            if counted[v] and ancestors[v].bit_count() + descendants[v].bit_count() + 1 == total]
 
 
 def _loss_position(graph: StepGraph, order: Sequence[int]) -> int:
