@@ -89,6 +89,7 @@ class Estimate:
     elapsed_s: float
     flops: float = 0.0
     bytes_moved: float = 0.0
+    roofline_s: float = 0.0  # rank 0's compute time, per-op roofline over the device profile
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -270,6 +271,7 @@ def estimate(
     *,
     extrapolate: bool = True,
     progress: bool = False,
+    cache: dict[Any, StepTrace] | None = None,
 ) -> Estimate:
     """Per-rank peak memory of one training step of `model` under `setup` and `layout`.
 
@@ -279,7 +281,8 @@ def estimate(
     caching, expandable, planned, or none (tensor bytes only, what torch.profiler's
     memory timeline shows on CPU). `gpu` names a device profile (capacity, context,
     workspace); `capacity` overrides its capacity. `extrapolate=False` traces the
-    full depth even for deep models.
+    full depth even for deep models. `cache` (a dict the caller keeps) reuses captured
+    steps across calls that differ only in layout or allocator (what `fit` does).
     """
     from memplan import models
     from memplan.parallel import Layout, rank_plans
@@ -306,13 +309,12 @@ def estimate(
     per_rank: list[RankEstimate] = []
     parameters = 0
     method = "full"
-    flops = moved = 0.0
+    flops = moved = roofline = 0.0
     for plan in rank_plans(layout, config, setup, total_layers):
         stage_layers = plan.layers
         deep = extrapolate and stage_layers is not None and stage_layers >= MIN_BLOCKS_TO_EXTRAPOLATE
         depths = [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [stage_layers]
-        steps = [capture_step(layers.with_layers(config, d) if d is not None else config, plan.setup, device)
-                 for d in depths]
+        steps = [_cached_capture(config, d, plan.setup, device, cache) for d in depths]
         if progress:
             sys.stderr.write(f"traced rank {plan.rank} at {', '.join(str(s.layers) for s in steps)} blocks\n")
         views = []
@@ -348,10 +350,15 @@ def estimate(
                 b = [float(np.nansum(s.trace.ops["bytes_moved"])) for s in steps]
                 flops = float(layers.extrapolate(f[0], f[1], TRACE_BLOCKS, stage_layers))
                 moved = float(layers.extrapolate(b[0], b[1], TRACE_BLOCKS, stage_layers))
+                if profile is not None:
+                    r = [roofline_seconds(s.trace, profile, _attention_dtype(plan.setup)) for s in steps]
+                    roofline = float(layers.extrapolate(r[0], r[1], TRACE_BLOCKS, stage_layers))
             else:
                 parameters = steps[0].parameters if layout.pp == 1 else models.count_parameters(config)
                 flops = float(np.nansum(steps[0].trace.ops["flops"]))
                 moved = float(np.nansum(steps[0].trace.ops["bytes_moved"]))
+                if profile is not None:
+                    roofline = roofline_seconds(steps[0].trace, profile, _attention_dtype(plan.setup))
             if layout.pp > 1 and len(steps) == 2:
                 parameters = models.count_parameters(config)
         context = profile.cuda_context_bytes if (profile is not None and device == "cuda") else 0
@@ -362,5 +369,28 @@ def estimate(
     return Estimate(
         model=name, parameters=parameters, setup=setup.to_dict(), layout=layout.to_dict(), per_rank=per_rank,
         capacity_bytes=capacity, device=device, allocator=allocator, gpu=gpu, method=method,
-        elapsed_s=time.perf_counter() - start, flops=flops, bytes_moved=moved,
+        elapsed_s=time.perf_counter() - start, flops=flops, bytes_moved=moved, roofline_s=roofline,
     )
+
+
+def roofline_seconds(trace: Trace, profile: DeviceProfile, dtype: str) -> float:
+    """Sum over ops of max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth): the
+    roofline model of PyTorch's `RuntimeEstimator` (roofline mode), on one device."""
+    flops = np.nan_to_num(trace.ops["flops"], nan=0.0)
+    moved = np.nan_to_num(trace.ops["bytes_moved"], nan=0.0)
+    per_op = np.maximum(flops / profile.matmul_flops_per_s(dtype), moved / profile.memory_bandwidth_bytes_per_s)
+    return float(per_op.sum())
+
+
+def _cached_capture(config: Any, depth: int | None, setup: Any, device: str,
+                    cache: dict[Any, StepTrace] | None) -> StepTrace:
+    import json
+
+    target = layers.with_layers(config, depth) if depth is not None else config
+    if cache is None:
+        return capture_step(target, setup, device)
+    key = (json.dumps(target.to_dict(), sort_keys=True, default=str), json.dumps(setup.to_dict(), sort_keys=True),
+           device)
+    if key not in cache:
+        cache[key] = capture_step(target, setup, device)
+    return cache[key]

@@ -1,0 +1,48 @@
+"""`memplan fit MODEL --gpu NAME --gpus N`: the parallel layouts that fit, fastest first."""
+
+from __future__ import annotations
+
+import argparse
+
+from memplan.cli import print_json
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from memplan.models import add_setup_flags
+
+    p = subparsers.add_parser(
+        "fit",
+        help="search DP / ZeRO / TP / PP, micro-batch, checkpointing and allocator for what fits",
+        description="Estimate every layout of N GPUs and list those that fit, ranked by a roofline step time.",
+    )
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--gpu", required=True, metavar="NAME", help="device profile, e.g. h100-80gb")
+    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs")
+    p.add_argument("--top", type=int, default=None, metavar="K", help="show the K fastest (default all)")
+    add_setup_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list of configurations)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from memplan.estimate.fit import fit
+    from memplan.models import setup_from_args
+
+    configs = fit(args.model, args.gpu, args.gpus, setup_from_args(args), progress=True, top=args.top)
+    if args.json:
+        print_json({"model": args.model, "gpu": args.gpu, "gpus": args.gpus, "configurations": configs})
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.units import format_bytes
+
+    table = Table(title=f"{args.model} on {args.gpus} x {args.gpu}: {len(configs)} configurations fit")
+    for col in ("dp", "zero", "tp", "pp", "micro-batch", "ckpt", "allocator", "device used", "step (s)", "ms/token"):
+        table.add_column(col, justify="right")
+    for c in configs:
+        table.add_row(str(c["dp"]), str(c["zero"]), str(c["tp"]), str(c["pp"]), str(c["micro_batch"]),
+                      c["checkpointing"], c["allocator"], format_bytes(c["device_used_bytes"]),
+                      f"{c['step_s']:.3f}", f"{1000 * c['s_per_token']:.3f}")
+    Console().print(table)
+    return 0
