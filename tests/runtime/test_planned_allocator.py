@@ -246,3 +246,20 @@ def test_profiler_sees_planned_allocations(ext):
     usage = [(e.name, e.cpu_memory_usage) for e in prof.events()]
     assert ("aten::empty", 4096) in usage  # the allocation, charged to the op that made it
     assert ("[memory]", -4096) in usage  # the free
+
+
+def test_cuda_glue_is_neither_imported_nor_compiled_without_cuda():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, memplan, memplan.runtime; memplan.planned_allocator; "
+        "print('memplan.runtime.cuda' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    if not torch.cuda.is_available():
+        from memplan.runtime.build import cuda_extension
+
+        with pytest.raises(UserError, match="CUDA device"):
+            cuda_extension()
