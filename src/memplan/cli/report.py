@@ -1,0 +1,36 @@
+"""`memplan report INPUTS... -o DIR`: an offline HTML report with figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memplan.cli import print_json
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "report",
+        help="write an offline HTML report (index.html + PNGs) from traces, plans and results",
+        description="Inputs: .memtrace files or PyTorch snapshot pickles, plan files from "
+        "'memplan plan', and the --json output of estimate, reorder and offload.",
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.add_argument("-o", "--output-dir", required=True, metavar="DIR")
+    p.add_argument("--json", action="store_true", help="print the page and figure paths as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from memplan.report import build_report
+
+    with Console(stderr=True).status("drawing the report…"):
+        index = build_report(args.inputs, args.output_dir)
+    pngs = sorted(str(p) for p in index.parent.glob("*.png"))
+    if args.json:
+        print_json({"index": str(index), "figures": pngs})
+    else:
+        sys.stdout.write(f"report: {index} ({len(pngs)} figures)\n")
+    return 0

@@ -1,0 +1,294 @@
+"""`memplan report`: one self-contained HTML page with figures, from memplan's outputs.
+
+Inputs are files memplan writes: traces (`.memtrace`, or PyTorch snapshot pickles),
+plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder` and
+`memplan offload`. `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
+PNG per figure beside it; the page has no scripts and loads nothing from the network.
+
+Each figure has a one-line caption saying what to look at. Inputs that do not belong
+together (a plan made for another trace) are refused with a UserError before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memplan.errors import UserError
+from memplan.trace.model import Trace
+from memplan.units import format_bytes
+
+__all__ = ["ReportInputs", "build_report", "read_inputs"]
+
+
+@dataclass
+class ReportInputs:
+    """What the report was given, sorted by kind."""
+
+    traces: list[tuple[str, Trace]] = field(default_factory=list)
+    plans: list[tuple[str, Any]] = field(default_factory=list)
+    estimates: list[tuple[str, dict]] = field(default_factory=list)
+    reorders: list[tuple[str, dict]] = field(default_factory=list)
+    offloads: list[tuple[str, dict]] = field(default_factory=list)
+
+
+def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
+    """Load and classify every input; UserError for unknown or mismatched ones."""
+    from memplan.cli.show import load_any
+    from memplan.layout.plan import Plan
+
+    inputs = ReportInputs()
+    if not paths:
+        raise UserError("give at least one input: a .memtrace, a plan, or estimate/reorder/offload JSON")
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_file():
+            raise UserError(f"report input {path} does not exist")
+        with open(path, "rb") as fh:
+            head = fh.read(1)
+        if head in (b"{", b"["):
+            try:
+                doc = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UserError(f"cannot read {path}: {exc}") from None
+            kind = _json_kind(doc)
+            if kind is None:
+                raise UserError(
+                    f"{path} is JSON memplan does not know: expected a plan, or the --json output of "
+                    "estimate, reorder or offload"
+                )
+            if kind == "plan":
+                inputs.plans.append((path.name, Plan.from_json(doc, source=str(path))))
+            else:
+                getattr(inputs, kind + "s").append((path.name, doc))
+        else:
+            inputs.traces.append((path.name, load_any(str(path))))
+    for name, plan in inputs.plans:
+        if not inputs.traces:
+            raise UserError(f"plan {name} needs the trace it was made for among the inputs")
+        if not any(_belongs(plan, trace) for _, trace in inputs.traces):
+            raise UserError(
+                f"plan {name} does not belong to any given trace ({', '.join(n for n, _ in inputs.traces)}): "
+                "make it with 'memplan plan' from that trace"
+            )
+    return inputs
+
+
+def _json_kind(doc: Any) -> str | None:
+    if not isinstance(doc, dict):
+        return None
+    if doc.get("format") == "memplan-plan":
+        return "plan"
+    if "per_rank" in doc:
+        return "estimate"
+    if "baseline_peak_bytes" in doc:
+        return "reorder"
+    if "ideal_step_s" in doc or "planned_step_s" in doc:
+        return "offload"
+    return None
+
+
+def _belongs(plan: Any, trace: Trace) -> bool:
+    try:
+        plan.check_belongs_to(trace)
+    except UserError:
+        return False
+    return True
+
+
+def planned_addresses(trace: Trace, plan: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per buffer: planned offset and slot bytes (0 where the plan does not place it),
+    and how many allocations it leaves to the dynamic space or the fallback."""
+    from memplan.layout.plan import requests_by_group
+
+    addr = np.zeros(trace.num_buffers, np.int64)
+    nbytes = np.zeros(trace.num_buffers, np.int64)
+    unplanned = 0
+    sizes = trace.buffers["nbytes"]
+    for group, ids in requests_by_group(trace).items():
+        entry = plan.for_iteration(group)
+        for j, buf in enumerate(ids.tolist()):
+            if sizes[buf] == 0:
+                continue
+            if entry is None or j >= entry.num_requests or int(entry.nbytes[j]) != int(sizes[buf]) or entry.offset[j] < 0:
+                unplanned += 1
+                continue
+            addr[buf] = int(entry.offset[j])
+            nbytes[buf] = int(sizes[buf])
+    return addr, nbytes, unplanned
+
+
+def caching_addresses(trace: Trace, expandable: bool = False) -> tuple[Trace, np.ndarray, np.ndarray]:
+    """Replay through the caching allocator; per buffer its block address (from 0) and size."""
+    from memplan.alloc.caching import CachingAllocator
+    from memplan.alloc.conf import AllocConf
+    from memplan.alloc.simulate import device_view, replay
+
+    view = device_view(trace)
+    conf = AllocConf.parse("expandable_segments:True" if expandable else None)
+    rep = replay(view, CachingAllocator(conf))
+    addr = np.asarray(rep.block_addr, np.int64)
+    size = np.asarray(rep.block_nbytes, np.int64)
+    base = addr[size > 0].min() if (size > 0).any() else 0
+    return view, np.where(size > 0, addr - base, 0), size
+
+
+@dataclass
+class _Page:
+    out_dir: Path
+    sections: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+
+    def figure(self, fig: Any, name: str, caption: str) -> None:
+        from memplan.report.figures import save_png
+
+        save_png(fig, self.out_dir / name)
+        self.figures.append(name)
+        self.sections.append(
+            f'<figure><img src="{html.escape(name)}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
+
+    def heading(self, text: str) -> None:
+        self.sections.append(f"<h2>{html.escape(text)}</h2>")
+
+    def table(self, header: list[str], rows: list[list[Any]]) -> None:
+        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
+        )
+        self.sections.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem auto;
+max-width:1100px;color:#222;padding:0 1rem}
+h1{font-size:1.5rem}h2{font-size:1.15rem;margin-top:2.2rem;border-bottom:1px solid #ddd}
+figure{margin:1rem 0}img{max-width:100%;border:1px solid #eee}
+figcaption{color:#555;font-size:.9rem;margin-top:.3rem}
+table{border-collapse:collapse;font-size:.88rem;margin:.6rem 0}
+td,th{border:1px solid #ddd;padding:.25rem .6rem;text-align:right}
+th{background:#f5f5f5}td:first-child,th:first-child{text-align:left}
+"""
+
+
+def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike) -> Path:
+    """Write `out_dir/index.html` and its PNGs from `paths`; return the page's path."""
+    from memplan.alloc import simulate
+    from memplan.report import figures
+
+    inputs = read_inputs(paths)  # refuses bad input before anything is written
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    page = _Page(out_dir)
+
+    for i, (name, trace) in enumerate(inputs.traces):
+        stem = f"trace{i}"
+        label = trace.meta.get("model", name)
+        peak, event = trace.peak()
+        page.heading(f"{label} — one training step ({name})")
+        page.figure(
+            figures.memory_over_time(trace, f"{label}: live memory over the step"),
+            f"{stem}_memory.png",
+            f"Live tensor memory by category; the dashed line is the peak, "
+            f"{format_bytes(peak)} in {trace.phase_at(event)}.",
+        )
+        results = {a: simulate(trace, allocator=a, segment_map=False).to_json()
+                   for a in ("caching", "expandable", "ideal")}
+        plan = next((p for _, p in inputs.plans if _belongs(p, trace)), None)
+        if plan is not None:
+            results["planned"] = simulate(trace, allocator="planned", plan=plan, segment_map=False).to_json()
+        page.figure(
+            figures.allocator_bars(results, f"{label}: peak memory per allocator"),
+            f"{stem}_allocators.png",
+            "Bars compare what each allocator reserves; the gap between allocated and reserved is fragmentation.",
+        )
+        view, addr, size = caching_addresses(trace)
+        panels = [("caching allocator", view, addr, size)]
+        if plan is not None:
+            paddr, psize, unplanned = planned_addresses(view, plan)
+            panels.append(("planned arena", view, paddr, psize))
+            caption = (f"Same scale: white space under the dashed line is reserved but unused — the caching "
+                       f"allocator's fragmentation; the plan packs the same tensors tightly"
+                       f"{f' ({unplanned} unplanned allocations not drawn)' if unplanned else ''}.")
+        else:
+            _, eaddr, esize = caching_addresses(trace, expandable=True)
+            panels.append(("expandable segments", view, eaddr, esize))
+            caption = ("Same scale: every tensor is a rectangle at its address from allocation to free; "
+                       "white space under the dashed line is reserved but unused.")
+        page.figure(figures.address_maps(panels, f"{label}: addresses over time"), f"{stem}_addresses.png", caption)
+        page.table(
+            ["allocator", "peak requested", "peak allocated", "peak reserved", "fragmentation", "segments"],
+            [[a, format_bytes(r["peak_requested_bytes"]), format_bytes(r["peak_allocated_bytes"]),
+              format_bytes(r["peak_reserved_bytes"]), f"{100 * r['fragmentation']:.1f}%", r["segments"]]
+             for a, r in results.items()],
+        )
+
+    for i, (name, doc) in enumerate(inputs.estimates):
+        page.heading(f"Estimate: {doc.get('model', name)} ({name})")
+        page.figure(
+            figures.rank_breakdown(doc["per_rank"], doc.get("capacity_bytes")),
+            f"estimate{i}_ranks.png",
+            "Each bar is one rank's peak by category; the black tick is its reserved memory, the red line the GPU.",
+        )
+        page.table(
+            ["rank", "peak allocated", "peak reserved", "device used", "phase of the peak"],
+            [[r.get("rank"), format_bytes(r.get("peak_allocated_bytes", 0)),
+              format_bytes(r.get("peak_reserved_bytes", 0)), format_bytes(r.get("device_used_bytes", 0)),
+              r.get("peak_phase", "")] for r in doc["per_rank"]],
+        )
+
+    for i, (name, doc) in enumerate(inputs.reorders):
+        page.heading(f"Operator order ({name})")
+        series = doc.get("timelines") or {}
+        if series:
+            page.figure(
+                figures.before_after({k: np.asarray(v) / 2**30 for k, v in series.items()}, "live GiB",
+                                     "Live memory under each operator order"),
+                f"reorder{i}_timeline.png",
+                "Lower is better: memplan's order keeps fewer tensors alive at once than program order.",
+            )
+        values = {k.replace("_peak_bytes", ""): doc[k] / 2**30 for k in
+                  ("baseline_peak_bytes", "inductor_peak_bytes", "optimized_peak_bytes", "lower_bound_bytes")
+                  if isinstance(doc.get(k), (int, float))}
+        page.figure(figures.bars(values, "peak GiB", "Peak memory per operator order"), f"reorder{i}_peaks.png",
+                    "Program order, the best Inductor-style order and memplan's order, with the lower bound.")
+
+    for i, (name, doc) in enumerate(inputs.offloads):
+        page.heading(f"Offloading ({name})")
+        series = doc.get("timelines") or {}
+        if series:
+            page.figure(
+                figures.before_after({k: np.asarray(v) for k, v in series.items()}, "GiB or GB/s",
+                                     "Device memory and link use over the step"),
+                f"offload{i}_timeline.png",
+                "Device memory stays under the budget while the links carry the offloaded tensors.",
+            )
+        throughput = {"memplan": doc.get("throughput_vs_ideal", 0.0)}
+        for base, v in (doc.get("baselines") or {}).items():
+            throughput[base] = v.get("throughput_vs_ideal", 0.0) if isinstance(v, dict) else 0.0
+        page.figure(figures.bars(throughput, "throughput / ideal", "Throughput against an unlimited-memory GPU"),
+                    f"offload{i}_throughput.png",
+                    "Higher is better: memplan's lifetime-aware plan against the baselines, as a fraction of ideal.")
+
+    index = out_dir / "index.html"
+    body = "\n".join(page.sections)
+    doc = (f"<!doctype html><html lang=en><head><meta charset=utf-8><title>memplan report</title>"
+           f"<style>{_CSS}</style></head><body><h1>memplan report</h1>"
+           f"<p>Inputs: {html.escape(', '.join(str(Path(p).name) for p in paths))}</p>{body}</body></html>\n")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".index.", suffix=".html")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(doc)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, index)
+    return index

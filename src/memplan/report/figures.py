@@ -1,0 +1,263 @@
+"""The report's pictures, drawn with matplotlib into PNG files.
+
+matplotlib (Agg backend) is used because it draws publication-quality static images
+with no browser, no network and no JavaScript: the report opens offline and the same
+PNGs go into the README's gallery.
+
+Every function takes data (a trace, a replay, a JSON document) and returns a
+`matplotlib.figure.Figure`; `save_png` writes it. Colours are one fixed colour per
+trace category, so every picture reads the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from memplan.trace.model import CATEGORIES, PHASES, Trace  # noqa: E402
+
+CATEGORY_COLORS = {
+    "parameter": "#4e79a7",
+    "gradient": "#f28e2b",
+    "optimizer_state": "#59a14f",
+    "activation": "#e15759",
+    "temporary": "#b07aa1",
+    "input": "#76b7b2",
+    "other": "#9c9c9c",
+}
+PHASE_COLORS = {
+    "forward": "#e8f1fa",
+    "backward": "#fdf0e6",
+    "recompute": "#fbe8ea",
+    "optimizer": "#edf6ea",
+    "other": "#ffffff",
+}
+GIB = float(1 << 30)
+
+
+def unit_for(nbytes: float) -> tuple[float, str]:
+    """(bytes per unit, unit name) so that `nbytes` reads as a number above 1."""
+    for scale, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if nbytes >= scale:
+            return float(scale), name
+    return 1.0, "B"
+
+
+def _style(ax: Any) -> None:
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.grid(axis="y", color="#e6e6e6", linewidth=0.8)
+    ax.set_axisbelow(True)
+
+
+def _phase_bands(ax: Any, trace: Trace) -> None:
+    """Shade the background by the phase of the op running at each event."""
+    if trace.num_ops == 0:
+        return
+    first = trace.ops["first_event"]
+    phase = trace.ops["phase"]
+    change = np.flatnonzero(np.diff(phase)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [trace.num_ops]])
+    for s, e in zip(starts, ends):
+        x0 = int(first[s])
+        x1 = int(first[e]) if e < trace.num_ops else trace.num_events
+        ax.axvspan(x0, x1, color=PHASE_COLORS[PHASES[int(phase[s])]], linewidth=0, zorder=0)
+
+
+def memory_over_time(trace: Trace, title: str = "") -> Figure:
+    """Live bytes after each event, stacked by category, phases shaded behind."""
+    n = trace.num_events
+    fig, ax = plt.subplots(figsize=(10, 4.6), dpi=110)
+    _style(ax)
+    if n:
+        kind = trace.events["kind"]
+        buf = trace.events["buffer"]
+        delta = np.where(kind == 0, trace.buffers["nbytes"][buf], -trace.buffers["nbytes"][buf])
+        cat = trace.buffers["category"][buf]
+        scale, unit = unit_for(trace.peak()[0])
+        series = []
+        for c in range(len(CATEGORIES)):
+            series.append(np.cumsum(np.where(cat == c, delta, 0)) / scale)
+        # One point per pixel-sized bin, at the bin's highest total, so that one-event
+        # spikes (the peak is often one) stay visible on long traces.
+        total = np.sum(series, axis=0)
+        bins = np.array_split(np.arange(n), min(n, 1500))
+        at = np.array([b[np.argmax(total[b])] for b in bins])
+        x = np.array([b[0] for b in bins] + [n])
+        used = [c for c in range(len(CATEGORIES)) if series[c].max() > 0]
+        _phase_bands(ax, trace)
+        base = np.zeros(len(bins) + 1)
+        for c in used:
+            top = base + np.append(series[c][at], series[c][at][-1])
+            ax.fill_between(x, base, top, step="post", color=CATEGORY_COLORS[CATEGORIES[c]],
+                            linewidth=0, label=CATEGORIES[c], zorder=2)
+            base = top
+        peak, event = trace.peak()
+        ax.set_ylim(0, peak / scale * 1.12)
+        ax.axhline(peak / scale, color="#333333", linewidth=0.8, linestyle="--", zorder=3)
+        ax.annotate(
+            f"peak {peak / scale:.2f} {unit} ({trace.phase_at(event)})",
+            (event, peak / scale),
+            xytext=(6, 4),
+            textcoords="offset points",
+            fontsize=9,
+            zorder=4,
+        )
+        handles, labels = ax.get_legend_handles_labels()
+        phases = sorted({PHASES[int(p)] for p in trace.ops["phase"]}, key=PHASES.index)
+        handles += [Patch(color=PHASE_COLORS[p], label=f"{p} phase") for p in phases]
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=8,
+                  ncol=min(len(handles), 6), frameon=False)
+        ax.set_xlim(0, n)
+        ax.set_ylabel(f"live memory ({unit})")
+    ax.set_xlabel("event (allocation or free, in order)")
+    ax.set_title(title or "Memory over one training step, by category", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def address_maps(
+    panels: list[tuple[str, Trace, np.ndarray, np.ndarray]], title: str = ""
+) -> Figure:
+    """Address-by-time pictures side by side, at the same scale.
+
+    Each panel is (label, trace, address per buffer, block bytes per buffer): every
+    buffer is a rectangle from its allocation to its free event, at its address. White
+    space below the top of a panel is memory reserved but not holding a live tensor.
+    """
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), dpi=110, sharey=True)
+    axes = np.atleast_1d(axes)
+    scale, unit = unit_for(max(float((a + s).max()) if s.size else 0.0 for _, _, a, s in panels))
+    top = 0.0
+    for ax, (label, trace, addr, nbytes) in zip(axes, panels):
+        _style(ax)
+        lower, upper, _ = trace.lifetimes()
+        placed = nbytes > 0
+        y0 = addr[placed] / scale
+        y1 = (addr[placed] + nbytes[placed]) / scale
+        x0, x1 = lower[placed], upper[placed]
+        verts = np.stack(
+            [np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1), np.stack([x0, y1], 1)],
+            axis=1,
+        )
+        colors = [CATEGORY_COLORS[CATEGORIES[int(c)]] for c in trace.buffers["category"][placed]]
+        ax.add_collection(PolyCollection(verts, facecolors=colors, edgecolors="none", linewidths=0))
+        height = float(y1.max()) if y1.size else 0.0
+        top = max(top, height)
+        ax.axhline(height, color="#333333", linewidth=0.8, linestyle="--")
+        ax.set_xlim(0, max(trace.num_events, 1))
+        ax.set_title(f"{label}: {height:.2f} {unit} of address space", fontsize=10)
+        ax.set_xlabel("event")
+    axes[0].set_ylim(0, top * 1.05 if top else 1)
+    axes[0].set_ylabel(f"address ({unit})")
+    used = sorted({CATEGORIES[int(c)] for c in panels[0][1].buffers["category"]}, key=CATEGORIES.index)
+    fig.legend(
+        handles=[Patch(color=CATEGORY_COLORS[c], label=c) for c in used],
+        loc="lower center",
+        ncol=len(used),
+        fontsize=8,
+        frameon=False,
+    )
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def allocator_bars(results: dict[str, dict[str, Any]], title: str = "") -> Figure:
+    """Peak requested, allocated and reserved per allocator (from SimResult.to_json())."""
+    names = list(results)
+    keys = [("peak_requested_bytes", "requested"), ("peak_allocated_bytes", "allocated"),
+            ("peak_reserved_bytes", "reserved")]
+    fig, ax = plt.subplots(figsize=(7, 3.8), dpi=110)
+    _style(ax)
+    x = np.arange(len(names))
+    width = 0.26
+    scale, unit = unit_for(max(r["peak_reserved_bytes"] for r in results.values()))
+    for i, (key, label) in enumerate(keys):
+        values = [results[n][key] / scale for n in names]
+        bars = ax.bar(x + (i - 1) * width, values, width, label=label,
+                      color=["#bcd4e6", "#6a9fcb", "#2f5f8a"][i])
+        if key == "peak_reserved_bytes":
+            for bar, n in zip(bars, names):
+                ax.annotate(f"{100 * results[n]['fragmentation']:.1f}% frag.",
+                            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    ax.set_xticks(x, names)
+    ax.set_ylabel(unit)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title or "What each allocator would reserve", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def rank_breakdown(per_rank: list[dict[str, Any]], capacity_bytes: int | None, title: str = "") -> Figure:
+    """Stacked bars: what each rank's peak is made of (from estimate JSON `per_rank`)."""
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(per_rank) + 3), 3.8), dpi=110)
+    _style(ax)
+    ranks = [str(r.get("rank", i)) for i, r in enumerate(per_rank)]
+    bottom = np.zeros(len(per_rank))
+    for cat in CATEGORIES:
+        values = np.array([r.get("breakdown", {}).get(cat, 0) / GIB for r in per_rank])
+        if values.any():
+            ax.bar(ranks, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat)
+            bottom += values
+    reserved = [r.get("peak_reserved_bytes", 0) / GIB for r in per_rank]
+    ax.scatter(ranks, reserved, marker="_", s=600, color="#333333", label="peak reserved", zorder=3)
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / GIB, color="#c0392b", linestyle="--", linewidth=1, label="GPU capacity")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("GiB at the peak")
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_title(title or "Per-rank peak, by category", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def before_after(series: dict[str, np.ndarray], ylabel: str, title: str, xlabel: str = "step position") -> Figure:
+    """Curves over time, one per variant (e.g. program order vs memplan's order)."""
+    fig, ax = plt.subplots(figsize=(10, 3.8), dpi=110)
+    _style(ax)
+    palette = ["#9c9c9c", "#4e79a7", "#e15759", "#59a14f", "#f28e2b"]
+    for i, (label, ys) in enumerate(series.items()):
+        ys = np.asarray(ys, dtype=float)
+        ax.plot(np.linspace(0, 1, ys.size) if ys.size > 1 else [0], ys, label=label,
+                color=palette[i % len(palette)], linewidth=1.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def bars(values: dict[str, float], ylabel: str, title: str) -> Figure:
+    """One bar per named value (for results that carry no time series)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    _style(ax)
+    names = list(values)
+    ax.bar(names, [values[n] for n in names], color="#4e79a7")
+    for i, n in enumerate(names):
+        ax.annotate(f"{values[n]:.3g}", (i, values[n]), xytext=(0, 3), textcoords="offset points",
+                    ha="center", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=11)
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def save_png(fig: Figure, path: Path) -> None:
+    """Write `fig` as a PNG and release it."""
+    fig.savefig(path, format="png")
+    plt.close(fig)
