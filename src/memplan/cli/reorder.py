@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.models import setup_from_args
+    from memplan.models import load_config, setup_from_args
     from memplan.order import capture_model_step, layout_peak
     from memplan.order.solve import optimize_order
 
@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if args.node_limit < 2:
         raise UserError(f"--node-limit must be at least 2, not {args.node_limit}")
     setup = setup_from_args(args)
+    spec = load_config(args.model)  # an unknown model fails here, before any progress line
     start = time.perf_counter()
     sys.stderr.write(f"memplan: tracing {args.model} on fake tensors…\n")
-    graph = capture_model_step(args.model, setup, device=args.device)
+    graph = capture_model_step(spec, setup, device=args.device)
     sys.stderr.write(f"memplan: {graph.num_ops} operators; optimising for up to {args.time_limit:g} s…\n")
     result = optimize_order(graph, time_limit_s=args.time_limit, node_limit=args.node_limit)
     out = {
