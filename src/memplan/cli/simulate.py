@@ -56,14 +56,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_plan(path: str):  # noqa: ANN202 - the layout work's plan object
-    """The plan in FILE, read by the plan format's own loader (memplan.layout.plan)."""
-    try:
-        from memplan.layout import plan as plan_format
-    except ImportError:
-        raise UserError("this memplan cannot read plan files yet (memplan.layout.plan is missing)") from None
-    loader = getattr(plan_format, "load_plan", None) or getattr(plan_format, "load", None)
-    return loader(path) if loader is not None else path
+def _load_plan(path: str):  # noqa: ANN202 - memplan.layout.plan.Plan
+    """The plan in FILE, read by the plan format's own loader (UserError if unreadable)."""
+    from memplan.layout.plan import load_plan
+
+    return load_plan(path)
 
 
 def _render(result, args: argparse.Namespace) -> None:  # noqa: ANN001
