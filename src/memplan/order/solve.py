@@ -66,14 +66,56 @@ class OrderResult:
     stats: dict[str, object] = field(default_factory=dict)
 
 
-def lower_bound_bytes(graph: StepGraph) -> int:
-    """No order goes below this: persistent bytes plus, for the operator that needs most,
-    every intermediate storage it reads, writes or creates (all alive while it runs)."""
-    need = 0
-    for v in range(graph.num_ops):
-        touched = sum(graph.storage_nbytes[s] for s in graph.uses[v] if graph.storage_kind[s] == INTERMEDIATE)
-        need = max(need, touched)
-    return graph.persistent_bytes + need
+def lower_bound_bytes(graph: StepGraph, max_ops: int = 30000) -> int:
+    """No order goes below this. While operator k runs, in every topological order, its
+    new storages are alive, and so is every storage made by an ancestor of k and used by
+    a descendant of k (or by k). The bound is persistent bytes plus the most such bytes
+    over all k. Falls back to k's own working set for graphs over `max_ops` operators."""
+    n = graph.num_ops
+    nbytes = graph.storage_nbytes
+    if n == 0:
+        return graph.persistent_bytes
+    if n > max_ops:
+        need = max(sum(nbytes[s] for s in graph.uses[v] if graph.storage_kind[s] == INTERMEDIATE) for v in range(n))
+        return graph.persistent_bytes + need
+    ancestors = [0] * n  # inclusive: v itself too
+    for v in range(n):
+        acc = 1 << v
+        for u in graph.preds[v]:
+            acc |= ancestors[u]
+        ancestors[v] = acc
+    succs = graph.succs()
+    descendants = [0] * n
+    for v in range(n - 1, -1, -1):
+        acc = 1 << v
+        for w in succs[v]:
+            acc |= descendants[w]
+        descendants[v] = acc
+    users: dict[int, list[int]] = {}
+    creator: dict[int, int] = {}
+    for v in range(n):
+        for s in graph.creates[v]:
+            creator[s] = v
+    for v in range(n):
+        for s in graph.uses[v]:
+            if s in creator and creator[s] != v:
+                users.setdefault(s, []).append(v)
+    nwords = (n + 7) // 8
+    live = np.zeros(n, dtype=np.int64)
+    for s, c in creator.items():
+        if nbytes[s] == 0:
+            continue
+        alive = 1 << c
+        if s in graph.live_out:
+            alive |= descendants[c]
+        elif s in users:
+            reach = 0
+            for u in users[s]:
+                reach |= ancestors[u]
+            alive |= descendants[c] & reach
+        bits = np.unpackbits(np.frombuffer(alive.to_bytes(nwords, "little"), dtype=np.uint8), bitorder="little")[:n]
+        live += bits.astype(np.int64) * nbytes[s]
+    return graph.persistent_bytes + int(live.max())
 
 
 def hoist_updates(graph: StepGraph, base: Sequence[int]) -> list[int]:
