@@ -153,3 +153,18 @@ def test_parameters_and_optimizer_state_are_persistent_and_updated_in_place():
     assert graph.persistent_bytes == 64 + 16 + 64 + 16 + 32
     updates = [i for i, node in enumerate(graph.ops) if node.target is torch.ops.aten.add_.Tensor]
     assert updates and all(graph.creates[i] == [] for i in updates)
+
+
+def test_layout_aware_peak_is_never_below_the_theoretical_peak():
+    from memplan.order import layout_peak
+
+    def step(x):
+        a = x.repeat(4)
+        b = (x + 1).repeat(2)
+        c = a.sum() + b.sum()
+        d = x.repeat(3)
+        (c + d.sum()).sum()
+
+    graph = _graph(step, torch.ones(16))
+    order = _program(graph)
+    assert layout_peak(graph, order, time_limit_s=2) >= peak_of_order(graph, order).peak_bytes
