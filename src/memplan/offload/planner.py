@@ -1,0 +1,449 @@
+"""The offload planner: which idle buffers leave device memory, where to, and when they come back.
+
+Follows TERAIO's greedy, iterative planner (arXiv 2506.06472, §3.3):
+
+- candidates are the inactive intervals of parameters, gradients, optimizer states and
+  activations (from `lifetimes.analyse`);
+- each round takes the candidate with the best benefit / cost, where benefit is the
+  memory above the budget it removes, integrated over time (byte-seconds), and cost is
+  its offload time plus its prefetch time;
+- one bandwidth timeline per link: transfers planned earlier occupy the link, so a
+  later offload starts later and its prefetch must start earlier; memory counts as
+  saved only from the end of the offload to the start of the prefetch;
+- SSD first; host memory (up to its limit) when the SSD link leaves no window;
+- when no overlapped transfer helps any more and memory still exceeds the budget,
+  **urgent** transfers are planned: the offload must finish before the next op and
+  the prefetch starts when the buffer is needed, so the GPU waits for them.
+
+The plan is op-indexed (offload after op a, prefetch at the start of op p), so a
+runtime can follow it whatever the real op times; the planned seconds are kept for
+reports. Every plan passes `validate.validate_plan` before it is returned.
+
+Assumptions: the step repeats (persistent buffers wrap around the step end); a
+buffer written while on device is written out whole on every offload.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memplan.errors import UserError
+from memplan.offload.hardware import Hardware
+from memplan.offload.lifetimes import Lifetimes, analyse, roofline_op_durations_s
+from memplan.trace.model import CATEGORY, Trace
+
+CANDIDATE_CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation")
+TIERS = ("ssd", "host")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One buffer leaving device memory after op `after_op` and (maybe) coming back.
+
+    Op indices >= num_ops are in the next iteration. Device memory is free over ops
+    [done_op, return_op): from the first op after the offload completes to the op at
+    whose start the prefetch is issued (or, when `use_op` is None, the op that frees it).
+    """
+
+    buffer: int
+    nbytes: int
+    category: str
+    tier: str  # "ssd" or "host"
+    after_op: int
+    done_op: int
+    return_op: int
+    use_op: int | None  # the op that needs it back; None: freed while away
+    urgent: bool
+    offload_start_s: float
+    offload_end_s: float
+    prefetch_start_s: float | None
+    prefetch_end_s: float | None
+
+
+@dataclass
+class OffloadPlan:
+    """A validated offload schedule for one trace and budget."""
+
+    transfers: list[Transfer]
+    budget_bytes: int
+    num_ops: int
+    ideal_step_s: float
+    peak_bytes_before: int
+    peak_bytes_after: int  # planned device peak, op-level
+    feasible: bool  # peak_bytes_after <= budget_bytes
+    plan_elapsed_s: float
+    hardware: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes written out per iteration (one buffer may leave several times)."""
+        return int(sum(t.nbytes for t in self.transfers))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "num_ops": self.num_ops,
+            "ideal_step_s": self.ideal_step_s,
+            "peak_bytes_before": self.peak_bytes_before,
+            "peak_bytes_after": self.peak_bytes_after,
+            "feasible": self.feasible,
+            "plan_elapsed_s": self.plan_elapsed_s,
+            "offloaded_bytes": self.offloaded_bytes,
+            "hardware": self.hardware,
+            "transfers": [asdict(t) for t in self.transfers],
+        }
+
+
+class LinkTimeline:
+    """Busy intervals of one link over a periodic step of `period_s` seconds.
+
+    Queries unroll the period so that transfers may cross the step end.
+    """
+
+    def __init__(self, period_s: float, bytes_per_s: float) -> None:
+        self.period_s = period_s
+        self.bytes_per_s = bytes_per_s
+        self._starts: list[float] = []
+        self._ends: list[float] = []
+        self._unrolled: tuple[np.ndarray, np.ndarray] | None = None
+        self.busy_s = 0.0
+
+    def duration_s(self, nbytes: int) -> float:
+        return nbytes / self.bytes_per_s if self.bytes_per_s > 0 else math.inf
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._unrolled is None:
+            s, e = np.asarray(self._starts), np.asarray(self._ends)
+            shifts = [-1, 0, 1, 2, 3]
+            self._unrolled = (
+                np.concatenate([s + k * self.period_s for k in shifts]),
+                np.concatenate([e + k * self.period_s for k in shifts]),
+            )
+        return self._unrolled
+
+    def earliest_start(self, t0: float, duration_s: float) -> float:
+        """Earliest start >= t0 of a free slot of `duration_s`."""
+        starts, ends = self._arrays()
+        k = int(np.searchsorted(ends, t0, side="right"))  # first interval ending after t0
+        t = t0
+        if k < starts.size and starts[k] <= t0:
+            t = float(ends[k])
+            k += 1
+        gap_starts = np.concatenate([[t], ends[k:]])
+        gap_ends = np.concatenate([starts[k:], [math.inf]])
+        j = int(np.argmax(gap_ends - gap_starts >= duration_s))
+        return float(gap_starts[j])
+
+    def latest_start(self, deadline_s: float, duration_s: float) -> float:
+        """Latest start of a free slot of `duration_s` that ends by `deadline_s`."""
+        starts, ends = self._arrays()
+        k = int(np.searchsorted(starts, deadline_s, side="left")) - 1  # last interval starting before
+        t = deadline_s
+        if k >= 0 and ends[k] > deadline_s:
+            t = float(starts[k])
+            k -= 1
+        rev_starts = starts[k::-1] if k >= 0 else starts[:0]
+        rev_ends = ends[k::-1] if k >= 0 else ends[:0]
+        gap_ends = np.concatenate([[t], rev_starts])
+        gap_starts = np.concatenate([rev_ends, [-math.inf]])
+        j = int(np.argmax(gap_ends - gap_starts >= duration_s))
+        return float(gap_ends[j] - duration_s)
+
+    def reserve(self, start_s: float, end_s: float) -> None:
+        """Mark [start_s, end_s) busy (taken modulo the period)."""
+        length = end_s - start_s
+        if length <= 0:
+            return
+        self.busy_s += length
+        s = start_s % self.period_s
+        pieces = [(s, s + length)] if s + length <= self.period_s else [(s, self.period_s), (0.0, s + length - self.period_s)]
+        for a, b in pieces:
+            i = bisect_left(self._starts, a)
+            self._starts.insert(i, a)
+            self._ends.insert(i, b)
+        self._merge()
+        self._unrolled = None
+
+    def _merge(self) -> None:
+        starts, ends = [], []
+        for a, b in zip(self._starts, self._ends):
+            if ends and a <= ends[-1]:
+                ends[-1] = max(ends[-1], b)
+            else:
+                starts.append(a)
+                ends.append(b)
+        self._starts, self._ends = starts, ends
+
+
+@dataclass
+class _Option:
+    tier: str
+    done_op: int
+    return_op: int
+    offload_start_s: float
+    prefetch_start_s: float | None
+    benefit: float
+    cost_s: float
+
+    @property
+    def score(self) -> float:
+        return self.benefit / self.cost_s if self.cost_s > 0 else math.inf
+
+
+class _PlannerState:
+    """Memory above budget per op, link timelines and tier occupancy while the greedy runs."""
+
+    def __init__(self, lt: Lifetimes, hardware: Hardware, budget_bytes: int) -> None:
+        n = lt.num_ops
+        self.lt = lt
+        self.n = n
+        self.budget = float(budget_bytes)
+        self.usage = lt.op_bytes.astype(np.float64).copy()
+        self.durations = lt.op_durations_s
+        self._refresh_excess()
+        step = lt.step_s
+        self.step_s = step
+        # start times of ops in this and the next two iterations
+        self.start_global = np.concatenate([lt.op_start_s[:-1] + k * step for k in range(3)] + [[3 * step]])
+        bw = hardware.link_bytes_per_s()
+        self.links = {name: LinkTimeline(step, bw[name]) for name in bw}
+        self.capacity = {"ssd": float(hardware.nvme.capacity_bytes), "host": float(hardware.host_capacity_bytes)}
+        self.tier_usage = {"ssd": np.zeros(n), "host": np.zeros(n)}
+        self.chosen: dict[int, Transfer] = {}  # inactive interval -> its transfer
+
+    def ranges(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Global op range [a, b) as slices of one iteration."""
+        if b <= a:
+            return []
+        if b - a >= self.n:
+            return [(0, self.n)]
+        a0, b0 = a % self.n, b - (a - a % self.n)
+        return [(a0, b0)] if b0 <= self.n else [(a0, self.n), (0, b0 - self.n)]
+
+    def _refresh_excess(self) -> None:
+        self.excess = np.maximum(self.usage - self.budget, 0.0)
+        # benefits only look at ops over budget: keep them compressed
+        self.over_ops = np.flatnonzero(self.excess > 0)
+        self.over_excess = self.excess[self.over_ops]
+        self.over_durations = self.durations[self.over_ops]
+
+    def benefit(self, a: int, b: int, nbytes: int) -> float:
+        """Byte-seconds above budget removed by freeing `nbytes` over global ops [a, b)."""
+        total = 0.0
+        for lo, hi in self.ranges(a, b):
+            i0, i1 = np.searchsorted(self.over_ops, [lo, hi])
+            if i1 > i0:
+                total += float(np.minimum(self.over_excess[i0:i1], nbytes) @ self.over_durations[i0:i1])
+        return total
+
+    def tier_fits(self, tier: str, a: int, b: int, nbytes: int) -> bool:
+        if math.isinf(self.capacity[tier]):
+            return True
+        return all(
+            self.tier_usage[tier][lo:hi].max(initial=0.0) + nbytes <= self.capacity[tier]
+            for lo, hi in self.ranges(a, b)
+        )
+
+    def option(self, k: int, tier: str, urgent: bool) -> _Option | None:
+        lt = self.lt
+        b = int(lt.inactive_buffer[k])
+        after, before = int(lt.inactive_after_op[k]), int(lt.inactive_before_op[k])
+        returns = bool(lt.inactive_returns[k])
+        nbytes = int(self._nbytes[b])
+        write, read = self.links[f"{tier}_write"], self.links[f"{tier}_read"]
+        w_s = write.duration_s(nbytes)
+        r_s = read.duration_s(nbytes) if returns else 0.0
+        if math.isinf(w_s) or math.isinf(r_s):
+            return None
+        t_free = float(self.start_global[after + 1])  # end of the last active op
+        t_need = float(self.start_global[before])
+        if urgent:
+            off_start, done_op = t_free, after + 1
+            pre_start = t_need if returns else None
+            return_op = before
+        else:
+            off_start = write.earliest_start(t_free, w_s)
+            done_op = int(np.searchsorted(self.start_global, off_start + w_s, side="left"))
+            if returns:
+                pre_start = read.latest_start(t_need, r_s)
+                if pre_start < off_start + w_s:
+                    return None
+                return_op = int(np.searchsorted(self.start_global, pre_start, side="right")) - 1
+            else:
+                pre_start, return_op = None, before
+        if return_op <= done_op or done_op <= after or return_op > before:
+            return None
+        previous = self.chosen.get(k)
+        if previous is not None:
+            # widening an overlapped transfer: same tier, only the ops it did not cover count
+            if tier != previous.tier:
+                return None
+            benefit = self.benefit(done_op, previous.done_op, nbytes) + self.benefit(
+                previous.return_op, return_op, nbytes
+            )
+            if benefit <= 0:
+                return None
+            return _Option(tier, done_op, return_op, off_start, pre_start, benefit, w_s + r_s)
+        if not self.tier_fits(tier, after + 1, before, nbytes):
+            return None
+        benefit = self.benefit(done_op, return_op, nbytes)
+        if benefit <= 0:
+            return None
+        return _Option(tier, done_op, return_op, off_start, pre_start, benefit, w_s + r_s)
+
+    def best_option(self, k: int, urgent: bool) -> _Option | None:
+        """SSD first; host memory when the SSD link is saturated, i.e. its busy timeline leaves this
+        interval a window that saves clearly less (under 90%) than the host link would."""
+        ssd = self.option(k, "ssd", urgent)
+        host = self.option(k, "host", urgent) if self.capacity["host"] > 0 else None
+        if host is None or (ssd is not None and ssd.benefit >= 0.9 * host.benefit):
+            return ssd
+        return host
+
+    def commit(self, k: int, opt: _Option, urgent: bool) -> Transfer:
+        lt = self.lt
+        b = int(lt.inactive_buffer[k])
+        nbytes = int(self._nbytes[b])
+        after, before = int(lt.inactive_after_op[k]), int(lt.inactive_before_op[k])
+        returns = bool(lt.inactive_returns[k])
+        write, read = self.links[f"{opt.tier}_write"], self.links[f"{opt.tier}_read"]
+        w_s = write.duration_s(nbytes)
+        r_s = read.duration_s(nbytes) if returns else 0.0
+        write.reserve(opt.offload_start_s, opt.offload_start_s + w_s)
+        if returns and opt.prefetch_start_s is not None:
+            read.reserve(opt.prefetch_start_s, opt.prefetch_start_s + r_s)
+        previous = self.chosen.get(k)
+        if previous is None:
+            spans = [(opt.done_op, opt.return_op)]
+            for lo, hi in self.ranges(after + 1, before):
+                self.tier_usage[opt.tier][lo:hi] += nbytes
+        else:
+            spans = [(opt.done_op, previous.done_op), (previous.return_op, opt.return_op)]
+        for a, z in spans:
+            for lo, hi in self.ranges(a, z):
+                self.usage[lo:hi] -= nbytes
+        self._refresh_excess()
+        return Transfer(
+            buffer=b,
+            nbytes=nbytes,
+            category=self._category[b],
+            tier=opt.tier,
+            after_op=after,
+            done_op=opt.done_op,
+            return_op=opt.return_op,
+            use_op=before if returns else None,
+            urgent=urgent,
+            offload_start_s=opt.offload_start_s,
+            offload_end_s=opt.offload_start_s + w_s,
+            prefetch_start_s=opt.prefetch_start_s,
+            prefetch_end_s=None if opt.prefetch_start_s is None else opt.prefetch_start_s + r_s,
+        )
+
+
+def _greedy(state: _PlannerState, candidates: np.ndarray, urgent: bool) -> list[Transfer]:
+    """Lazy greedy: benefits only shrink as memory is freed and links fill, so a stale score is an upper bound.
+
+    In the urgent round an interval already taken may be widened to its whole idle
+    window (the GPU then waits for its transfers); its benefit is the extra saving.
+    """
+    heap: list[tuple[float, int]] = []
+    for k in candidates.tolist():
+        opt = state.best_option(k, urgent)
+        if opt is not None:
+            heap.append((-opt.score, k))
+    heapq.heapify(heap)
+    done = set()
+    while heap and state.excess.any():
+        _, k = heapq.heappop(heap)
+        if k in done:
+            continue
+        opt = state.best_option(k, urgent)
+        if opt is None:
+            continue
+        if heap and opt.score < -heap[0][0] * (1 - 1e-9):
+            heapq.heappush(heap, (-opt.score, k))
+            continue
+        state.chosen[k] = state.commit(k, opt, urgent)
+        done.add(k)
+    return list(state.chosen.values())
+
+
+def plan_lifetimes(
+    trace: Trace,
+    lt: Lifetimes,
+    hardware: Hardware,
+    budget_bytes: int,
+    *,
+    min_nbytes: int = 1 << 20,
+    categories: tuple[str, ...] = CANDIDATE_CATEGORIES,
+) -> OffloadPlan:
+    """Plan offloads of `trace` with lifetimes `lt` so device memory stays within `budget_bytes`."""
+    t0 = time.perf_counter()
+    if budget_bytes <= 0:
+        raise UserError(f"the device-memory budget must be positive, not {budget_bytes}")
+    unknown = sorted(set(categories) - set(CANDIDATE_CATEGORIES))
+    if unknown:
+        raise UserError(f"cannot offload {', '.join(unknown)}: choose among {', '.join(CANDIDATE_CATEGORIES)}")
+    state = _PlannerState(lt, hardware, budget_bytes)
+    state._nbytes = trace.buffers["nbytes"]
+    names = {v: k for k, v in CATEGORY.items()}
+    state._category = [names[int(c)] for c in trace.buffers["category"]]
+    allowed = np.isin(trace.buffers["category"], [CATEGORY[c] for c in categories])
+    big = trace.buffers["nbytes"] >= min_nbytes
+    keep = (allowed & big)[lt.inactive_buffer]
+    candidates = np.flatnonzero(keep)
+    transfers = _greedy(state, candidates, urgent=False)
+    if state.excess.any():
+        # Nothing overlapped is left that helps: let the GPU wait for the rest.
+        transfers = _greedy(state, candidates, urgent=True)
+    peak_after = int(state.usage.max())
+    plan = OffloadPlan(
+        transfers=sorted(transfers, key=lambda t: (t.after_op, t.buffer)),
+        budget_bytes=int(budget_bytes),
+        num_ops=lt.num_ops,
+        ideal_step_s=lt.step_s,
+        peak_bytes_before=int(lt.op_bytes.max()),
+        peak_bytes_after=peak_after,
+        feasible=peak_after <= budget_bytes,
+        plan_elapsed_s=0.0,
+        hardware=hardware.to_json(),
+    )
+    from memplan.offload.validate import validate_plan
+
+    validate_plan(trace, plan)
+    plan.plan_elapsed_s = time.perf_counter() - t0
+    return plan
+
+
+def plan(
+    trace: Trace,
+    hardware: Hardware,
+    budget: int | str | None = None,
+    *,
+    op_durations_s: np.ndarray | None = None,
+    min_nbytes: int = 1 << 20,
+    categories: tuple[str, ...] = CANDIDATE_CATEGORIES,
+) -> OffloadPlan:
+    """`memplan.offload.plan(trace, hardware, budget=...)`: a validated TERAIO-style plan.
+
+    `budget` defaults to the GPU's capacity less the CUDA context and cuBLAS workspace.
+    Op times default to the roofline of `hardware.gpu`.
+    """
+    from memplan.units import parse_size
+
+    if budget is None:
+        gpu = hardware.gpu
+        budget_bytes = gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
+    else:
+        budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
+    if op_durations_s is None:
+        op_durations_s = roofline_op_durations_s(trace, hardware.gpu)
+    lt = analyse(trace, op_durations_s)
+    return plan_lifetimes(trace, lt, hardware, budget_bytes, min_nbytes=min_nbytes, categories=categories)

@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+from memplan.estimation.devices import device_profile
+
+from memplan.errors import UserError
+from memplan.offload.lifetimes import (
+    analyse,
+    measured_op_durations_s,
+    op_peak_bytes,
+    roofline_op_durations_s,
+)
+
+W, A, T = 0, 1, 2
+
+
+def small(make_trace):
+    # W: parameter used at ops 0 and 8; A: activation written at 1, read at 7, freed at 9
+    ops = [{"reads": [W]}, {"alloc": [A]}, {}, {}, {}, {}, {}, {"reads": [A]}, {"reads": [W]}, {"free": [A]}]
+    return make_trace([100, 100, 10], ["parameter", "activation", "temporary"], ops, persistent=[W])
+
+
+def test_inactive_intervals_between_uses_wrap_and_tail(make_trace):
+    lt = analyse(small(make_trace), np.ones(10))
+    assert lt.inactive_intervals(W) == [(0, 8), (8, 10)]  # (8, 10): wraps to op 0 of the next step
+    assert sorted(lt.inactive_intervals(A)) == [(1, 7), (7, 9)]
+    assert lt.inactive_returns[(lt.inactive_buffer == A) & (lt.inactive_after_op == 7)].tolist() == [False]
+
+
+def test_inactive_intervals_in_seconds_run_from_end_of_use_to_start_of_next(make_trace):
+    lt = analyse(small(make_trace), np.arange(1, 11, dtype=float))  # op i takes i+1 s
+    start = np.concatenate([[0], np.cumsum(np.arange(1, 11))])
+    assert lt.inactive_intervals_s(A)[0] == (start[2], start[7])
+    assert lt.inactive_intervals_s(W)[1] == (start[9], start[10] + start[0])
+
+
+def test_active_intervals_are_runs_of_consecutive_ops(make_trace):
+    ops = [{"alloc": [0]}, {"reads": [0]}, {}, {"reads": [0]}, {"free": [0]}]
+    lt = analyse(make_trace([8], ["activation"], ops), np.ones(5))
+    assert lt.active_intervals(0) == [(0, 1), (3, 3)]
+    assert lt.active_intervals_s(0) == [(0.0, 2.0), (3.0, 4.0)]
+
+
+def test_op_bytes_is_the_peak_inside_each_op(make_trace):
+    ops = [{"alloc": [0]}, {"alloc": [1], "free": [1]}, {"free": [0]}]
+    tr = make_trace([100, 50], ["activation", "temporary"], ops)
+    assert op_peak_bytes(tr).tolist() == [100, 150, 100]
+
+
+def test_roofline_is_the_slower_of_compute_and_memory(make_trace):
+    tr = make_trace([8, 8], ["activation", "activation"], [{"alloc": [0]}, {"alloc": [1]}])
+    gpu = device_profile("h100-80gb")
+    tr.ops["flops"][:] = [gpu.matmul_flops_per_s("fp32") * 2.0, 0.0]
+    tr.ops["bytes_moved"][:] = [gpu.memory_bandwidth_bytes_per_s * 1.0, gpu.memory_bandwidth_bytes_per_s * 3.0]
+    assert roofline_op_durations_s(tr, gpu) == pytest.approx([2.0, 3.0])
+
+
+def test_measured_times_must_match_the_op_count(make_trace):
+    tr = small(make_trace)
+    with pytest.raises(UserError, match="10 ops"):
+        measured_op_durations_s(tr, [1.0, 2.0])
+    with pytest.raises(UserError):
+        measured_op_durations_s(tr, [-1.0] * 10)

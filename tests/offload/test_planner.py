@@ -1,0 +1,181 @@
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from memplan.estimation.devices import device_profile
+
+from memplan.errors import UserError
+from memplan.offload.hardware import Hardware, NvmeArray
+from memplan.offload.lifetimes import analyse
+from memplan.offload.planner import LinkTimeline, plan, plan_lifetimes
+from memplan.offload.simulate import simulate_plan
+from memplan.offload.validate import PlanError, validate_plan
+
+W, A = 0, 1
+
+
+def hardware(ssd_bytes_per_s=100.0, pcie_bytes_per_s=200.0, host_bytes=0.0):
+    nvme = NvmeArray(1, ssd_bytes_per_s, ssd_bytes_per_s, math.inf, "test")
+    return Hardware(device_profile("h100-80gb"), 1, nvme, host_bytes, pcie_bytes_per_s)
+
+
+def small(make_trace):
+    ops = [{"reads": [W]}, {"alloc": [A]}, {}, {}, {}, {}, {}, {"reads": [A]}, {"reads": [W]}, {"free": [A]}]
+    return make_trace([100, 100], ["parameter", "activation"], ops, persistent=[W])
+
+
+def plan_small(make_trace, budget, **hw):
+    tr = small(make_trace)
+    lt = analyse(tr, np.ones(10))
+    return tr, lt, plan_lifetimes(tr, lt, hardware(**hw), budget, min_nbytes=1)
+
+
+def test_plan_brings_the_peak_within_the_budget(make_trace):
+    tr, lt, p = plan_small(make_trace, 150)
+    assert p.peak_bytes_before == 200
+    assert p.feasible and p.peak_bytes_after <= 150
+    validate_plan(tr, p)
+
+
+def only_activation(make_trace):
+    # A written at op 1, read at op 7, freed at op 9; a 100 B temporary over ops 3..5
+    ops = [{}, {"alloc": [A]}, {}, {"alloc": [2]}, {}, {"free": [2]}, {}, {"reads": [A]}, {}, {"free": [A]}]
+    return make_trace([0, 100, 100], ["other", "activation", "temporary"], ops)
+
+
+def test_memory_is_saved_only_between_offload_end_and_prefetch_start(make_trace):
+    # 100 B at 100 B/s: 1 s each way. A is idle between ops 1 and 7 (each op 1 s):
+    # offload 2-3 s, prefetch 6-7 s, so A is away over ops 3, 4, 5.
+    tr = only_activation(make_trace)
+    p = plan_lifetimes(tr, analyse(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
+    (t,) = [t for t in p.transfers if t.buffer == A and t.use_op == 7]
+    assert (t.tier, t.after_op, t.done_op, t.return_op) == ("ssd", 1, 3, 6)
+    assert (t.offload_start_s, t.offload_end_s, t.prefetch_start_s, t.prefetch_end_s) == (2.0, 3.0, 6.0, 7.0)
+
+
+def test_the_planner_takes_the_best_benefit_per_cost_first(make_trace):
+    # same cost (1 s + 1 s); W saves 50 B over ops 2..6 (250 B.s), A over ops 3..5 only (150 B.s)
+    _, _, p = plan_small(make_trace, 150)
+    # once W is away over ops 2..6, A's window over 3..5 saves nothing more: it is never taken
+    assert any(t.buffer == W and t.after_op == 0 for t in p.transfers)
+    assert not any(t.buffer == A and t.use_op == 7 for t in p.transfers)
+
+
+def test_link_timeline_pushes_later_transfers_out():
+    link = LinkTimeline(period_s=10.0, bytes_per_s=1.0)
+    link.reserve(0.0, 2.0)
+    assert link.earliest_start(1.0, 1.0) == 2.0
+    assert link.latest_start(3.0, 2.0) == -2.0  # [2, 3) is too short; before 0 is the previous step
+    link.reserve(9.0, 11.0)  # wraps: busy [9, 10) and [0, 1) of the next step
+    assert link.earliest_start(9.5, 0.5) == 12.0
+
+
+def test_host_memory_takes_what_the_ssd_link_cannot(make_trace):
+    # two activations idle over ops 1..6 and a 200 B temporary at ops 2..3 (budget 200): after
+    # the first, the busy SSD link leaves the second a window over op 3 only; the host link covers 2..5
+    ops = [{"alloc": [0, 1]}, {}, {"alloc": [2]}, {"free": [2]}, {}, {}, {}, {"reads": [0, 1]}, {"free": [0, 1]}]
+    tr = make_trace([100, 100, 200], ["activation", "activation", "temporary"], ops)
+    lt = analyse(tr, np.ones(9))
+    p = plan_lifetimes(tr, lt, hardware(ssd_bytes_per_s=100.0, pcie_bytes_per_s=200.0, host_bytes=1000), 200, min_nbytes=1)
+    returning = [t for t in p.transfers if t.use_op == 7]
+    assert sorted(t.tier for t in returning) == ["host", "ssd"]
+    assert p.feasible
+
+
+def test_host_memory_respects_its_limit(make_trace):
+    ops = [{"alloc": [0, 1]}, {}, {"alloc": [2]}, {"free": [2]}, {}, {}, {}, {"reads": [0, 1]}, {"free": [0, 1]}]
+    tr = make_trace([100, 100, 200], ["activation", "activation", "temporary"], ops)
+    lt = analyse(tr, np.ones(9))
+    p = plan_lifetimes(tr, lt, hardware(host_bytes=50), 200, min_nbytes=1)
+    assert p.transfers
+    assert all(t.tier == "ssd" for t in p.transfers)
+
+
+def test_urgent_transfers_when_no_window_hides_them(make_trace):
+    # 1 B/s: moving 100 B takes 100 s, far longer than the 5 s idle window; the GPU must wait
+    tr, lt, p = plan_small(make_trace, 150, ssd_bytes_per_s=1.0, pcie_bytes_per_s=1.0)
+    assert p.feasible
+    assert p.transfers and all(t.urgent for t in p.transfers)
+    result = simulate_plan(lt, p, hardware(ssd_bytes_per_s=1.0, pcie_bytes_per_s=1.0).link_bytes_per_s())
+    assert result.stall_s > 100
+    assert result.within_budget
+
+
+def test_infeasible_when_only_temporaries_exceed_the_budget(make_trace):
+    tr = make_trace([100, 100], ["temporary", "temporary"], [{"alloc": [0, 1]}, {}, {}, {"reads": [0, 1], "free": [0, 1]}])
+    p = plan_lifetimes(tr, analyse(tr, np.ones(4)), hardware(), 150, min_nbytes=1)
+    assert not p.feasible and p.peak_bytes_after == 200 and p.transfers == []
+
+
+def test_budget_must_be_positive(make_trace):
+    with pytest.raises(UserError, match="budget"):
+        plan(small(make_trace), hardware(), budget=0)
+
+
+def planned_activation(make_trace):
+    tr = only_activation(make_trace)
+    return tr, plan_lifetimes(tr, analyse(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
+
+
+def test_validator_rejects_a_buffer_used_while_away(make_trace):
+    tr, p = planned_activation(make_trace)
+    t = next(t for t in p.transfers if t.buffer == A and t.use_op == 7)
+    bad = replace(p, transfers=[replace(t, use_op=8, return_op=8)])
+    with pytest.raises(PlanError, match="used by op 7 while away"):
+        validate_plan(tr, bad)
+
+
+def test_validator_rejects_a_budget_overrun(make_trace):
+    tr, _, p = plan_small(make_trace, 150)
+    with pytest.raises(PlanError, match="over the budget"):
+        validate_plan(tr, replace(p, transfers=[], feasible=True))
+
+
+def test_validator_rejects_overlapping_windows_of_one_buffer(make_trace):
+    tr, p = planned_activation(make_trace)
+    t = next(t for t in p.transfers if t.buffer == A and t.use_op == 7)
+    with pytest.raises(PlanError, match="overlapping"):
+        validate_plan(tr, replace(p, transfers=[t, replace(t, after_op=2, done_op=3)]))
+
+
+@st.composite
+def random_traces(draw):
+    n_ops = draw(st.integers(4, 14))
+    n_buf = draw(st.integers(1, 6))
+    ops = [dict(alloc=[], free=[], reads=[]) for _ in range(n_ops)]
+    persistent, cats, sizes = [], [], []
+    for b in range(n_buf):
+        sizes.append(draw(st.integers(1, 200)))
+        cats.append(draw(st.sampled_from(["parameter", "activation", "optimizer_state", "temporary"])))
+        uses = draw(st.lists(st.integers(0, n_ops - 1), min_size=1, max_size=4, unique=True))
+        if cats[-1] in ("parameter", "optimizer_state"):
+            persistent.append(b)
+        else:
+            a = draw(st.integers(0, n_ops - 1))
+            f = draw(st.integers(a, n_ops - 1))
+            ops[a]["alloc"].append(b)
+            ops[f]["free"].append(b)
+            uses = [u for u in uses if a < u <= f]
+        for u in uses:
+            ops[u]["reads"].append(b)
+    durations = draw(st.lists(st.floats(0.1, 3.0), min_size=n_ops, max_size=n_ops))
+    return sizes, cats, ops, persistent, durations
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_traces(), st.floats(0.3, 1.0), st.floats(5.0, 500.0))
+def test_every_plan_passes_the_validator_and_holds_in_simulation(make_trace, case, fraction, bandwidth):
+    sizes, cats, ops, persistent, durations = case
+    tr = make_trace(sizes, cats, ops, persistent=persistent)
+    lt = analyse(tr, np.asarray(durations))
+    budget = max(1, int(lt.op_bytes.max() * fraction))
+    hw = hardware(ssd_bytes_per_s=bandwidth, pcie_bytes_per_s=2 * bandwidth, host_bytes=100)
+    p = plan_lifetimes(tr, lt, hw, budget, min_nbytes=1)
+    validate_plan(tr, p)
+    result = simulate_plan(lt, p, hw.link_bytes_per_s())
+    assert result.step_s >= lt.step_s - 1e-9
+    if p.feasible:
+        assert result.peak_device_bytes <= budget
