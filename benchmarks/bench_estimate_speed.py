@@ -22,7 +22,7 @@ from pathlib import Path
 
 from memplan import models
 from memplan.capture.step import build_training_step
-from memplan.estimate import estimate
+from memplan.estimation import estimate
 from memplan.parallel import Layout
 
 MODEL = "llama-2-70b"

@@ -21,6 +21,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import memplan`
         from memplan.runtime import planned_allocator
 
         return planned_allocator
+    if name in ("estimate", "fit"):
+        import memplan.estimation as estimation
+
+        return getattr(estimation, name)
     if name == "reorder":
         from memplan.order.run import reorder
 

@@ -4,7 +4,7 @@ import pytest
 
 from memplan import models
 from memplan.errors import UserError
-from memplan.estimate import estimate
+from memplan.estimation import estimate
 from memplan.parallel import Layout
 
 SETUP = models.TrainingSetup(seq=32, dtype="bf16")

@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.estimate import estimate
+    from memplan.estimation import estimate
     from memplan.models import setup_from_args
     from memplan.parallel.flags import layout_from_args
     from memplan.units import parse_size
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(result) -> None:  # noqa: ANN001 - memplan.estimate.Estimate
+def render(result) -> None:  # noqa: ANN001 - memplan.estimation.Estimate
     from rich.console import Console
     from rich.table import Table
 

@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.estimate.fit import fit
+    from memplan.estimation.fit import fit
     from memplan.models import setup_from_args
 
     configs = fit(args.model, args.gpu, args.gpus, setup_from_args(args), progress=True, top=args.top)

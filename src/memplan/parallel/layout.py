@@ -78,7 +78,7 @@ class Layout:
             if kv % self.tp:
                 raise UserError(f"tp {self.tp} does not divide the {kv} key/value heads: pick a divisor of {kv}")
         if self.pp > 1:
-            from memplan.estimate.layers import num_layers
+            from memplan.estimation.layers import num_layers
 
             blocks = num_layers(config) or 0
             chunks = self.pp * (INTERLEAVED_CHUNKS if self.schedule == "interleaved" else 1)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.estimate.devices import device_profile
-from memplan.estimate.layers import num_layers
-from memplan.estimate.pipeline import Estimate, estimate
+from memplan.estimation.devices import device_profile
+from memplan.estimation.layers import num_layers
+from memplan.estimation.pipeline import Estimate, estimate
 from memplan.parallel import Layout
 
 MICRO_BATCHES = (1, 2, 4)

@@ -3,8 +3,8 @@
 import pytest
 
 from memplan import models
-from memplan.estimate import estimate
-from memplan.estimate.layers import with_layers
+from memplan.estimation import estimate
+from memplan.estimation.layers import with_layers
 from memplan.parallel import Layout
 
 CASES = [

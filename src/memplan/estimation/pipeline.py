@@ -6,11 +6,11 @@ tensors and adds only what a CPU trace cannot see):
 
 1. capture the step on fake cpu tensors with the target device's code paths
    (`memplan.capture.step`), at full depth or, for deep models, at 2 and 3 blocks
-   (`memplan.estimate.layers`);
+   (`memplan.estimation.layers`);
 2. per rank of the parallel layout, reshape the trace to that rank
    (`memplan.parallel.rank_trace`: sharded parameters, gradients and states,
    collective buffers);
-3. add the GPU-only terms (`memplan.estimate.gpu_terms`: SDPA kernel workspaces,
+3. add the GPU-only terms (`memplan.estimation.gpu_terms`: SDPA kernel workspaces,
    cuBLAS workspace) when the target is cuda;
 4. replay through the allocator simulator (512-B rounding, caching / expandable
    segments) for peak allocated (`max_memory_allocated`) and peak reserved
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.estimate import gpu_terms, layers
-from memplan.estimate.devices import DeviceProfile, device_profile
+from memplan.estimation import gpu_terms, layers
+from memplan.estimation.devices import DeviceProfile, device_profile
 from memplan.trace.model import CATEGORY, Trace
 
 ESTIMATE_ALLOCATORS = ("caching", "expandable", "planned", "none")

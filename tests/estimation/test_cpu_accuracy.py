@@ -10,7 +10,7 @@ import pytest
 from memplan import models
 from memplan.capture.groundtruth import profiler_peak_bytes
 from memplan.capture.step import build_training_step
-from memplan.estimate import estimate
+from memplan.estimation import estimate
 
 CASES = [
     ("gpt2", {}),

@@ -4,8 +4,8 @@ import json
 
 from memplan import models
 from memplan.cli import main
-from memplan.estimate import estimate
-from memplan.estimate.fit import fit
+from memplan.estimation import estimate
+from memplan.estimation.fit import fit
 from memplan.parallel import Layout
 
 

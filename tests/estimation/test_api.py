@@ -1,0 +1,19 @@
+"""`memplan.estimate(model, setup, layout, device=...)` is the Python API of the issue."""
+
+import memplan
+import memplan.estimation.devices  # noqa: F401 - importing the package must not shadow the function
+from memplan import models
+from memplan.parallel import Layout
+
+
+def test_memplan_estimate_is_a_function_taking_model_setup_layout_and_device():
+    result = memplan.estimate(models.tiny_config("gpt2"), models.TrainingSetup(seq=32), Layout(world_size=2),
+                              device="cpu", allocator="none")
+    assert result.layout["world_size"] == 2
+    assert result.peak_allocated_bytes > 0
+
+
+def test_memplan_fit_is_the_fit_search():
+    from memplan.estimation.fit import fit
+
+    assert memplan.fit is fit
