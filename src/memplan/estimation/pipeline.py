@@ -198,10 +198,10 @@ def replay_counters(trace: Trace, allocator: str, alloc_conf: str | None) -> Cou
 
     charged = np.where(nbytes > 0, np.maximum(ROUND_BYTES, -(-nbytes // ROUND_BYTES) * ROUND_BYTES), 0)
     if allocator == "planned":
-        try:
-            from memplan.layout import plan as make_plan
-        except ImportError as exc:
-            raise UserError("the planned allocator is not available in this build: use caching or expandable") from exc
+        # STWeaver plan of this very step (validated by the layout work's independent
+        # checker before it is returned), replayed with its caching fallback.
+        from memplan.layout import plan as make_plan
+
         result = simulate(trace, "planned", alloc_conf=alloc_conf, plan=make_plan(trace), segment_map=False)
     else:
         result = simulate(trace, allocator, alloc_conf=alloc_conf, segment_map=False)
