@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
-from memplan.estimation.devices import device_profile
 
 from memplan.errors import UserError
+from memplan.estimation.devices import device_profile
 from memplan.offload.lifetimes import (
     analyse,
     measured_op_durations_s,

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memplan.estimation.devices import device_profile
 
 from memplan.errors import UserError
+from memplan.estimation.devices import device_profile
 from memplan.offload.hardware import Hardware, NvmeArray
 from memplan.offload.lifetimes import analyse
 from memplan.offload.planner import LinkTimeline, plan, plan_lifetimes

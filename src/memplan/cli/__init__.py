@@ -18,7 +18,7 @@ from typing import Any
 from memplan.errors import UserError
 
 # Subcommand modules, in the order `memplan --help` lists them.
-SUBCOMMANDS = ["trace", "show", "simulate", "pack", "plan", "reorder", "estimate", "fit", "report", "demo"]
+SUBCOMMANDS = ["trace", "show", "simulate", "pack", "plan", "reorder", "estimate", "fit", "offload", "report", "demo"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,78 @@
+"""`memplan offload MODEL --gpu NAME --nvme SPEC --host-mem SIZE`: plan and simulate TERAIO-style offloading."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from memplan.models import add_setup_flags
+
+    p = subparsers.add_parser(
+        "offload",
+        help="plan lifetime-aware offloading to NVMe and host memory (TERAIO) and simulate the step",
+        description="Capture MODEL's training step on fake tensors, plan which idle tensors leave "
+        "device memory and when (greedy benefit/cost with one bandwidth timeline per link), "
+        "simulate the step with the transfers, and compare with ZeRO-Offload-, ZeRO-Infinity- "
+        "and torchtune-like baselines in the same simulator.",
+    )
+    p.add_argument("model", metavar="MODEL", help="registry model name, e.g. llama-3-8b")
+    add_setup_flags(p)
+    p.add_argument("--gpu", required=True, metavar="NAME", help="GPU profile, e.g. h100-nvl-94gb")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the node, one NVMe array each (default 1)")
+    p.add_argument("--nvme", default="4x990pro", metavar="SPEC",
+                   help="one GPU's RAID-0 array: NxDRIVE (4x990pro, 2xpm1743) or NxBANDWIDTH (2x7GB/s); 0 for none")
+    p.add_argument("--host-mem", default="0", metavar="SIZE", help="host memory offloading may use, whole node (default 0)")
+    p.add_argument("--pcie", default=None, metavar="LINK", help="pcie-gen4-x16 or pcie-gen5-x16 (default: the GPU's)")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="device-memory budget (default: capacity less CUDA context and cuBLAS workspace)")
+    p.add_argument("--plan-output", default=None, metavar="plan.json", help="write the plan as JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from memplan.capture import capture_model
+    from memplan.cli import print_json
+    from memplan.models import setup_from_args
+    from memplan.offload.evaluate import evaluate
+    from memplan.offload.hardware import make_hardware
+    from memplan.trace.io import atomic_write
+    from memplan.units import format_bytes, parse_size
+
+    hardware = make_hardware(args.gpu, nvme=args.nvme, host_mem=args.host_mem, gpus=args.gpus, pcie=args.pcie)
+    budget = None if args.budget is None else parse_size(args.budget)
+    setup = setup_from_args(args)
+    if setup.optimizer_impl is None:
+        # one foreach kernel touches every state at once: nothing could be away during it
+        setup = dataclasses.replace(setup, optimizer_impl="loop")
+        sys.stderr.write("memplan: offload plans a per-parameter optimizer step (--optimizer-impl loop)\n")
+    sys.stderr.write(f"memplan: capturing {args.model} on fake tensors ...\n")
+    trace = capture_model(args.model, setup, fake=True, device="cuda")
+    sys.stderr.write(f"memplan: planning {trace.num_ops} ops ...\n")
+    report, plan = evaluate(trace, hardware, budget)
+    report = {"model": args.model, "setup": setup.to_dict(), **report}
+    if args.plan_output:
+        doc = json.dumps(plan.to_json()).encode()
+        atomic_write(args.plan_output, lambda f: f.write(doc))
+        report["plan_output"] = args.plan_output
+    if args.json:
+        print_json(report)
+        return 0
+    out = sys.stdout
+    out.write(
+        f"{args.model} on {hardware.gpu.name} (budget {format_bytes(report['budget_bytes'])}, "
+        f"peak without offload {format_bytes(report['peak_device_bytes_without_offload'])})\n"
+        f"  ideal step      {report['ideal_step_s']:.3f} s\n"
+        f"  memplan         {report['planned_step_s']:.3f} s  {report['throughput_vs_ideal']:.1%} of ideal"
+        f"  (peak {format_bytes(report['peak_device_bytes'])}, {format_bytes(report['offloaded_bytes'])} offloaded, "
+        f"planned in {report['plan_elapsed_s']:.1f} s)\n"
+    )
+    for name, b in report["baselines"].items():
+        flag = "" if b["feasible"] else f"  infeasible: {b['note']}"
+        out.write(f"  {name:<22}{b['step_s']:.3f} s  {b['throughput_vs_ideal']:.1%} of ideal{flag}\n")
+    return 0

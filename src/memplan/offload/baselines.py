@@ -1,0 +1,227 @@
+"""The baselines of TERAIO's evaluation (arXiv 2506.06472, §5), run through the same simulator.
+
+Each baseline turns the trace's lifetimes into op times, device bytes and `Move`s:
+
+- `ideal`: no offloading, unlimited device memory (the roofline step time).
+- `zero_offload`: ZeRO-Offload (USENIX ATC'21): optimizer states live on the CPU;
+  each gradient goes to host memory right after backward produces it; the optimizer
+  step runs on the CPU (CPU-Adam); updated fp32 parameters come back over PCIe before
+  the next forward. Host memory needed: 16 B per parameter (fp32 params, grads, m, v).
+- `zero_infinity`: ZeRO-Infinity (SC'21) with NVMe offload: parameters, gradients and
+  optimizer states leave the GPU; parameters are fetched from NVMe *per layer* with
+  fixed timing (issued when the previous layer starts, released when the layer ends),
+  in forward and again in backward; the optimizer step streams the states from NVMe
+  through CPU-Adam and writes them back. Activations stay on the GPU (no checkpointing).
+  Host memory needed (assumption): 8 B per parameter (fp32 gradients and parameter
+  staging buffers).
+- `torchtune_activations`: torchtune's `OffloadActivations`, at layer granularity: a
+  layer's activations go to host memory when its forward ends and come back when the
+  backward of the layer after it starts; everything else stays on the GPU.
+
+With `gpus` > 1, ZeRO partitions the optimizer work: each GPU's share of states and
+parameters is 1/gpus; the CPU-Adam rate is node-wide. A baseline is feasible when its
+simulated device peak fits the budget and its host need fits the host limit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memplan.offload.hardware import Hardware, cpu_adam_params_per_s
+from memplan.offload.lifetimes import Lifetimes
+from memplan.offload.simulate import Move, SimResult, simulate
+from memplan.trace.model import CATEGORY, PHASE, Trace
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)(\.|$)")
+
+
+@dataclass
+class BaselineResult:
+    name: str
+    sim: SimResult
+    host_bytes_needed: float
+    feasible: bool
+    note: str = ""
+
+    def to_json(self, ideal_step_s: float) -> dict[str, Any]:
+        return {
+            "step_s": self.sim.step_s,
+            "throughput_vs_ideal": ideal_step_s / self.sim.step_s if self.sim.step_s > 0 else 0.0,
+            "feasible": self.feasible,
+            "stall_s": self.sim.stall_s,
+            "peak_device_bytes": self.sim.peak_device_bytes,
+            "host_bytes_needed": self.host_bytes_needed,
+            "note": self.note,
+        }
+
+
+def layer_of(module: str) -> str:
+    """`model.layers.3.mlp.up_proj` -> `model.layers.3`; modules outside the layer stack are their own group."""
+    match = _LAYER.match(module)
+    return match.group(1) if match else module
+
+
+def _live_bytes_of(trace: Trace, lt: Lifetimes, mask: np.ndarray) -> np.ndarray:
+    """Bytes of the masked buffers live during each op."""
+    n = lt.num_ops
+    diff = np.zeros(n + 1)
+    first = np.clip(lt.live_first_op[mask], 0, n)
+    last = np.clip(lt.live_last_op[mask], -1, n - 1)
+    nbytes = trace.buffers["nbytes"][mask].astype(np.float64)
+    np.add.at(diff, first, nbytes)
+    np.add.at(diff, last + 1, -nbytes)
+    return np.cumsum(diff)[:n]
+
+
+def _uses(lt: Lifetimes, b: int) -> np.ndarray:
+    return lt.use_ops[lt.use_ptr[b] : lt.use_ptr[b + 1]]
+
+
+def _parameter_count(trace: Trace) -> float:
+    params = trace.meta.get("trainable_parameters") or trace.meta.get("parameters")
+    if params:
+        return float(params)
+    mask = trace.buffers["category"] == CATEGORY["parameter"]
+    return float(trace.buffers["nbytes"][mask].sum()) / 4.0
+
+
+def _feasible(sim: SimResult, host_needed: float, hardware: Hardware) -> tuple[bool, str]:
+    notes = []
+    if not sim.within_budget:
+        notes.append(f"device memory over budget by {sim.over_budget_bytes} bytes")
+    if host_needed > hardware.host_capacity_bytes * hardware.gpus:
+        notes.append(f"needs {host_needed:.3g} bytes of host memory")
+    return not notes, "; ".join(notes)
+
+
+def ideal(trace: Trace, lt: Lifetimes, hardware: Hardware) -> BaselineResult:
+    sim = simulate(lt.op_durations_s, lt.op_bytes, [], {}, float("inf"))
+    return BaselineResult("ideal", sim, 0.0, True)
+
+
+def _pcie_links(hardware: Hardware) -> dict[str, float]:
+    return {"pcie_d2h": hardware.pcie_bytes_per_s, "pcie_h2d": hardware.pcie_bytes_per_s}
+
+
+def zero_offload(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
+    n = lt.num_ops
+    cat, phase = trace.buffers["category"], trace.ops["phase"]
+    params = _parameter_count(trace)
+    g = hardware.gpus
+    durations = lt.op_durations_s.copy()
+    optimizer_ops = np.flatnonzero(phase == PHASE["optimizer"])
+    cpu_op = int(optimizer_ops[0]) if optimizer_ops.size else n - 1
+    durations[optimizer_ops] = 0.0
+    allgather_s = 4 * params * (g - 1) / g / hardware.gpu.interconnect_bytes_per_s if g > 1 else 0.0
+    durations[cpu_op] = params / cpu_adam_params_per_s() + allgather_s
+    base = lt.op_bytes - _live_bytes_of(trace, lt, cat == CATEGORY["optimizer_state"])
+    moves = []
+    for b in np.flatnonzero(cat == CATEGORY["gradient"]).tolist():
+        uses = _uses(lt, b)
+        produced = uses[uses < cpu_op]
+        if produced.size == 0:
+            continue
+        nbytes = int(trace.buffers["nbytes"][b])
+        moves.append(Move("pcie_d2h", nbytes // g, int(produced[-1]), True, wait_op=cpu_op,
+                          device_delta_on_complete=-nbytes))
+        moves.append(Move(None, 0, int(min(lt.live_last_op[b], n - 1)), False, device_delta_on_issue=nbytes))
+    first_forward = int(np.flatnonzero(phase == PHASE["forward"])[0]) if (phase == PHASE["forward"]).any() else 0
+    moves.append(Move("pcie_h2d", int(4 * params / g), cpu_op, True, wait_op=first_forward + n))
+    sim = simulate(durations, base, moves, _pcie_links(hardware), budget_bytes)
+    host = 16.0 * params
+    ok, note = _feasible(sim, host, hardware)
+    return BaselineResult("zero_offload", sim, host, ok, note)
+
+
+def _layer_windows(trace: Trace, lt: Lifetimes, buffers: np.ndarray, phase_id: int) -> dict[str, tuple[int, int, int]]:
+    """Per layer: (first op, last op, bytes) of the given buffers' uses in one phase."""
+    phase = trace.ops["phase"]
+    out: dict[str, list] = {}
+    for b in buffers.tolist():
+        uses = _uses(lt, b)
+        uses = uses[phase[uses] == phase_id]
+        if uses.size == 0:
+            continue
+        key = layer_of(trace.module_of_buffer(b))
+        entry = out.setdefault(key, [int(uses[0]), int(uses[-1]), 0])
+        entry[0] = min(entry[0], int(uses[0]))
+        entry[1] = max(entry[1], int(uses[-1]))
+        entry[2] += int(trace.buffers["nbytes"][b])
+    return {k: (a, z, nb) for k, (a, z, nb) in out.items()}
+
+
+def zero_infinity(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
+    n = lt.num_ops
+    cat, phase = trace.buffers["category"], trace.ops["phase"]
+    params = _parameter_count(trace)
+    g = hardware.gpus
+    links = hardware.link_bytes_per_s()
+    durations = lt.op_durations_s.copy()
+    optimizer_ops = np.flatnonzero(phase == PHASE["optimizer"])
+    cpu_op = int(optimizer_ops[0]) if optimizer_ops.size else n - 1
+    durations[optimizer_ops] = 0.0
+    # CPU-Adam on this GPU's partition, states (fp32 master, m, v: 12 B/param) swapped in
+    # and out of its NVMe array, updated fp32 parameters written back (4 B/param)
+    share = params / g
+    swap_s = max(12 * share / max(links["ssd_read"], 1.0), 16 * share / max(links["ssd_write"], 1.0))
+    durations[cpu_op] = max(params / cpu_adam_params_per_s(), swap_s)
+    persistent = (cat == CATEGORY["optimizer_state"]) | (cat == CATEGORY["parameter"])
+    base = lt.op_bytes - _live_bytes_of(trace, lt, persistent)
+    moves = []
+    for b in np.flatnonzero(cat == CATEGORY["gradient"]).tolist():
+        uses = _uses(lt, b)
+        produced = uses[uses < cpu_op]
+        if produced.size == 0:
+            continue
+        nbytes = int(trace.buffers["nbytes"][b])
+        moves.append(Move("host_write", nbytes // g, int(produced[-1]), True, wait_op=cpu_op,
+                          device_delta_on_complete=-nbytes))
+        moves.append(Move(None, 0, int(min(lt.live_last_op[b], n - 1)), False, device_delta_on_issue=nbytes))
+    param_buffers = np.flatnonzero(cat == CATEGORY["parameter"])
+    for phase_id in (PHASE["forward"], PHASE["backward"]):
+        windows = sorted(_layer_windows(trace, lt, param_buffers, phase_id).values())
+        for i, (first, last, nbytes) in enumerate(windows):
+            issue = windows[i - 1][0] if i > 0 else first  # fixed timing: one layer ahead
+            moves.append(Move("ssd_read", nbytes // g, issue, False, wait_op=first, device_delta_on_issue=nbytes))
+            moves.append(Move(None, 0, last, True, device_delta_on_issue=-nbytes))
+    sim = simulate(durations, base, moves, links, budget_bytes)
+    host = 8.0 * params
+    ok, note = _feasible(sim, host, hardware)
+    return BaselineResult("zero_infinity", sim, host, ok, note)
+
+
+def torchtune_activations(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
+    cat = trace.buffers["category"]
+    acts = np.flatnonzero((cat == CATEGORY["activation"]) & (trace.buffers["nbytes"] >= 1024))
+    forward = _layer_windows(trace, lt, acts, PHASE["forward"])
+    backward = _layer_windows(trace, lt, acts, PHASE["backward"])
+    layers = [k for k in sorted(forward, key=lambda k: forward[k][0]) if k in backward and ".layers." in k]
+    links = {"host_write": hardware.pcie_bytes_per_s, "host_read": hardware.pcie_bytes_per_s}
+    moves = []
+    host = 0.0
+    for i, key in enumerate(layers):
+        f_first, f_last, nbytes = forward[key]
+        b_first = backward[key][0]
+        # prefetched when the backward of the next layer (in forward order) starts
+        issue = backward[layers[i + 1]][0] if i + 1 < len(layers) else b_first
+        issue = min(issue, b_first)
+        moves.append(Move("host_write", nbytes, f_last, True, device_delta_on_complete=-nbytes, key=i))
+        moves.append(Move("host_read", nbytes, issue, False, wait_op=b_first, device_delta_on_issue=nbytes, after_key=i))
+        host += nbytes
+    sim = simulate(lt.op_durations_s, lt.op_bytes, moves, links, budget_bytes)
+    ok, note = _feasible(sim, host, hardware)
+    return BaselineResult("torchtune_activations", sim, host, ok, note)
+
+
+def run_baselines(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> dict[str, BaselineResult]:
+    """All four baselines of one trace, by name."""
+    return {
+        "ideal": ideal(trace, lt, hardware),
+        "zero_offload": zero_offload(trace, lt, hardware, budget_bytes),
+        "zero_infinity": zero_infinity(trace, lt, hardware, budget_bytes),
+        "torchtune_activations": torchtune_activations(trace, lt, hardware, budget_bytes),
+    }

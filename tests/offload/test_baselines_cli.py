@@ -1,0 +1,94 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from memplan.cli import main
+from memplan.estimation.devices import device_profile
+from memplan.offload.baselines import ideal, layer_of, torchtune_activations
+from memplan.offload.hardware import Hardware, NvmeArray, make_hardware, parse_nvme_spec
+from memplan.offload.lifetimes import analyse
+from memplan.offload.simulate import Move, simulate
+
+
+def test_nvme_spec_by_drive_name_adds_up_a_raid0():
+    array = parse_nvme_spec("4x990pro")
+    assert (array.drives, array.read_bytes_per_s, array.write_bytes_per_s) == (4, 4 * 6.7e9, 4 * 6.5e9)
+    assert array.capacity_bytes == 4 * 2e12
+
+
+def test_nvme_spec_by_bandwidth_has_no_capacity_limit():
+    array = parse_nvme_spec("2x7GB/s")
+    assert array.read_bytes_per_s == array.write_bytes_per_s == 14e9
+    assert math.isinf(array.capacity_bytes)
+
+
+def test_ssd_and_host_channels_share_the_pcie_link():
+    hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", pcie="pcie-gen5-x16")
+    links = hw.link_bytes_per_s()
+    assert links["ssd_read"] == pytest.approx(26.8e9)
+    assert links["ssd_read"] + links["host_read"] == pytest.approx(63e9)
+
+
+def test_unknown_drive_is_a_user_error():
+    from memplan.errors import UserError
+
+    with pytest.raises(UserError, match="990pro"):
+        parse_nvme_spec("4xfloppy")
+
+
+def test_simulator_without_moves_runs_ops_back_to_back():
+    r = simulate(np.array([1.0, 2.0, 3.0]), np.array([10, 20, 30]), [], {})
+    assert (r.step_s, r.stall_s, r.peak_device_bytes) == (6.0, 0.0, 30)
+
+
+def test_simulator_stalls_an_op_until_its_prefetch_lands():
+    # 2 B at 1 B/s issued when op 0 starts; op 1 needs it: it waits from t=1 to t=2
+    move = Move("read", 2, 0, False, wait_op=1, device_delta_on_issue=0)
+    r = simulate(np.array([1.0, 1.0]), np.array([0, 0]), [move], {"read": 1.0})
+    assert r.step_s == pytest.approx(3.0) and r.stall_s == pytest.approx(1.0)
+    assert r.link_utilisation["read"] == pytest.approx(2 / 3)
+
+
+def test_simulator_waits_for_an_offload_before_an_op_over_budget():
+    # op 1 needs 100 B with a budget of 60: it waits until the 50 B offload issued after op 0
+    # completes (t = 1 + 50/10 = 6); the buffer is given back after op 1
+    moves = [Move("write", 50, 0, True, device_delta_on_complete=-50), Move(None, 0, 1, True, device_delta_on_issue=50)]
+    r = simulate(np.array([1.0, 1.0]), np.array([50, 100]), moves, {"write": 10.0}, budget_bytes=60)
+    assert r.stall_s == pytest.approx(5.0) and r.within_budget and r.peak_device_bytes == 50
+
+
+def test_layer_of_groups_by_transformer_block():
+    assert layer_of("model.layers.12.mlp.up_proj") == "model.layers.12"
+    assert layer_of("lm_head") == "lm_head"
+
+
+def test_ideal_baseline_is_the_sum_of_op_times(make_trace):
+    tr = make_trace([8], ["activation"], [{"alloc": [0]}, {"reads": [0]}, {"free": [0]}])
+    lt = analyse(tr, np.array([0.5, 1.0, 2.0]))
+    hw = Hardware(device_profile("h100-80gb"), 1, NvmeArray(1, 1.0, 1.0, math.inf, "t"), 0.0, 2.0)
+    assert ideal(tr, lt, hw).sim.step_s == pytest.approx(3.5)
+    assert torchtune_activations(tr, lt, hw, 100).feasible  # nothing in a layer: nothing moves
+
+
+@pytest.mark.slow
+def test_cli_prints_the_issue_keys_as_one_json_object(capsys):
+    code = main(["offload", "llama-3.2-1b", "--batch", "1", "--seq", "128", "--gpu", "h100-80gb",
+                 "--budget", "6GiB", "--host-mem", "32GB", "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    for key in ("ideal_step_s", "planned_step_s", "throughput_vs_ideal", "baselines", "offloaded_bytes",
+                "peak_device_bytes", "plan_elapsed_s"):
+        assert key in doc
+    assert set(doc["baselines"]) == {"zero_offload", "zero_infinity", "torchtune_activations"}
+    for b in doc["baselines"].values():
+        assert set(b) >= {"step_s", "throughput_vs_ideal", "feasible"}
+    assert doc["peak_device_bytes"] <= 6 * 2**30
+    assert 0 < doc["throughput_vs_ideal"] <= 1
+
+
+def test_cli_bad_nvme_spec_is_one_line_and_exit_2(capsys):
+    code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--nvme", "4xfloppy", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "floppy" in err
