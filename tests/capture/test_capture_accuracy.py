@@ -64,3 +64,19 @@ def test_fake_fp32_mixture_of_experts_is_refused_with_advice():
 
     with pytest.raises(UserError, match="--dtype bf16"):
         capture_model(models.tiny_config("mixtral-8x7b"), models.TrainingSetup(seq=16), fake=True)
+
+
+def test_fake_lora_capture_matches_the_real_one_exactly():
+    setup = models.TrainingSetup(batch=2, seq=32, lora_rank=4, optimizer_impl="foreach")
+    config = models.tiny_config("llama-2-7b")
+    real = capture_model(config, setup, fake=False, device="cpu").peak()[0]
+    fake = capture_model(config, setup, fake=True, device="cpu").peak()[0]
+    assert fake == real
+
+
+def test_fake_capture_passes_no_attention_mask_when_a_real_step_passes_none():
+    # transformers would materialise a [B, 1, S, S] mask for fake tensors (and SDPA a
+    # float copy of it, via aten.where) unless memplan keeps the real step's program
+    trace = capture_model(models.tiny_config("llama-2-7b"), setup_for("none"), fake=True, device="cpu")
+    names = {trace.op_name(i) for i in range(trace.num_ops)}
+    assert "aten.where.self" not in names

@@ -26,6 +26,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten
 
+from memplan.capture.hf_masks import masks_as_on_real_tensors
 from memplan.capture.recorder import Recorder
 from memplan.trace.model import Trace
 
@@ -135,6 +136,23 @@ def capture(
     optimizers = (
         [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
     )
+    with masks_as_on_real_tensors():
+        return _capture(step_fn, args, kwargs, models, optimizers, iterations, warmup, meta,
+                        record_flops, inputs)
+
+
+def _capture(
+    step_fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    models: list[torch.nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    iterations: int,
+    warmup: int,
+    meta: dict[str, Any] | None,
+    record_flops: bool,
+    inputs: Any,
+) -> Trace:
     for _ in range(warmup):
         step_fn(*args, **kwargs)
     rec = Recorder(record_flops=record_flops)
