@@ -198,3 +198,33 @@ def test_every_order_the_model_scores_runs_to_the_same_values(ops):
         graph.gm(x1)
         out(x2)
         assert torch.equal(x1, x2)
+
+
+def test_the_api_refuses_a_time_limit_of_zero_before_tracing():
+    import memplan
+
+    called = []
+    with pytest.raises(UserError, match="time limit"):
+        memplan.reorder(lambda x: called.append(x), torch.ones(1), time_limit_s=0)
+    assert called == []
+
+
+def test_early_updates_run_each_update_right_after_its_gradient():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+
+    def step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    x = torch.ones(2, 8)
+    step(x)
+    graph = capture_step_graph(step, x)
+    order = hoist_updates(graph, program_order(graph))
+    position = {v: p for p, v in enumerate(order)}
+    from memplan.order.graph import BACKWARD, OPTIMIZER
+
+    last_backward = max(position[v] for v in range(graph.num_ops) if graph.phase[v] == BACKWARD)
+    first_update = min(position[v] for v in range(graph.num_ops) if graph.phase[v] == OPTIMIZER)
+    assert first_update < last_backward  # the last layer's update runs inside the backward pass
