@@ -1,0 +1,165 @@
+"""One stage of a pipeline-parallel training step under the 1F1B schedule.
+
+Pipeline parallelism splits a decoder's blocks into P consecutive stages; stage s runs
+the forward of micro-batch m, sends its output on, and later receives the gradient of
+that output and runs the backward. Under 1F1B (PipeDream-Flush, as in Megatron-LM and
+torch.distributed.pipelining's `Schedule1F1B`) stage s runs `min(P - s - 1, M)` warm-up
+forwards, then alternates one forward and one backward, then drains the remaining
+backwards — so it holds at most `P - s` micro-batches of activations, and the stage's
+memory profile is quite unlike a plain step.
+
+`pipeline_stage_step` builds that stage for a Llama-style Hugging Face decoder
+(`model.model.embed_tokens / layers / norm / rotary_emb`, `model.lm_head`): stage 0
+owns the embeddings, the last stage the final norm, the LM head and the loss. A
+received activation or gradient is a fresh tensor, as a receive buffer would be. The
+resulting step is captured like any other (`memplan.capture.capture`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memplan.errors import UserError
+from memplan.trace.model import Trace
+
+
+def one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
+    """The (op, micro-batch) order of `stage` under 1F1B: ("F", m) or ("B", m)."""
+    warmup = min(stages - stage - 1, microbatches)
+    order: list[tuple[str, int]] = [("F", m) for m in range(warmup)]
+    next_f, next_b = warmup, 0
+    while next_f < microbatches:
+        order.append(("F", next_f))
+        next_f += 1
+        order.append(("B", next_b))
+        next_b += 1
+    order += [("B", m) for m in range(next_b, microbatches)]
+    return order
+
+
+def stage_modules(model: torch.nn.Module, stages: int, stage: int) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(the decoder blocks of `stage`, every module it owns: blocks plus embeddings or head).
+
+    Raises UserError for a model without the Llama-style decoder layout or a stage
+    split that leaves a stage without blocks.
+    """
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
+        raise UserError("pipeline stages are built for Llama-style decoders (Llama, Mistral, Qwen2, ...)")
+    if not 0 <= stage < stages:
+        raise UserError(f"stage {stage} is not one of the {stages} stages")
+    blocks = list(inner.layers)
+    if len(blocks) < stages:
+        raise UserError(f"{len(blocks)} blocks cannot fill {stages} pipeline stages")
+    per = len(blocks) // stages
+    lo, hi = stage * per, (stage + 1) * per if stage < stages - 1 else len(blocks)
+    mine = blocks[lo:hi]
+    first, last = stage == 0, stage == stages - 1
+    owned: list[torch.nn.Module] = list(mine)
+    if first:
+        owned.insert(0, inner.embed_tokens)
+    if last:
+        owned += [inner.norm, model.lm_head]
+    return mine, owned
+
+
+def pipeline_stage_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    stages: int,
+    stage: int,
+    microbatches: int,
+    batch: int,
+    seq: int,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """The training step of `stage` (0-based): its 1F1B forwards and backwards, then
+    the optimizer step over its own parameters."""
+    mine, _ = stage_modules(model, stages, stage)
+    inner = model.model
+    first, last = stage == 0, stage == stages - 1
+    hidden = model.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    vocab = model.config.vocab_size
+
+    def forward(m: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(m)
+        tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+        if first:
+            h = inner.embed_tokens(tokens)
+        else:  # the activation received from the previous stage
+            h = torch.randn(batch, seq, hidden, dtype=dtype, device=device, requires_grad=True)
+        positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+        rope = inner.rotary_emb(h, positions)
+        for block in mine:
+            out = block(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            h = out[0] if isinstance(out, tuple) else out
+        if not last:
+            return h
+        logits = model.lm_head(inner.norm(h)).float()
+        return torch.nn.functional.cross_entropy(logits.view(-1, vocab), tokens.view(-1))
+
+    def step() -> None:
+        outputs: dict[int, torch.Tensor] = {}
+        for op, m in one_f_one_b(stages, stage, microbatches):
+            if op == "F":
+                outputs[m] = forward(m)
+            else:
+                out = outputs.pop(m)
+                if last:
+                    (out / microbatches).backward()
+                else:  # the gradient received from the next stage
+                    out.backward(torch.randn_like(out))
+                del out
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def capture_pipeline_stage(
+    model_spec: Any,
+    setup: Any,
+    *,
+    stages: int,
+    stage: int,
+    microbatches: int,
+    fake: bool = True,
+    iterations: int = 1,
+    warmup: int = 1,
+) -> Trace:
+    """Capture one 1F1B pipeline stage of `model_spec` (batch and seq from `setup`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan import models
+    from memplan.capture import capture
+
+    config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode:
+        if not fake:
+            torch.manual_seed(setup.seed)
+        model = models.build_model(config, setup, device="cpu")
+        seq = models.sequence_length(setup, model)
+        _, owned = stage_modules(model, stages, stage)
+        owned_params = {id(p) for mod in owned for p in mod.parameters()}
+        for p in model.parameters():  # the other stages' weights live on other GPUs
+            if id(p) not in owned_params:
+                p.requires_grad_(False)
+        stage_model = torch.nn.ModuleList(owned)
+        optimizer = models.build_optimizer(stage_model, setup, device="cuda")
+        step = pipeline_stage_step(
+            model, optimizer, stages=stages, stage=stage, microbatches=microbatches,
+            batch=setup.batch, seq=seq,
+        )
+        meta = {"model": model_spec if isinstance(model_spec, str) else type(model).__name__,
+                "setup": setup.to_dict(), "pipeline": {"stages": stages, "stage": stage,
+                "microbatches": microbatches, "schedule": "1f1b"}, "fake": fake}
+        return capture(step, model=stage_model, optimizer=optimizer, iterations=iterations,
+                       warmup=warmup, meta=meta)
