@@ -1,0 +1,398 @@
+"""The offload runtime: applies offloading to a real PyTorch training loop, with NVMe files.
+
+`run(model, optimizer, plan=None, directory=...)` is a context manager around the
+training loop. Inside it:
+
+- saved activations go through `torch.autograd.graph.saved_tensors_hooks`: a saved
+  tensor of at least `min_nbytes` that is not a parameter is written out when autograd
+  saves it and read back when backward unpacks it;
+- optimizer states leave after each optimizer step (`register_step_post_hook`) and are
+  prefetched, asynchronously, as soon as backward produces the first gradient
+  (`register_post_accumulate_grad_hook`); the step waits for them (`register_step_pre_hook`).
+
+The engine follows TERAIO's (arXiv 2506.06472, §4): a tensor location table (key ->
+device / host / ssd) and a worker pool doing the I/O. Files are preallocated, written
+and read with `os.pwrite`/`os.preadv` at 4 KiB-aligned offsets through O_DIRECT where
+the file system allows it, and buffered I/O where it refuses (tmpfs, some overlays).
+Everything lives in one directory per process, `memplan-offload-<pid>`, removed on
+exit; directories left by a process that died are removed at the next start. An I/O
+error or a full disk degrades the tensor to host memory when `host_fallback` allows
+it, else raises `OffloadError`; with `checksum=True` a CRC32 of every tensor is
+verified on reload, so a corrupted file is an error, never silent.
+
+Assumptions: tensors are dense and contiguous (the others stay where they are); on
+CPU, "device memory" is the process's tensor memory and a tensor's storage is
+released with `untyped_storage().resize_(0)`. CUDA streams, pinned buffers and kvikio
+are not used by this version (see docs/offload.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import shutil
+import threading
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memplan.errors import UserError
+
+ALIGN = 4096
+_DIR_PREFIX = "memplan-offload-"
+
+
+class OffloadError(UserError):
+    """An offload or reload that failed and could not fall back."""
+
+
+@dataclass
+class Location:
+    """Where one offloaded tensor is: "ssd" (file, offset) or "host" (a CPU copy)."""
+
+    tier: str
+    nbytes: int
+    path: str | None = None
+    host_copy: torch.Tensor | None = None
+    crc32: int | None = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(directory: str | os.PathLike) -> list[str]:
+    """Remove offload directories of processes that are no longer running; return what went."""
+    removed = []
+    root = Path(directory)
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            pid = int(entry.name[len(_DIR_PREFIX) :])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    return removed
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class FileStore:
+    """One preallocated file per tensor key, O_DIRECT where allowed, in a per-process directory."""
+
+    def __init__(self, directory: str | os.PathLike, *, direct: bool = True) -> None:
+        root = Path(directory)
+        if not root.is_dir():
+            raise UserError(f"offload directory {root} does not exist")
+        self.stale_removed = clean_stale(root)
+        self.path = root / f"{_DIR_PREFIX}{os.getpid()}"
+        self.path.mkdir(exist_ok=True)
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self.direct_refused = False
+
+    def _open(self, path: Path, write: bool) -> tuple[int, bool]:
+        flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+        if self.direct and not self.direct_refused:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600), True
+            except OSError:
+                self.direct_refused = True  # this file system refuses O_DIRECT: buffered from now on
+        return os.open(path, flags, 0o600), False
+
+    def write(self, key: str, data: memoryview) -> str:
+        path = self.path / f"{key}.bin"
+        nbytes = data.nbytes
+        size = _aligned(nbytes)
+        fd, direct = self._open(path, write=True)
+        try:
+            os.posix_fallocate(fd, 0, size)  # preallocate: a full disk fails here, before any data moves
+            if direct:
+                buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT requires
+                try:
+                    buf[:nbytes] = data
+                    written = os.pwrite(fd, buf, 0)
+                finally:
+                    buf.close()
+                if written != size:
+                    raise OSError(f"short write to {path}: {written} of {size} bytes")
+            else:
+                written = os.pwrite(fd, data, 0)
+                if written != nbytes:
+                    raise OSError(f"short write to {path}: {written} of {nbytes} bytes")
+        finally:
+            os.close(fd)
+        return str(path)
+
+    def read(self, path: str, out: memoryview) -> None:
+        nbytes = out.nbytes
+        fd, direct = self._open(Path(path), write=False)
+        try:
+            if direct:
+                size = _aligned(nbytes)
+                buf = mmap.mmap(-1, size)
+                try:
+                    got = os.preadv(fd, [buf], 0)
+                    out[:] = buf[:nbytes]
+                finally:
+                    buf.close()
+            else:
+                got = os.preadv(fd, [out], 0)
+            if got < nbytes:
+                raise OSError(f"short read from {path}: {got} of {nbytes} bytes")
+        finally:
+            os.close(fd)
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without going through numpy (which would pin the storage's size)."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class OffloadEngine:
+    """Asynchronous offload/prefetch of tensors by key, with a location table."""
+
+    def __init__(
+        self,
+        store: FileStore,
+        *,
+        workers: int = 2,
+        checksum: bool = False,
+        host_fallback: bool = True,
+        fault: Any = None,
+    ) -> None:
+        self.store = store
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memplan-offload")
+        self.checksum = checksum
+        self.host_fallback = host_fallback
+        self.fault = fault  # test hook: called as fault(op, key) inside the worker before the I/O
+        self.table: dict[str, Location] = {}
+        self.pending: dict[str, Future] = {}
+        self.lock = threading.Lock()
+        self.degraded: list[str] = []
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def _write(self, key: str, t: torch.Tensor) -> Location:
+        data = _bytes_of(t)
+        crc = zlib.crc32(data) if self.checksum else None
+        try:
+            if self.fault is not None:
+                self.fault("write", key)
+            path = self.store.write(key, data)
+        except OSError as exc:
+            if not self.host_fallback:
+                raise OffloadError(f"offloading tensor '{key}' to {self.store.path} failed: {exc}") from None
+            with self.lock:
+                self.degraded.append(f"{key}: {exc}")
+            return Location("host", data.nbytes, host_copy=t.detach().clone(), crc32=crc)
+        with self.lock:
+            self.bytes_written += data.nbytes
+        return Location("ssd", data.nbytes, path=path, crc32=crc)
+
+    def offload(self, key: str, t: torch.Tensor) -> Future:
+        """Write `t` out in the background; the caller may drop its storage once the future is done."""
+        self.wait(key)
+        future = self.pool.submit(self._write, key, t)
+        self.pending[key] = future
+        return future
+
+    def wait(self, key: str) -> Location | None:
+        future = self.pending.pop(key, None)
+        if future is not None:
+            self.table[key] = future.result()
+        return self.table.get(key)
+
+    def load_into(self, key: str, out: torch.Tensor) -> None:
+        """Read tensor `key` back into `out` (same number of bytes), verifying its checksum."""
+        loc = self.wait(key)
+        if loc is None:
+            raise OffloadError(f"tensor '{key}' was never offloaded")
+        view = _bytes_of(out)
+        if loc.tier == "host":
+            view[:] = _bytes_of(loc.host_copy)
+        else:
+            try:
+                if self.fault is not None:
+                    self.fault("read", key)
+                self.store.read(loc.path, view)
+            except OSError as exc:
+                raise OffloadError(f"reading tensor '{key}' back from {loc.path} failed: {exc}") from None
+            with self.lock:
+                self.bytes_read += loc.nbytes
+        if loc.crc32 is not None and zlib.crc32(view) != loc.crc32:
+            raise OffloadError(f"tensor '{key}' read back from {loc.path} is corrupted (CRC32 mismatch)")
+
+    def prefetch_into(self, key: str, out: torch.Tensor) -> Future:
+        return self.pool.submit(self.load_into, key, out)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.table.clear()
+        self.store.close()
+
+
+class _StateOffloader:
+    """Optimizer states: out after each step, back (in the background) once backward starts."""
+
+    def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 min_nbytes: int, offload_grads: bool) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+        self.min_nbytes = min_nbytes
+        self.offload_grads = offload_grads
+        self.away: dict[str, torch.Tensor] = {}  # key -> tensor whose storage was released
+        self.sizes: dict[str, int] = {}
+        self.prefetches: list[Future] = []
+        self.handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        for p in model.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for p, state in self.optimizer.state.items():
+            for name, t in state.items():
+                if isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() * t.element_size() >= self.min_nbytes:
+                    yield f"state.{self.names.get(id(p), id(p))}.{name}", t
+
+    def _after_step(self, *_: Any) -> None:
+        futures = []
+        for key, t in self._tensors():
+            futures.append((key, t, self.engine.offload(key, t)))
+        for key, t, future in futures:
+            future.result()
+            self.engine.wait(key)
+            self.sizes[key] = t.untyped_storage().nbytes()
+            t.untyped_storage().resize_(0)
+            self.away[key] = t
+
+    def _on_grad(self, _p: torch.Tensor) -> None:
+        if self.away and not self.prefetches:
+            for key, t in self.away.items():
+                t.untyped_storage().resize_(self.sizes[key])
+                self.prefetches.append(self.engine.prefetch_into(key, t))
+
+    def _before_step(self, *_: Any) -> None:
+        self._on_grad(None)  # no gradient hook ran (e.g. no backward): fetch now
+        for f in self.prefetches:
+            f.result()
+        self.prefetches.clear()
+        self.away.clear()
+
+    def restore(self) -> None:
+        """Bring every state back (at exit, so the optimizer is whole again)."""
+        self._before_step()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _ActivationOffloader:
+    """saved_tensors_hooks: large saved tensors go out at pack and come back at unpack."""
+
+    def __init__(self, engine: OffloadEngine, model: torch.nn.Module, min_nbytes: int) -> None:
+        self.engine = engine
+        self.min_nbytes = min_nbytes
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.count = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if (
+            nbytes < self.min_nbytes
+            or not t.is_contiguous()
+            or t.device.type != "cpu"
+            or t.untyped_storage().data_ptr() in self.params
+            or t.requires_grad
+        ):
+            return t
+        self.count += 1
+        key = f"act.{self.count}"
+        self.engine.offload(key, t)
+        return (key, t.shape, t.dtype, t.stride())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        key, shape, dtype, _stride = packed
+        out = torch.empty(shape, dtype=dtype)
+        self.engine.load_into(key, out)
+        loc = self.engine.table.pop(key, None)
+        if loc is not None and loc.path:
+            self.engine.store.remove(loc.path)
+        return out
+
+
+@contextlib.contextmanager
+def run(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Any = None,
+    *,
+    directory: str | os.PathLike,
+    activations: bool = True,
+    optimizer_states: bool = True,
+    min_nbytes: int = 1 << 20,
+    checksum: bool = False,
+    host_fallback: bool = True,
+    direct: bool = True,
+    workers: int = 2,
+    fault: Any = None,
+) -> Iterator[OffloadEngine]:
+    """Offload activations and optimizer states of `model`'s training to files under `directory`.
+
+    `plan` (an `OffloadPlan`) restricts what moves to the categories it offloads; with
+    None, every large activation and optimizer state moves. Yields the engine (its
+    location table, bytes moved and degraded tensors are there to inspect).
+    """
+    if plan is not None:
+        categories = {t.category for t in plan.transfers}
+        activations = activations and "activation" in categories
+        optimizer_states = optimizer_states and "optimizer_state" in categories
+    engine = OffloadEngine(FileStore(directory, direct=direct), workers=workers, checksum=checksum,
+                           host_fallback=host_fallback, fault=fault)
+    states = _StateOffloader(engine, model, optimizer, min_nbytes, False) if optimizer_states else None
+    acts = _ActivationOffloader(engine, model, min_nbytes) if activations else None
+    try:
+        with acts.hooks if acts is not None else contextlib.nullcontext():
+            yield engine
+    finally:
+        try:
+            if states is not None:
+                states.restore()
+                states.remove()
+        finally:
+            engine.close()

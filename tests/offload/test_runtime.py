@@ -1,0 +1,91 @@
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memplan import models
+from memplan.capture.step import build_training_step
+from memplan.offload.runtime import FileStore, OffloadError, run
+
+
+def tiny_step():
+    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=2, seq=32), device="cpu")
+
+
+def train(step, steps, **offload):
+    if offload:
+        with run(step.model, step.optimizer, **offload) as engine:
+            for _ in range(steps):
+                step.run()
+        return engine
+    for _ in range(steps):
+        step.run()
+    return None
+
+
+def test_parameters_are_bit_identical_to_no_offload_after_3_steps(tmp_path):
+    ref = tiny_step()  # each build seeds the RNG: build and train one after the other
+    train(ref, 3)
+    off = tiny_step()
+    engine = train(off, 3, directory=tmp_path, min_nbytes=1024, checksum=True)
+    assert engine.bytes_written > 0 and engine.bytes_read > 0
+    for (name, a), (_, b) in zip(ref.model.named_parameters(), off.model.named_parameters()):
+        assert torch.equal(a, b), name
+    for pa, pb in zip(ref.optimizer.state.values(), off.optimizer.state.values()):
+        assert torch.equal(pa["exp_avg"], pb["exp_avg"]) and torch.equal(pa["exp_avg_sq"], pb["exp_avg_sq"])
+
+
+def test_files_are_removed_on_exit(tmp_path):
+    train(tiny_step(), 1, directory=tmp_path, min_nbytes=1024)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_process_leaves_files_cleaned_at_the_next_start(tmp_path):
+    code = (
+        "import os, sys; from memplan.offload.runtime import FileStore;"
+        f"s = FileStore({str(tmp_path)!r}); (s.path / 'x.bin').write_bytes(b'1' * 4096); os._exit(9)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=False)
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith("memplan-offload-")
+    store = FileStore(tmp_path)
+    assert [os.path.basename(p) for p in store.stale_removed] == left
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_degrades_to_host_memory(tmp_path):
+    def full(op, key):
+        if op == "write":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    ref = tiny_step()
+    train(ref, 2)
+    off = tiny_step()
+    engine = train(off, 2, directory=tmp_path, min_nbytes=1024, fault=full)
+    assert engine.degraded and "No space left" in engine.degraded[0]
+    for a, b in zip(ref.model.parameters(), off.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_injected_io_error_without_fallback_is_a_clear_error(tmp_path):
+    def broken(op, key):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OffloadError, match="Input/output error"):
+        train(tiny_step(), 2, directory=tmp_path, min_nbytes=1024, fault=broken, host_fallback=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupted_file_is_detected(tmp_path):
+    def corrupt(op, key):
+        if op == "read" and key.startswith("state."):
+            for f in (tmp_path).glob("memplan-offload-*/*.bin"):
+                with open(f, "r+b") as fh:
+                    fh.write(b"\xff\x00\xff\x00")
+
+    with pytest.raises(OffloadError, match="corrupted"):
+        train(tiny_step(), 3, directory=tmp_path, min_nbytes=1024, checksum=True, fault=corrupt)
