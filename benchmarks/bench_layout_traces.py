@@ -3,9 +3,11 @@
 Captures three iterations of each training step with fake tensors on a fake `cuda`
 device, plans it (`memplan.plan`: iterations 0 and 1, iteration 1 replayed for 2),
 and replays the whole trace through caching, expandable segments and the plan.
-A synthetic MoE-like step (one activation per layer whose size changes every
-iteration) exercises the dynamic reusable space. Writes the `layout_traces` table of
-BENCHMARKS.md.
+Also one stage of a 1F1B pipeline (captured with `memplan.capture.pipeline`), a
+small Mixtral whose expert token counts change every iteration (a real CPU run with
+transformers' per-expert loop and a fresh batch each step), and a synthetic MoE-like
+step (one activation per layer whose size changes every iteration). Writes the
+`layout_traces` table of BENCHMARKS.md.
 
     .venv/bin/python benchmarks/bench_layout_traces.py [--models gpt2,llama-3.2-1b] [--no-write]
 """
@@ -20,8 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
+from memplan import models  # noqa: E402
 from memplan.alloc import simulate  # noqa: E402
-from memplan.capture import capture_model  # noqa: E402
+from memplan.capture import capture, capture_model  # noqa: E402
+from memplan.capture.pipeline import capture_pipeline_stage  # noqa: E402
+from memplan.capture.step import build_training_step  # noqa: E402
 from memplan.layout import plan  # noqa: E402
 from memplan.layout.generate import training_trace  # noqa: E402
 from memplan.models.setup import TrainingSetup  # noqa: E402
@@ -44,6 +49,24 @@ def measure(label: str, trace) -> tuple:
     return label, trace.num_buffers, lower, runs, plan_s
 
 
+def varying_moe_trace(iterations: int):
+    """A small Mixtral trained for real on CPU, a new batch every step: routing, and so
+    the sizes of the per-expert buffers, change between iterations."""
+    config = models.tiny_config("mixtral-8x7b", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=4, num_local_experts=8)
+    config._experts_implementation = "eager"  # the per-expert loop: data-dependent sizes
+    setup = TrainingSetup(batch=4, seq=64, optimizer_impl="foreach")
+    built = build_training_step(config, setup, device="cpu")
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        built.batches[:] = [models.make_batch(built.model, setup, device="cpu", seed=100 + calls[0])]
+        built.run()
+
+    return capture(step, model=built.model, optimizer=built.optimizer, iterations=iterations, warmup=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama-3.2-1b")
@@ -55,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         for label, fields in SETUPS.items():
             trace = capture_model(model, TrainingSetup(**fields), fake=True, device="cuda", iterations=args.iterations)
             rows.append(measure(f"{model} / {label}", trace))
+    stage = capture_pipeline_stage(
+        "llama-3.2-1b", TrainingSetup(batch=2, seq=1024, dtype="bf16"), stages=4, stage=0, microbatches=8,
+        iterations=args.iterations,
+    )
+    rows.append(measure("llama-3.2-1b / 1F1B stage 0 of 4, 8 micro-batches (batch 2, seq 1024)", stage))
+    rows.append(measure("mixtral (4 layers, 8 experts, hidden 128; real CPU run, token counts vary per "
+                        "iteration)", varying_moe_trace(args.iterations)))
     synthetic = training_trace(iterations=args.iterations, microbatches=4, layers=24, dynamic=True,
                                hidden_bytes=16 << 20, weight_bytes=64 << 20)
     rows.append(measure("synthetic MoE-like step (sizes vary per iteration; not captured)", synthetic))
@@ -82,10 +112,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{e.peak_reserved_bytes / gib:.3f} | {e.fragmentation:.1%} | {p.peak_reserved_bytes / gib:.3f} | "
             f"{p.fragmentation:.2%} | {p.peak_reserved_bytes / lower - 1:+.3%} | {plan_s:.2f} |"
         )
-    lines.append(
-        "\nNot yet in the table: one stage of a 1F1B pipeline and a captured MoE model whose token "
-        "counts vary (the capture has no such runs yet); the synthetic row stands in for the latter."
-    )
     lines.append(f"<!-- /bench:{BENCH} -->")
     table = "\n".join(lines)
     print(table)

@@ -64,3 +64,10 @@ def test_a_model_without_a_llama_layout_is_refused():
     with pytest.raises(UserError, match="Llama-style"):
         capture_pipeline_stage(models.tiny_config("gpt2"), models.TrainingSetup(seq=16), stages=2, stage=0,
                                microbatches=2)
+
+
+def test_buffers_carry_their_micro_batch_under_the_interleaved_schedule(stages):
+    trace = stages[0]
+    fwd = trace.ops["phase"] == PHASE["forward"]
+    embedding = [i for i in np.flatnonzero(fwd) if trace.op_name(i) == "aten.embedding.default"]
+    assert [int(trace.ops["microbatch"][i]) for i in embedding] == [0, 1, 2, 3]

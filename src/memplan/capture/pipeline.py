@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from memplan.capture.recorder import set_microbatch
 from memplan.errors import UserError
 from memplan.trace.model import Trace
 
@@ -108,6 +109,7 @@ def pipeline_stage_step(
     def step() -> None:
         outputs: dict[int, torch.Tensor] = {}
         for op, m in one_f_one_b(stages, stage, microbatches):
+            set_microbatch(m)
             if op == "F":
                 outputs[m] = forward(m)
             else:

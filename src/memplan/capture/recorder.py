@@ -57,6 +57,21 @@ from memplan.trace.validate import validate
 _UNKNOWN = -1  # category decided at finalisation from the lifetime rule
 
 
+_ACTIVE: Recorder | None = None
+
+
+def set_microbatch(microbatch: int) -> None:
+    """Tell the running recorder which micro-batch the next ops belong to.
+
+    For steps whose schedule interleaves micro-batches (pipeline parallelism): from
+    the first call on, the recorder stops numbering micro-batches by itself. Outside a
+    capture it does nothing, so a step can call it unconditionally.
+    """
+    if _ACTIVE is not None:
+        _ACTIVE.explicit_microbatch = True
+        _ACTIVE.microbatch = int(microbatch)
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -121,6 +136,7 @@ class Recorder(TorchDispatchMode):
         self.iteration = 0
         self.microbatch = 0
         self.in_optimizer = False
+        self.explicit_microbatch = False  # set by `set_microbatch`: no auto-numbering
         self._fwd_depth = 0
         self._module_stack: list[str] = []
         self._seq_ends: list[int] = []
@@ -139,6 +155,7 @@ class Recorder(TorchDispatchMode):
     def reset_phase(self) -> None:
         """Start of an iteration: the next op is forward of micro-batch 0."""
         self.microbatch = 0
+        self.explicit_microbatch = False
         self._last_phase = PHASE["forward"]
 
     # --- where are we ------------------------------------------------------------------
@@ -274,7 +291,11 @@ class Recorder(TorchDispatchMode):
         in_tensors = _tensors((args, kwargs))
         inputs = [self.buffer_of(t, op=op) for t in in_tensors]
         phase = self.current_phase()
-        if phase == PHASE["forward"] and self._last_phase in (PHASE["backward"], PHASE["recompute"]):
+        if (
+            not self.explicit_microbatch
+            and phase == PHASE["forward"]
+            and self._last_phase in (PHASE["backward"], PHASE["recompute"])
+        ):
             # forward again after a backward, without an optimizer step: next micro-batch
             self.microbatch += 1
         self._last_phase = phase
@@ -314,10 +335,14 @@ class Recorder(TorchDispatchMode):
         return out
 
     def __enter__(self) -> Recorder:
+        global _ACTIVE
         self.active = True
+        _ACTIVE = self
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        global _ACTIVE
+        _ACTIVE = None
         super().__exit__(*exc)
 
     # --- finalisation --------------------------------------------------------------------
