@@ -23,7 +23,7 @@ def tiny_gpt2(tmp_path_factory):
 
 
 def test_reorder_json_has_the_issue_keys_and_a_verified_order(tiny_gpt2, capsys):
-    code = main(["reorder", tiny_gpt2, "--seq", "8", "--time-limit", "2", "--json"])
+    code = main(["reorder", tiny_gpt2, "--seq", "8", "--time-limit", "2", "--layout", "--json"])
     out = capsys.readouterr().out
     assert code == 0
     data = json.loads(out)
@@ -32,6 +32,7 @@ def test_reorder_json_has_the_issue_keys_and_a_verified_order(tiny_gpt2, capsys)
     assert data["num_nodes"] > 100
     assert data["lower_bound_bytes"] <= data["optimized_peak_bytes"] <= data["inductor_peak_bytes"]
     assert data["optimized_peak_bytes"] <= data["baseline_peak_bytes"]
+    assert data["layout_peak_bytes"] >= data["optimized_peak_bytes"]  # a packing is never below the live bytes
 
 
 @pytest.mark.parametrize("limit", ["0", "-1"])

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         f"  Inductor-style     {format_bytes(result.inductor_peak_bytes)}",
         f"  memplan order      {format_bytes(result.optimized_peak_bytes)} "
         f"({100 * (1 - result.optimized_peak_bytes / base):.1f}% below program order; validated)",
-        f"  lower bound        {format_bytes(result.lower_bound_bytes)}" if result.lower_bound_bytes else "",
+        (f"  lower bound        {format_bytes(result.lower_bound_bytes)}"
+         + (" (memplan's order is optimal)" if result.lower_bound_bytes == result.optimized_peak_bytes else ""))
+        if result.lower_bound_bytes else "",
     ]
     if args.layout:
         lines.append(f"  with layout        {format_bytes(out['layout_peak_bytes'])}")
