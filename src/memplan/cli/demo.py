@@ -1,29 +1,43 @@
-"""`memplan demo`: the main job on the embedded default, end to end, in a few minutes.
+"""`memplan demo`: the main job on the embedded default, end to end, in about a minute.
 
 The default is a GPT-2 (124M) fine-tuning step as it would run on one GPU: batch 8,
 sequence 1024, bf16 weights, AdamW (foreach), full activation checkpointing, traced on
-fake tensors (no memory, no GPU needed). The demo captures it, summarises the peak,
-replays it through PyTorch's caching allocator, expandable segments and the ideal
-allocator, and writes the trace and a PyTorch memory snapshot (open it at
-pytorch.org/memory_viz) to the output directory.
+fake tensors (no memory, no GPU needed). The demo
+
+1. captures the step (`memplan trace`) and exports a PyTorch memory snapshot;
+2. estimates it on an A10G (`memplan estimate`);
+3. replays it through the caching allocator, expandable segments and the ideal one,
+   plans its addresses (`memplan plan`) and replays the plan (`memplan simulate`);
+4. reorders its operators (`memplan reorder`, a smaller batch to stay quick);
+5. plans offloading to one NVMe drive and host memory (`memplan offload`);
+6. checks the capture against torch.profiler on a small real CPU training step;
+7. draws the report (`memplan report`).
+
+Every step goes through the same command-line entry points a user would type, and
+writes its JSON next to the report in the output directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 from pathlib import Path
+from typing import Any
 
 from memplan.cli import print_json
 from memplan.errors import UserError
 
 DEFAULT_MODEL = "gpt2"
-DEFAULT_SETUP = {"batch": 8, "seq": 1024, "dtype": "bf16", "checkpointing": "full"}
+DEFAULT_SETUP = ["--batch", "8", "--seq", "1024", "--dtype", "bf16", "--checkpointing", "full"]
+DEFAULT_GPU = "a10g"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo",
-        help="run the main job on the embedded default (GPT-2 step) and write its outputs",
+        help="run the main job on the embedded default (a GPT-2 step) and write a report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -32,78 +46,158 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _run_cli(argv: list[str], log: io.TextIOBase) -> str:
+    """Run one memplan subcommand in-process; return its stdout, send its stderr to `log`."""
+    from memplan.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(log):
+        code = main(argv)
+    if code != 0:
+        raise UserError(f"demo step 'memplan {' '.join(argv)}' failed (exit {code}); see the demo log")
+    return out.getvalue()
+
+
+@contextlib.contextmanager
+def _quiet_fds() -> Any:
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+def _real_cpu_check() -> dict[str, Any]:
+    """A small real CPU training step: captured peak vs torch.profiler's peak."""
+    from memplan import models
+    from memplan.capture import capture
+    from memplan.capture.groundtruth import profiler_peak_bytes
+    from memplan.capture.step import build_training_step
+
+    step = build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=4, seq=64), device="cpu")
+    step.run()
+    with _quiet_fds():  # the profiler's C++ side prints start/stop lines on the raw fds
+        truth = profiler_peak_bytes(step.run)
+    trace = capture(step.run, model=step.model, optimizer=step.optimizer, inputs=step.batches)
+    captured = trace.peak()[0]
+    return {"model": "tiny gpt2 (real, cpu)", "captured_peak_bytes": captured, "profiler_peak_bytes": truth,
+            "error": (captured - truth) / truth}
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from memplan.alloc import simulate
-    from memplan.capture import capture_model
-    from memplan.models import TrainingSetup
-    from memplan.trace import save, save_snapshot
     from memplan.units import format_bytes
 
     out_dir = Path(args.output_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory: choose another --output-dir")
     out_dir.mkdir(parents=True, exist_ok=True)
-    setup = TrainingSetup(**DEFAULT_SETUP)
+    paths = {
+        "trace": out_dir / f"{DEFAULT_MODEL}-step.memtrace",
+        "snapshot": out_dir / f"{DEFAULT_MODEL}-step.pickle",
+        "plan": out_dir / "plan.json",
+        "estimate": out_dir / "estimate.json",
+        "reorder": out_dir / "reorder.json",
+        "offload": out_dir / "offload.json",
+        "report": out_dir / "report",
+        "log": out_dir / "demo.log",
+    }
+    results: dict[str, Any] = {}
     err = Console(stderr=True)
-    steps = ["capture the training step", "replay through the allocators", "write outputs"]
-    results = {}
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=False
+    steps = 7
+    with open(paths["log"], "w") as log, Progress(
+        TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=err,
     ) as progress:
-        task = progress.add_task(steps[0], total=len(steps))
-        trace = capture_model(DEFAULT_MODEL, setup, fake=True, device="cuda")
-        progress.update(task, advance=1, description=steps[1])
-        for allocator in ("caching", "expandable", "ideal"):
-            results[allocator] = simulate(trace, allocator=allocator)
-        progress.update(task, advance=1, description=steps[2])
-        trace_path = out_dir / f"{DEFAULT_MODEL}-step.memtrace"
-        snapshot_path = out_dir / f"{DEFAULT_MODEL}-step.pickle"
-        save(trace, trace_path)
-        save_snapshot(trace, snapshot_path)
-        progress.update(task, advance=1, description="done")
+        task = progress.add_task("capture the training step", total=steps)
+
+        def advance(next_description: str) -> None:
+            progress.update(task, advance=1, description=next_description)
+
+        _run_cli(["trace", DEFAULT_MODEL, *DEFAULT_SETUP, "-o", str(paths["trace"])], log)
+        from memplan.trace import load, save_snapshot
+
+        trace = load(paths["trace"])
+        save_snapshot(trace, paths["snapshot"])
+        advance("estimate it on one GPU")
+        est = _run_cli(["estimate", DEFAULT_MODEL, *DEFAULT_SETUP, "--gpu", DEFAULT_GPU, "--json"], log)
+        paths["estimate"].write_text(est)
+        results["estimate"] = json.loads(est)
+        advance("allocators and the address plan")
+        _run_cli(["plan", str(paths["trace"]), "-o", str(paths["plan"])], log)
+        results["allocators"] = {
+            a: json.loads(_run_cli(["simulate", str(paths["trace"]), "--allocator", a, "--json"]
+                                   + (["--plan", str(paths["plan"])] if a == "planned" else []), log))
+            for a in ("caching", "expandable", "ideal", "planned")
+        }
+        advance("reorder the operators")
+        reo = _run_cli(["reorder", DEFAULT_MODEL, "--batch", "2", "--seq", "256", "--dtype", "bf16",
+                        "--time-limit", "10", "--json"], log)
+        paths["reorder"].write_text(reo)
+        results["reorder"] = json.loads(reo)
+        advance("plan offloading")
+        off = _run_cli(["offload", DEFAULT_MODEL, "--batch", "8", "--seq", "1024", "--dtype", "bf16",
+                        "--gpu", DEFAULT_GPU, "--nvme", "1x990pro", "--host-mem", "32GiB", "--json"], log)
+        paths["offload"].write_text(off)
+        results["offload"] = json.loads(off)
+        advance("real CPU step vs torch.profiler")
+        results["real_cpu_check"] = _real_cpu_check()
+        advance("draw the report")
+        _run_cli(["report", str(paths["trace"]), str(paths["plan"]), str(paths["estimate"]),
+                  str(paths["reorder"]), str(paths["offload"]), "-o", str(paths["report"])], log)
+        advance("done")
 
     summary = trace.summary(top=0)
     doc = {
         "model": DEFAULT_MODEL,
-        "setup": setup.to_dict(),
+        "setup": trace.meta.get("setup"),
         "peak_bytes": summary["peak_bytes"],
         "peak_phase": summary["peak_phase"],
         "breakdown": summary["breakdown"],
-        "allocators": {name: r.to_json() for name, r in results.items()},
-        "outputs": {"trace": str(trace_path), "snapshot": str(snapshot_path)},
+        **results,
+        "outputs": {k: str(v) for k, v in paths.items()} | {"report": str(paths["report"] / "index.html")},
     }
     if args.json:
         print_json(doc)
         return 0
     console = Console()
+    est = results["estimate"]
     console.print(
-        f"[bold]{DEFAULT_MODEL}[/bold] training step (batch {setup.batch}, seq {setup.seq}, "
-        f"{setup.dtype}, AdamW, checkpointing {setup.checkpointing}, one GPU): peak live "
-        f"[bold]{format_bytes(summary['peak_bytes'])}[/bold] in {summary['peak_phase']}"
+        f"[bold]{DEFAULT_MODEL}[/bold] training step (batch 8, seq 1024, bf16, AdamW, full checkpointing): "
+        f"peak live [bold]{format_bytes(summary['peak_bytes'])}[/bold] in {summary['peak_phase']}"
     )
-    breakdown = Table(title="live at the peak")
-    breakdown.add_column("category")
-    breakdown.add_column("bytes", justify="right")
-    for name, nbytes in sorted(summary["breakdown"].items(), key=lambda kv: -kv[1]):
-        if nbytes:
-            breakdown.add_row(name, format_bytes(nbytes))
-    console.print(breakdown)
-    alloc = Table(title="what the GPU allocator would reserve")
-    for col in ("allocator", "peak allocated", "peak reserved", "fragmentation"):
-        alloc.add_column(col, justify="left" if col == "allocator" else "right")
-    for name, r in results.items():
-        alloc.add_row(
-            name,
-            format_bytes(r.peak_allocated_bytes),
-            format_bytes(r.peak_reserved_bytes),
-            f"{100 * r.fragmentation:.1f}%",
-        )
-    console.print(alloc)
-    console.print(f"outputs in [bold]{out_dir}/[/bold]:")
-    console.print(f"  {trace_path}   (memplan show / simulate)")
-    console.print(f"  {snapshot_path}   (drag onto https://pytorch.org/memory_viz)")
+    table = Table(title="memplan on the default job")
+    table.add_column("question")
+    table.add_column("answer", justify="right")
+    table.add_row(f"device memory used on one {DEFAULT_GPU} (estimate)",
+                  f"{format_bytes(est['device_used_bytes'])} — {'fits' if est['fits'] else 'does not fit'}")
+    for a, r in results["allocators"].items():
+        table.add_row(f"reserved by the {a} allocator",
+                      f"{format_bytes(r['peak_reserved_bytes'])} ({100 * r['fragmentation']:.1f}% fragmentation)")
+    reo = results["reorder"]
+    table.add_row("peak after reordering (batch 2, seq 256)",
+                  f"{format_bytes(reo['optimized_peak_bytes'])} vs {format_bytes(reo['baseline_peak_bytes'])} "
+                  f"in program order")
+    off = results["offload"]
+    table.add_row("offloading: throughput vs an unlimited GPU", f"{100 * off['throughput_vs_ideal']:.1f}%")
+    real = results["real_cpu_check"]
+    table.add_row("real CPU step: captured vs profiler peak",
+                  f"{format_bytes(real['captured_peak_bytes'])} vs {format_bytes(real['profiler_peak_bytes'])} "
+                  f"({100 * real['error']:+.2f}%)")
+    console.print(table)
+    console.print(f"report: [bold]{paths['report'] / 'index.html'}[/bold]  (all outputs in {out_dir}/)")
     return 0

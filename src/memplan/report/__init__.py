@@ -258,9 +258,9 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike) -> 
                 f"reorder{i}_timeline.png",
                 "Lower is better: memplan's order keeps fewer tensors alive at once than program order.",
             )
-        values = {k.replace("_peak_bytes", ""): doc[k] / 2**30 for k in
-                  ("baseline_peak_bytes", "inductor_peak_bytes", "optimized_peak_bytes", "lower_bound_bytes")
-                  if isinstance(doc.get(k), (int, float))}
+        labels = {"baseline_peak_bytes": "program order", "inductor_peak_bytes": "best Inductor order",
+                  "optimized_peak_bytes": "memplan order", "lower_bound_bytes": "lower bound"}
+        values = {label: doc[k] / 2**30 for k, label in labels.items() if isinstance(doc.get(k), (int, float))}
         page.figure(figures.bars(values, "peak GiB", "Peak memory per operator order"), f"reorder{i}_peaks.png",
                     "Program order, the best Inductor-style order and memplan's order, with the lower bound.")
 

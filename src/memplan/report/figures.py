@@ -207,8 +207,14 @@ def rank_breakdown(per_rank: list[dict[str, Any]], capacity_bytes: int | None, t
     _style(ax)
     ranks = [str(r.get("rank", i)) for i, r in enumerate(per_rank)]
     bottom = np.zeros(len(per_rank))
+    # estimate JSON names the categories in the plural ("activations", "temporaries")
+    plural = {"parameter": "parameters", "gradient": "gradients", "activation": "activations",
+              "temporary": "temporaries", "input": "inputs"}
     for cat in CATEGORIES:
-        values = np.array([r.get("breakdown", {}).get(cat, 0) / GIB for r in per_rank])
+        values = np.array([
+            r.get("breakdown", {}).get(cat, r.get("breakdown", {}).get(plural.get(cat, cat), 0)) / GIB
+            for r in per_rank
+        ])
         if values.any():
             ax.bar(ranks, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat)
             bottom += values

@@ -1,0 +1,20 @@
+"""`memplan demo`: the main job runs end to end and leaves a report and its inputs."""
+
+import json
+
+from memplan.cli import main
+
+
+def test_demo_writes_every_output_and_a_report(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "-o", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for name in ("trace", "snapshot", "plan", "estimate", "reorder", "offload"):
+        assert (out / doc["outputs"][name].split("/")[-1]).is_file(), name
+    assert (out / "report" / "index.html").is_file()
+    assert len(list((out / "report").glob("*.png"))) >= 6
+    # the planned arena is the lower bound of this step; the caching allocator is not
+    allocators = doc["allocators"]
+    assert allocators["planned"]["peak_reserved_bytes"] <= allocators["ideal"]["peak_reserved_bytes"] * 1.01
+    assert allocators["caching"]["peak_reserved_bytes"] > allocators["planned"]["peak_reserved_bytes"]
+    assert abs(doc["real_cpu_check"]["error"]) < 0.005
