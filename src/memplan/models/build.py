@@ -205,7 +205,11 @@ def _build_from_factory(spec: FactorySpec, setup: TrainingSetup, device: str) ->
         model = factory(setup) if takes_setup else factory()
     if not isinstance(model, nn.Module):
         raise UserError(f"factory '{spec.spec}' returned {type(model).__name__}, not a torch.nn.Module")
-    model.to(device=device, dtype=TORCH_DTYPES[setup.dtype])
+    dtype = TORCH_DTYPES[setup.dtype]
+    tensors = [*model.parameters(), *model.buffers()]
+    # `.to` on fake tensors fails for some modules (Conv2d): skip it when it would not move anything
+    if any(t.device != torch.device(device) or (t.is_floating_point() and t.dtype != dtype) for t in tensors):
+        model.to(device=device, dtype=dtype)
     model.memplan_attn_implementation = "model"
     return model
 
