@@ -13,6 +13,7 @@ from memplan.offload.lifetimes import (
     roofline_op_durations_s,
 )
 from memplan.offload.planner import OffloadPlan, Transfer, plan
+from memplan.offload.runtime import run
 from memplan.offload.validate import PlanError, validate_plan
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "parse_nvme_spec",
     "plan",
     "roofline_op_durations_s",
+    "run",
     "validate_plan",
 ]
