@@ -13,6 +13,7 @@ from memplan.cli import main
 from memplan.errors import UserError
 from memplan.layout import load_plan, plan, save_plan
 from memplan.layout.generate import training_trace
+from memplan.layout.greedy import greedy_shapes
 from memplan.layout.plan import requests_by_group
 from memplan.trace import ALLOC, CATEGORY, FREE, from_events, save, validate
 
@@ -161,3 +162,35 @@ def test_plan_offsets_never_collide_in_the_validator():
     for it in result.iterations:
         assert (it.offset[it.offset >= 0] % 512 == 0).all()
         assert np.all(it.offset + it.nbytes <= result.arena_bytes)
+
+
+def test_a_staircase_shape_lends_the_space_it_frees_early():
+    # Shape 0: a over [0, 10) at local 0 and b over [0, 5) at local 4 (a staircase of
+    # height 8 that drops to 4 at t=5). Buffer c over [6, 10) fits on a, at 4: height 8.
+    # As a rectangle of height 8 over [0, 10), the group would push c to 8 (height 12).
+    offsets = greedy_shapes([0, 0, 6], [10, 5, 10], [0, 0, 1], [0, 4, 0], [4, 4, 4], order=[0, 1])
+    assert offsets.tolist() == [0, 4]
+
+
+def test_a_shape_goes_to_the_lowest_offset_where_no_piece_collides():
+    # Placed first: flat buffer 0 at [0, 4) over [0, 2). Shape 1: pieces over [0, 2) at
+    # local 0 (size 2) and over [2, 4) at local 0 (size 8); lowest clear offset is 4.
+    offsets = greedy_shapes([0, 0, 2], [2, 2, 4], [0, 1, 1], [0, 0, 0], [4, 2, 8], order=[0, 1])
+    assert offsets.tolist() == [0, 4]
+
+
+def test_a_pipeline_stage_plan_beats_greedy_by_size_with_micro_batch_staircases():
+    from memplan import models
+    from memplan.capture.pipeline import capture_pipeline_stage
+    from memplan.models.setup import TrainingSetup
+
+    config = models.tiny_config("llama-3.2-1b", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                vocab_size=4096)
+    trace = capture_pipeline_stage(config, TrainingSetup(batch=2, seq=128, dtype="bf16"), stages=4, stage=0,
+                                   microbatches=8, iterations=3)
+    result = plan(trace)
+    assert result.stats["method"].startswith("cross-phase staircases")
+    assert result.stats["cross_phase_groups"] == 16  # one per (iteration, micro-batch), iterations 0 and 1
+    assert result.arena_bytes < 0.95 * result.stats["greedy_height"]
+    replay = simulate_planned(trace, result)
+    assert replay.extra["fallback_requests"] == 0 and replay.peak_reserved_bytes == result.arena_bytes

@@ -102,3 +102,102 @@ def greedy_offsets(lower: np.ndarray, upper: np.ndarray, nbytes: np.ndarray, ali
     """Greedy-by-size best fit for one-interval lifetimes `[lower, upper)`."""
     n = np.asarray(nbytes).shape[0]
     return greedy_by_size(lower, upper, np.arange(n), nbytes, alignment)
+
+
+def greedy_shapes(
+    piece_lower: np.ndarray,
+    piece_upper: np.ndarray,
+    piece_item: np.ndarray,
+    piece_local: np.ndarray,
+    piece_nbytes: np.ndarray,
+    order: np.ndarray,
+    alignment: int = 1,
+    *,
+    base_offset: int = 0,
+) -> np.ndarray:
+    """Offsets (>= base_offset) of items placed one by one in `order`.
+
+    An item is a rigid *shape*: pieces, each live over `[lower, upper)` and occupying
+    `[offset + local, offset + local + nbytes)`. A flat item (every piece at local 0,
+    all of one size: a plain buffer) goes best fit into a gap, as in `greedy_by_size`.
+    Any other item (a packed group of buffers, a staircase that grows in the forward
+    and shrinks in the backward pass) goes at the lowest offset where none of its
+    pieces collides, so the space a group frees early is open to others, which a
+    rectangle of the group's height would hide. `alignment` must divide every local
+    offset; offsets returned are multiples of it.
+    """
+    piece_lower = np.asarray(piece_lower, dtype=np.int64)
+    piece_upper = np.asarray(piece_upper, dtype=np.int64)
+    piece_item = np.asarray(piece_item, dtype=np.int64)
+    piece_local = np.asarray(piece_local, dtype=np.int64)
+    piece_nbytes = np.asarray(piece_nbytes, dtype=np.int64)
+    n = int(piece_item.max()) + 1 if piece_item.size else 0
+    offsets = np.full(n, -1, np.int64)
+    by_item = np.argsort(piece_item, kind="stable")
+    first_piece = np.searchsorted(piece_item[by_item], np.arange(n + 1))
+    m = piece_lower.shape[0]
+    placed_lo = np.empty(m, np.int64)
+    placed_hi = np.empty(m, np.int64)
+    placed_off = np.empty(m, np.int64)
+    placed_top = np.empty(m, np.int64)
+    count = 0
+    for item in np.asarray(order).tolist():
+        pieces = by_item[first_piece[item] : first_piece[item + 1]]
+        if pieces.shape[0] == 0:
+            continue
+        lo_p, hi_p = piece_lower[pieces], piece_upper[pieces]
+        local, size = piece_local[pieces], piece_nbytes[pieces]
+        plo, phi = placed_lo[:count], placed_hi[:count]
+        if not local.any() and (size == size[0]).all():
+            mask = (plo < hi_p[0]) & (phi > lo_p[0])
+            for k in range(1, pieces.shape[0]):
+                mask |= (plo < hi_p[k]) & (phi > lo_p[k])
+            hit = np.flatnonzero(mask)
+            offset = _best_fit(placed_off[hit], placed_top[hit], int(size[0]), alignment, base_offset)
+        else:
+            offset = _lowest_shape_offset(
+                plo, phi, placed_off[:count], placed_top[:count], lo_p, hi_p, local, size, alignment, base_offset
+            )
+        offsets[item] = offset
+        k = pieces.shape[0]
+        placed_lo[count : count + k] = lo_p
+        placed_hi[count : count + k] = hi_p
+        placed_off[count : count + k] = offset + local
+        placed_top[count : count + k] = offset + local + size
+        count += k
+    return offsets
+
+
+def _lowest_shape_offset(
+    plo: np.ndarray,
+    phi: np.ndarray,
+    poff: np.ndarray,
+    ptop: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    local: np.ndarray,
+    size: np.ndarray,
+    align: int,
+    base: int,
+) -> int:
+    """Lowest aligned offset >= base at which no piece of the shape meets a placed piece.
+
+    Piece j at offset x collides with placed piece p (live at the same time) iff
+    `poff - local_j - size_j < x < ptop - local_j`: each pair forbids an open interval
+    of x, and the answer is the first aligned point outside all of them."""
+    start = -(-base // align) * align
+    j, p = np.nonzero((plo[None, :] < hi[:, None]) & (phi[None, :] > lo[:, None]))
+    if j.shape[0] == 0:
+        return start
+    s = poff[p] - local[j] - size[j] + 1  # first forbidden x
+    e = -(-(ptop[p] - local[j]) // align) * align  # first aligned x allowed again
+    keep = e > start
+    s, e = s[keep], e[keep]
+    if s.shape[0] == 0:
+        return start
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum(np.maximum.accumulate(e), start)
+    cursor = np.concatenate([[start], reach[:-1]])
+    free = np.flatnonzero(s > cursor)
+    return int(cursor[free[0]]) if free.shape[0] else int(reach[-1])

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.layout.greedy import greedy_by_size
+from memplan.layout.greedy import greedy_by_size, greedy_shapes
 from memplan.layout.plan import (
     PROLOGUE,
     DynamicWindow,
@@ -62,6 +64,7 @@ def plan(
     alignment_bytes: int = 512,
     periodic_iteration: int | None = None,
     device: str | None = None,
+    search_s: float = 20.0,
 ) -> Plan:
     """A periodic STWeaver plan for `trace`'s allocations (see the module docstring).
 
@@ -157,15 +160,10 @@ def plan(
     pitem = np.asarray(pieces_item, np.int64)
     sizes = reserve[item_ids] if item_ids.size else np.zeros(0, np.int64)
     t0 = time.monotonic()
-    plain = greedy_by_size(plo, phi, pitem, sizes, alignment_bytes, base_offset=fixed_bytes)
-    plain_height = int((plain + sizes).max()) if sizes.size else fixed_bytes
-    method = "greedy"
-    chosen = plain
-    grouped, groups_used = _grouped_layout(trace, item_ids, plo, phi, pitem, sizes, alignment_bytes, fixed_bytes)
-    if grouped is not None:
-        grouped_height = int((grouped + sizes).max())
-        if grouped_height < plain_height:
-            chosen, method = grouped, "cross-phase groups + greedy"
+    chosen, method, groups_used, tried = _best_layout(
+        trace, item_ids, plo, phi, pitem, sizes, alignment_bytes, fixed_bytes, search_s
+    )
+    plain_height = tried.get("greedy by size", fixed_bytes)
     greedy_s = time.monotonic() - t0
     offsets[item_ids] = chosen
 
@@ -205,6 +203,7 @@ def plan(
             "dynamic_requests": int(dynamic.size),
             "cross_phase_groups": groups_used,
             "greedy_height": plain_height,
+            "layouts_tried": tried,
             "trace_peak_bytes": int(trace.peak()[0]),
             "packing_s": round(greedy_s, 3),
             "elapsed_s": round(elapsed, 3),
@@ -254,7 +253,7 @@ def _dynamic_indices(groups: dict, nbytes: np.ndarray, last: int) -> np.ndarray:
     return np.flatnonzero(differs)
 
 
-def _grouped_layout(
+def _best_layout(
     trace: Trace,
     item_ids: np.ndarray,
     plo: np.ndarray,
@@ -263,13 +262,70 @@ def _grouped_layout(
     sizes: np.ndarray,
     alignment: int,
     base: int,
-) -> tuple[np.ndarray | None, int]:
-    """STWeaver's cross-phase activation groups packed as units, the rest greedy around them."""
-    if item_ids.size == 0:
-        return None, 0
+    search_s: float,
+) -> tuple[np.ndarray, str, int, dict[str, int]]:
+    """Several packings of the planned buffers; the lowest is kept (the first among equals).
+
+    Tried in turn, while the time spent plus the last layout's time stays within
+    `search_s`: greedy by size; greedy by area (bytes x lifetime); cross-phase groups
+    as staircases among the buffers by size; the same groups first, in time order, so
+    equal groups of a pipeline's micro-batches take turns in the same slots. Returns
+    (offsets, method, groups used, height of each layout tried)."""
+    n = item_ids.shape[0]
+    if n == 0:
+        return np.zeros(0, np.int64), "greedy by size", 0, {}
+    start = time.monotonic()
+    length = np.bincount(pitem, weights=phi - plo, minlength=n)
+    index = np.arange(n)
+    by_size = np.lexsort((index, -length, -sizes))
+    by_area = np.lexsort((index, -sizes, -(sizes * length)))
+    layouts: list[tuple[str, Callable[[], np.ndarray]]] = [
+        ("greedy by size", lambda: greedy_by_size(plo, phi, pitem, sizes, alignment, base_offset=base, order=by_size)),
+        ("greedy by area", lambda: greedy_by_size(plo, phi, pitem, sizes, alignment, base_offset=base, order=by_area)),
+    ]
+    groups = _cross_phase_groups(trace, item_ids, plo, phi, pitem, sizes, alignment)
+    if groups:
+        for name, units_first in (("cross-phase staircases + greedy by size", False),
+                                  ("cross-phase staircases in time order, then greedy by size", True)):
+            layouts.append((name, partial(_staircase_layout, plo, phi, pitem, sizes, groups, alignment, base,
+                                          length, units_first)))
+    best: tuple[int, np.ndarray, str] | None = None
+    tried: dict[str, int] = {}
+    last_s = 0.0
+    for name, make in layouts:
+        if best is not None and time.monotonic() - start + last_s > search_s:
+            log.info("plan: layout search stops after %d layouts (%.1f s)", len(tried), time.monotonic() - start)
+            break
+        t0 = time.monotonic()
+        offsets = make()
+        last_s = time.monotonic() - t0
+        height = int((offsets + sizes).max())
+        tried[name] = height
+        if best is None or height < best[0]:
+            best = (height, offsets, name)
+    assert best is not None
+    used = len(groups) if best[2].startswith("cross-phase") else 0
+    return best[1], best[2], used, tried
+
+
+def _cross_phase_groups(
+    trace: Trace,
+    item_ids: np.ndarray,
+    plo: np.ndarray,
+    phi: np.ndarray,
+    pitem: np.ndarray,
+    sizes: np.ndarray,
+    alignment: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """STWeaver's cross-phase groups: activations of one (iteration, micro-batch) allocated
+    in one phase and freed in another, each packed on its own: (members, local offsets).
+
+    The local packing stacks the members in allocation order (best fit), which for the
+    usual last-in first-out activations is a staircase exactly as high as the group's
+    live peak; greedy by size is tried too and the lower one kept."""
     b = trace.buffers
     single = np.bincount(pitem, minlength=item_ids.shape[0]) == 1
-    free = trace.buffers["free_event"][item_ids]
+    free = b["free_event"][item_ids]
     free_phase = np.full(item_ids.shape[0], -1, np.int64)
     freed = free >= 0
     op = trace.events["op"][free[freed]]
@@ -285,7 +341,7 @@ def _grouped_layout(
         & (alloc_phase != PHASE["other"])
     )
     if not cross.any():
-        return None, 0
+        return []
     first_piece = np.full(item_ids.shape[0], -1, np.int64)
     first_piece[pitem[::-1]] = np.arange(pitem.shape[0])[::-1]
     keys: dict[tuple[int, ...], list[int]] = {}
@@ -293,43 +349,55 @@ def _grouped_layout(
         buf = int(item_ids[k])
         key = (int(b["iteration"][buf]), int(b["microbatch"][buf]), int(alloc_phase[k]), int(free_phase[k]))
         keys.setdefault(key, []).append(k)
-    unit_of = np.full(item_ids.shape[0], -1, np.int64)
-    units: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []  # lo, hi, height, members, local offsets
+    groups = []
     for members in keys.values():
         if len(members) < 2:
             continue
-        m = np.asarray(members)
-        lo = plo[first_piece[m]]
-        hi = phi[first_piece[m]]
-        local = greedy_by_size(lo, hi, np.arange(m.shape[0]), sizes[m], alignment)
-        height = int((local + sizes[m]).max())
-        span_lo, span_hi = int(lo.min()), int(hi.max())
-        use = float((sizes[m] * (hi - lo)).sum()) / max(1.0, float(height) * (span_hi - span_lo))
-        if use < 0.7:
-            continue  # dissolved: too sparse to reserve as a block
-        unit_of[m] = len(units)
-        units.append((span_lo, span_hi, height, m, local))
-    if not units:
-        return None, 0
-    # Items for the outer packing: the units, then every buffer not in a unit.
+        m = np.asarray(members, np.int64)
+        lo, hi, size = plo[first_piece[m]], phi[first_piece[m]], sizes[m]
+        in_order = greedy_by_size(lo, hi, np.arange(m.shape[0]), size, alignment, order=np.lexsort((-size, lo)))
+        by_size = greedy_by_size(lo, hi, np.arange(m.shape[0]), size, alignment)
+        local = by_size if (by_size + size).max() < (in_order + size).max() else in_order
+        groups.append((m, local))
+    return groups
+
+
+def _staircase_layout(
+    plo: np.ndarray,
+    phi: np.ndarray,
+    pitem: np.ndarray,
+    sizes: np.ndarray,
+    groups: list[tuple[np.ndarray, np.ndarray]],
+    alignment: int,
+    base: int,
+    length: np.ndarray,
+    units_first: bool,
+) -> np.ndarray:
+    """Each group placed as one rigid shape (its members at their local offsets), every
+    other buffer on its own, by `greedy_shapes`; offsets per buffer."""
+    n = sizes.shape[0]
+    unit_of = np.full(n, -1, np.int64)
+    local = np.zeros(n, np.int64)
+    for u, (m, offsets) in enumerate(groups):
+        unit_of[m] = u
+        local[m] = offsets
     rest = np.flatnonzero(unit_of < 0)
-    out_lo = [u[0] for u in units]
-    out_hi = [u[1] for u in units]
-    out_item = list(range(len(units)))
-    out_size = [u[2] for u in units]
-    keep = np.isin(pitem, rest)
-    remap = np.full(item_ids.shape[0], -1, np.int64)
-    remap[rest] = np.arange(rest.shape[0]) + len(units)
-    lo_all = np.concatenate([np.asarray(out_lo, np.int64), plo[keep]])
-    hi_all = np.concatenate([np.asarray(out_hi, np.int64), phi[keep]])
-    item_all = np.concatenate([np.asarray(out_item, np.int64), remap[pitem[keep]]])
-    size_all = np.concatenate([np.asarray(out_size, np.int64), sizes[rest]])
-    placed = greedy_by_size(lo_all, hi_all, item_all, size_all, alignment, base_offset=base)
-    offsets = np.full(item_ids.shape[0], -1, np.int64)
-    for u, (_, _, _, m, local) in enumerate(units):
-        offsets[m] = placed[u] + local
-    offsets[rest] = placed[len(units) :]
-    return offsets, len(units)
+    num_units = len(groups)
+    shape_of = unit_of.copy()
+    shape_of[rest] = num_units + np.arange(rest.shape[0])
+    item_lo = np.full(n, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(item_lo, pitem, plo)
+    item_hi = np.zeros(n, np.int64)
+    np.maximum.at(item_hi, pitem, phi)
+    height = np.concatenate([[int((local[m] + sizes[m]).max()) for m, _ in groups], sizes[rest]])
+    span = np.concatenate([[int(item_hi[m].max() - item_lo[m].min()) for m, _ in groups], length[rest]])
+    first = np.asarray([int(item_lo[m].min()) for m, _ in groups] + [0] * rest.shape[0], np.int64)
+    index = np.arange(num_units + rest.shape[0])
+    order = np.lexsort((index, -span, -height))
+    if units_first:
+        order = np.concatenate([np.argsort(first[:num_units], kind="stable"), order[order >= num_units]])
+    placed = greedy_shapes(plo, phi, shape_of[pitem], local[pitem], sizes[pitem], order, alignment, base_offset=base)
+    return placed[shape_of] + local
 
 
 def _live_peak(lo: np.ndarray, hi: np.ndarray, size: np.ndarray) -> int:
