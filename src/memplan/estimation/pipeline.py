@@ -87,6 +87,7 @@ class Estimate:
     gpu: str | None
     method: str
     elapsed_s: float
+    parallel: str = "single device"  # how the layout was applied: traced (fake process group) or modelled
     flops: float = 0.0
     bytes_moved: float = 0.0
     roofline_s: float = 0.0  # rank 0's compute time, per-op roofline over the device profile
@@ -125,6 +126,7 @@ class Estimate:
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
             "method": self.method,
+            "parallel": self.parallel,
             "elapsed_s": round(self.elapsed_s, 3),
         }
 
@@ -270,6 +272,7 @@ def estimate(
     gpu: str | None = None,
     *,
     extrapolate: bool = True,
+    parallel_tracing: bool = True,
     progress: bool = False,
     cache: dict[Any, StepTrace] | None = None,
 ) -> Estimate:
@@ -281,7 +284,9 @@ def estimate(
     caching, expandable, planned, or none (tensor bytes only, what torch.profiler's
     memory timeline shows on CPU). `gpu` names a device profile (capacity, context,
     workspace); `capacity` overrides its capacity. `extrapolate=False` traces the
-    full depth even for deep models. `cache` (a dict the caller keeps) reuses captured
+    full depth even for deep models. `parallel_tracing=False` models every layout from
+    the single-device trace (`memplan.parallel.transform`) instead of tracing the
+    parallel step on a fake process group where that is possible. `cache` (a dict the caller keeps) reuses captured
     steps across calls that differ only in layout or allocator (what `fit` does).
     """
     from memplan import models
@@ -309,17 +314,23 @@ def estimate(
     per_rank: list[RankEstimate] = []
     parameters = 0
     method = "full"
+    parallel = "single device"
     flops = moved = roofline = 0.0
     for plan in rank_plans(layout, config, setup, total_layers):
         stage_layers = plan.layers
         deep = extrapolate and stage_layers is not None and stage_layers >= MIN_BLOCKS_TO_EXTRAPOLATE
         depths = [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [stage_layers]
-        steps = [_cached_capture(config, d, plan.setup, device, cache) for d in depths]
+        traced = parallel_tracing and plan.traceable
+        steps = [_cached_capture(config, d, plan.setup, device, cache, layout if traced else None, plan.rank)
+                 for d in depths]
+        transform = plan.transform
+        if traced:
+            transform = _gloo_view if device == "cpu" else (lambda step: step.trace)
         if progress:
             sys.stderr.write(f"traced rank {plan.rank} at {', '.join(str(s.layers) for s in steps)} blocks\n")
         views = []
         for step in steps:
-            trace = plan.transform(step)
+            trace = transform(step)
             trace = gpu_view(StepTrace(trace, step.blocks_path, step.parameters, step.heads, step.head_dim,
                                        step.seq, step.layers), plan.setup, profile) if device == "cuda" else trace
             views.append(trace)
@@ -331,9 +342,9 @@ def estimate(
                                        TRACE_BLOCKS, stage_layers)
             if fig is None:  # the regions did not line up: trace the full depth instead
                 sys.stderr.write("memplan: block extrapolation not applicable here; tracing the full depth\n")
-                full = capture_step(config if plan.layers == total_layers else layers.with_layers(config, stage_layers),
-                                    plan.setup, device)
-                steps, views = [full], [plan.transform(full)]
+                full = _cached_capture(config, stage_layers if plan.layers != total_layers else None, plan.setup,
+                                       device, None, layout if traced else None, plan.rank)
+                steps, views = [full], [transform(full)]
                 if device == "cuda":
                     views = [gpu_view(StepTrace(views[0], full.blocks_path, full.parameters, full.heads,
                                                 full.head_dim, full.seq, full.layers), plan.setup, profile)]
@@ -342,6 +353,8 @@ def estimate(
                 method = "extrapolated"
         if fig is None:
             fig = figures_full(views[-1], counters[-1])
+        if layout.world_size > 1:
+            parallel = "traced" if traced else "modelled"
         if plan.rank == 0:
             if len(steps) == 2:
                 parameters = int(round(float(layers.extrapolate(steps[0].parameters, steps[1].parameters,
@@ -368,9 +381,16 @@ def estimate(
                                      fig.breakdown, fig.peak_phase, plan.same_as))
     return Estimate(
         model=name, parameters=parameters, setup=setup.to_dict(), layout=layout.to_dict(), per_rank=per_rank,
-        capacity_bytes=capacity, device=device, allocator=allocator, gpu=gpu, method=method,
+        capacity_bytes=capacity, device=device, allocator=allocator, gpu=gpu, method=method, parallel=parallel,
         elapsed_s=time.perf_counter() - start, flops=flops, bytes_moved=moved, roofline_s=roofline,
     )
+
+
+def _gloo_view(step: StepTrace) -> Trace:
+    """A traced parallel cpu step plus gloo's all-gather staging buffers."""
+    from memplan.parallel.traced import gloo_staging_buffers
+
+    return gpu_terms.with_extra_buffers(step.trace, gloo_staging_buffers(step.trace))
 
 
 def roofline_seconds(trace: Trace, profile: DeviceProfile, dtype: str) -> float:
@@ -383,14 +403,30 @@ def roofline_seconds(trace: Trace, profile: DeviceProfile, dtype: str) -> float:
 
 
 def _cached_capture(config: Any, depth: int | None, setup: Any, device: str,
-                    cache: dict[Any, StepTrace] | None) -> StepTrace:
+                    cache: dict[Any, StepTrace] | None, layout: Any = None, rank: int = 0) -> StepTrace:
+    """The step at `depth` blocks: single-device, or (`layout` given) `rank` of the
+    parallel step traced on a fake process group (`memplan.parallel.traced`)."""
     import json
 
     target = layers.with_layers(config, depth) if depth is not None else config
-    if cache is None:
-        return capture_step(target, setup, device)
     key = (json.dumps(target.to_dict(), sort_keys=True, default=str), json.dumps(setup.to_dict(), sort_keys=True),
-           device)
-    if key not in cache:
-        cache[key] = capture_step(target, setup, device)
-    return cache[key]
+           device, json.dumps(layout.to_dict(), sort_keys=True) if layout is not None else None, rank)
+    if cache is not None and key in cache:
+        return cache[key]
+    step = capture_step(target, setup, device) if layout is None else capture_parallel_step(target, setup, layout,
+                                                                                              rank, device)
+    if cache is not None:
+        cache[key] = step
+    return step
+
+
+def capture_parallel_step(config: Any, setup: Any, layout: Any, rank: int, device: str) -> StepTrace:
+    """`rank` of `layout`, traced with FSDP2 / DTensor TP on a fake process group."""
+    from memplan.models import sequence_length
+    from memplan.parallel.traced import capture_rank
+
+    trace, meta = capture_rank(config, setup, layout, rank, device)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = getattr(config, "head_dim", None) or (int(getattr(config, "hidden_size", heads)) // heads)
+    return StepTrace(trace, meta["blocks_path"], int(meta["parameters"]), heads, int(head_dim),
+                     sequence_length(setup, config), int(meta["layers"]))

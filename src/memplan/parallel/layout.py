@@ -105,10 +105,12 @@ class RankPlan:
     transform: Callable[[Any], Any]
     communicators: int
     same_as: list[int] = field(default_factory=list)
+    traceable: bool = False  # the parallel step itself can be traced (memplan.parallel.apply.traceable)
 
 
 def rank_plans(layout: Layout, config: Any, setup: Any, total_layers: int | None) -> list[RankPlan]:
     """One plan per distinct rank (see the module docstring)."""
+    from memplan.parallel.apply import traceable
     from memplan.parallel.transform import rank_trace
 
     per_stage = layout.dp * layout.tp
@@ -127,5 +129,6 @@ def rank_plans(layout: Layout, config: Any, setup: Any, total_layers: int | None
         def transform(step: Any, stage: int = stage) -> Any:
             return rank_trace(step, layout, setup, stage)
 
-        plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks))
+        plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
+                              traceable(layout, config, setup) is None))
     return plans

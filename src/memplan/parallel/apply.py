@@ -1,0 +1,161 @@
+"""Apply a parallel layout to a plain model, for real (gloo) or on a fake process group.
+
+The same code serves the CPU ground-truth runs (`memplan.parallel.groundtruth`, real
+processes with the gloo backend) and the traced estimate (`memplan.parallel.traced`,
+one process, fake tensors, PyTorch's fake process group), so what is traced is what runs.
+
+The layouts follow torchtitan's `parallelize_llama` (models know nothing of parallelism;
+the layout is applied from outside):
+
+- **TP** (DTensor `parallelize_module` over the "tp" mesh dimension), the Llama plan:
+  per block, `q_proj`/`k_proj`/`v_proj`/`gate_proj`/`up_proj` `ColwiseParallel`,
+  `o_proj`/`down_proj` `RowwiseParallel`; the token embedding `RowwiseParallel` with a
+  replicated input, the LM head `ColwiseParallel` with replicated (all-gathered) logits;
+  every other module with parameters (norms) holds them as replicated DTensors
+  (`ReplicateParallel`, so that one foreach optimizer can step all parameters).
+  Sequence parallel and loss parallel are *not* applied here: Hugging Face blocks take a
+  replicated [B, S, H] input (rotary embeddings, masks), so the traced TP step keeps
+  block inputs, norms and logits whole on every rank. Only model families whose blocks
+  use these projection names (Llama, Mistral, Qwen2, ...) can be traced with TP.
+- **FSDP2** (ZeRO-3): `fully_shard` on every transformer block, then on the root,
+  `reshard_after_forward=True`, over the "dp" dimension (HSDP: a ("replicate", "shard")
+  mesh of the data-parallel ranks).
+- **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
+  with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`).
+
+Assumes `torch.distributed` is initialised with `world_size == layout.world_size` and
+that the model is built on cpu (real or fake tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.errors import UserError
+
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
+    """Why `layout` cannot be traced on a fake process group (None: it can)."""
+    if layout.world_size == 1:
+        return "one device: nothing to apply"
+    if layout.pp > 1:
+        return "pipeline parallelism is modelled, not traced"
+    if layout.zero in (1, 2) and layout.dp > 1:
+        return "ZeRO-1/2 (DeepSpeed semantics) are modelled, not traced"
+    if layout.zero == 0 and layout.dp > 1:
+        return "DDP's reducer cannot run on a fake process group (its hook gets no tensor back): modelled"
+    if layout.tp > 1 and config is not None and not _llama_like(config):
+        return f"the Llama TP plan does not apply to model type {getattr(config, 'model_type', '?')!r}"
+    if layout.tp > 1 and config is not None and getattr(config, "tie_word_embeddings", False):
+        return "TP of tied input/output embeddings is modelled, not traced"
+    if layout.tp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
+        return "TP of LoRA adapters is modelled, not traced"
+    return None
+
+
+def _llama_like(config: Any) -> bool:
+    return getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                                                  "phi3", "olmo", "olmo2", "granite", "smollm3")
+
+
+def device_mesh(layout: Any, device: str = "cpu") -> Any:
+    """The job's device mesh: ("dp", "tp"), or ("replicate", "shard", "tp") for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.shard_size is not None:
+        return init_device_mesh(device, (layout.dp // layout.shard_size, layout.shard_size, layout.tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+    return init_device_mesh(device, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+
+
+def tensor_parallel_plan(model: nn.Module, blocks_path: str) -> dict[str, Any]:
+    """torchtitan's Llama plan over the module names of a Hugging Face causal LM."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    prefix = blocks_path + "."
+    for name, _ in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if not name.startswith(prefix):
+            continue
+        if leaf in COLWISE:
+            plan[name] = ColwiseParallel()
+        elif leaf in ROWWISE:
+            plan[name] = RowwiseParallel()
+    if not plan:
+        raise UserError("the Llama TP plan matched no projection of this model")
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    if embed is not None and not tied:
+        plan[names[id(embed)]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if head is not None and not tied:
+        plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+class ReplicateParallel:
+    """Hold a module's parameters as replicated DTensors; inputs and outputs stay local."""
+
+    def apply(self, module: nn.Module, mesh: Any) -> None:
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+        def to_replicated(_mod: nn.Module, inputs: Any, device_mesh: Any) -> Any:
+            return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def to_local(_mod: nn.Module, outputs: Any, _device_mesh: Any) -> Any:
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
+
+
+def _replicate_the_rest(model: nn.Module, mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    owners = [m for m in model.modules()
+              if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+    for module in owners:
+        ReplicateParallel().apply(module, mesh)
+
+
+def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = None) -> nn.Module:
+    """`model` with `layout` applied (TP, then FSDP2 or DDP); returns the module to train."""
+    from memplan.models.build import transformer_blocks
+
+    if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
+        raise UserError("only DDP, FSDP2 (zero 3), TP and FSDP2 + TP can be applied to a model")
+    if layout.zero == 0 and layout.dp > 1 and layout.tp > 1:
+        raise UserError("DDP does not take DTensor (TP) parameters: combine TP with --zero 3 (FSDP2)")
+    mesh = mesh if mesh is not None else device_mesh(layout)
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, blocks_path))
+        _replicate_the_rest(model, mesh["tp"])
+    if layout.dp > 1 and layout.zero == 3:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh["replicate", "shard"] if layout.shard_size is not None else mesh["dp"]
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+        return model
+    if layout.dp > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    return model
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,113 @@
+"""CPU ground truth for parallel layouts: real multi-process training steps on gloo.
+
+`measure_rank_peaks([(config, setup, layout), ...])` starts `world_size` processes
+(`torch.multiprocessing` spawn, the gloo backend: what `torchrun --nproc_per_node N`
+does, with less process overhead), applies the layout with the same code the traced
+estimate uses (`memplan.parallel.apply`), runs one untraced warm-up step (so the
+optimizer state exists, as in the estimate's traced step) and then measures one step on
+every rank with torch.profiler's memory timeline (`memplan.capture.groundtruth`).
+It returns, per case, the per-rank peak bytes in rank order.
+
+Assumes a small model (every rank holds its shard in this machine's memory) and a
+layout that `memplan.parallel.apply.traceable` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def build_parallel_step(config: Any, setup: Any, layout: Any, *, target_device: str = "cpu",
+                        mesh: Any = None) -> Any:
+    """A `TrainingStep` of `config` under `setup` with `layout` applied, on cpu tensors
+    (real or, inside a FakeTensorMode, fake). `torch.distributed` must be initialised."""
+    from memplan import models
+    from memplan.capture.step import TrainingStep, make_step
+    from memplan.models.build import transformer_blocks
+    from memplan.parallel.apply import apply_layout
+
+    if not models.is_fake_mode_active():
+        torch.manual_seed(setup.seed)  # identical weights on every rank, as a checkpoint load gives
+    model = models.build_model(config, setup, device="cpu")
+    blocks = transformer_blocks(model)
+    blocks_path = next(name for name, mod in model.named_modules() if mod is blocks)
+    if models.is_fake_mode_active():
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # the wrappers' set-up computes device-mesh coordinates and checks parameter
+        # shapes with small real tensors; everything made from the (fake) parameters
+        # stays fake
+        with unset_fake_temporarily():
+            trained = apply_layout(model, layout, blocks_path, mesh)
+    else:
+        trained = apply_layout(model, layout, blocks_path, mesh)
+    optimizer = models.build_optimizer(trained, setup, device=target_device)
+    batches = [models.make_batch(model, setup, device="cpu", seed=setup.seed + mb) for mb in range(setup.grad_accum)]
+    meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": target_device,
+            "parameters": models.count_parameters(config), "blocks_path": blocks_path, "layers": len(blocks)}
+    return TrainingStep(trained, optimizer, batches, make_step(trained, optimizer, batches, setup, "cpu"), meta)
+
+
+PROFILER_ATTEMPTS = 3
+
+
+def _measured_step(step: Any, dist: Any) -> int:
+    """Profiler peak of one step. torch's memory-profiler analysis sometimes fails on
+    FSDP2 steps ("version mismatch" assertion, after the step ran): then every rank
+    runs and measures one more step together; the value is never chosen among attempts."""
+    from memplan.capture.groundtruth import profiler_peak_bytes
+
+    for _ in range(PROFILER_ATTEMPTS):
+        try:
+            peak, ok = profiler_peak_bytes(step.run), 1
+        except AssertionError:
+            peak, ok = -1, 0
+        flag = torch.tensor([ok])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item():
+            return peak
+    raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times")
+
+
+def _rank_main(rank: int, cases: list[tuple[Any, Any, Any]], world_size: int, workdir: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    try:
+        peaks = []
+        for config, setup, layout in cases:
+            step = build_parallel_step(config, setup, layout)
+            step.run()  # warm-up: the optimizer state exists
+            dist.barrier()
+            peaks.append(_measured_step(step, dist))
+            del step
+            gc.collect()
+        Path(workdir, f"rank{rank}.json").write_text(json.dumps(peaks))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_rank_peaks(cases: list[tuple[Any, Any, Any]]) -> list[list[int]]:
+    """Per case `(config, setup, layout)`, the profiler peak bytes of one real training
+    step on every rank (rank order). All cases share one world size and run, one after
+    the other, in the same set of processes."""
+    import torch.multiprocessing as mp
+
+    sizes = {layout.world_size for _, _, layout in cases}
+    if len(sizes) != 1:
+        raise ValueError(f"one world size per call, not {sorted(sizes)}")
+    world_size = sizes.pop()
+    with tempfile.TemporaryDirectory(prefix="memplan-gt-") as workdir:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        mp.spawn(_rank_main, args=(cases, world_size, workdir), nprocs=world_size, join=True)
+        per_rank = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return [[per_rank[r][c] for r in range(world_size)] for c in range(len(cases))]

@@ -1,0 +1,224 @@
+"""Trace one rank of a parallel job in one process: fake tensors, fake process group.
+
+`capture_rank(config, setup, layout, rank, device)` initialises PyTorch's fake process
+group (`torch.testing._internal.distributed.fake_pg.FakeStore`,
+`dist.init_process_group("fake", ..., rank=rank, world_size=N)`: collectives are no-ops
+that return correctly shaped outputs), builds the model, applies the layout with the
+same code as the real gloo runs (`memplan.parallel.apply`: DDP, FSDP2 `fully_shard`,
+DTensor TP over a cpu device mesh), builds the optimizer over the resulting parameters
+and captures one step after one warm-up step, everything on fake *cpu* tensors (a
+CPU-only PyTorch aborts when autograd runs on fake cuda tensors). This is torchtitan's
+`scripts/estimate/estimation.py` recipe, with memplan's recorder in place of
+`FSDPMemTracker`, and extended to DDP and TP.
+
+DTensors (FSDP2's sharded parameters, TP weights) are wrapper tensors with no storage
+of their own: the recorder here lets DTensor's dispatch run first (it answers
+`NotImplemented` for ops on DTensors) and records the rank-local ops and storages it
+runs, so collectives' output buffers, FSDP2's all-gather/reduce-scatter buffers and
+DTensor redistributions are all in the trace.
+
+FSDP2 keeps each group's unsharded parameters in storages it frees and re-allocates
+in place (`untyped_storage().resize_(0)` on reshard, `resize_(n)` on unshard:
+`_fsdp_param.free_storage` / `alloc_storage`). A storage resize is no ATen op, so no
+dispatch mode sees it; while recording, those two functions are wrapped to report a
+free and a new allocation (the same instrumentation point PyTorch's own
+`FSDPMemTracker` relies on: FSDP2's internals, not the op stream).
+
+What the fake group cannot show: memory inside the communication backend. NCCL's
+are a device-profile term of the estimate (`memplan.estimation.devices`). gloo, the
+CPU backend, stages every all-gather through a buffer of the output's size on its
+own worker thread (measured with torch.profiler on gloo runs: one allocation per
+all-gather, freed when the collective completes; none for reduce-scatter):
+`gloo_staging_buffers` adds them to a cpu trace, live while the all-gather op runs:
+every rank issues the same collective at the same point of the step, so it completes
+before the next op starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from memplan.capture import _mark_model, _mark_optimizer, _recording_hooks, _tensors
+from memplan.capture.hf_masks import masks_as_on_real_tensors
+from memplan.capture.recorder import Recorder
+from memplan.estimation.gpu_terms import ExtraBuffer
+from memplan.trace.model import CATEGORY, FREE, Trace
+
+GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default")
+
+
+class DistributedRecorder(Recorder):
+    """The dispatch-level recorder, seeing through DTensors to their local storages."""
+
+    def __init__(self, *, record_flops: bool = True) -> None:
+        super().__init__(record_flops=record_flops)
+        self._alias_count: dict[int, int] = {}  # buffer -> extra storages that stand for it
+        self._alias_refs: list[weakref.ref] = []
+
+    def _make_free_callback(self, idx: int) -> Any:
+        free = super()._make_free_callback(idx)
+
+        def on_free(ref: weakref.ref) -> None:
+            if self._alias_count.get(idx, 0) > 0:  # another storage of the same buffer lives on
+                self._alias_count[idx] -= 1
+                return
+            free(ref)
+
+        return on_free
+
+    def _wait_tensor(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """`wait_tensor` returns its input on a real process group; a fake tensor's
+        wait returns a new storage. Either way it is the same buffer, not an allocation."""
+        out = func(*args, **kwargs)
+        source, result = args[0].untyped_storage(), out.untyped_storage()
+        idx = self._ids.get(source)
+        if idx is not None and result is not source and self._ids.get(result) is None:
+            self._ids[result] = idx
+            self._alias_count[idx] = self._alias_count.get(idx, 0) + 1
+            self._alias_refs.append(weakref.ref(result, self._make_free_callback(idx)))
+        return out
+
+    def buffer_of(self, tensor: torch.Tensor, *, op: int = -1) -> int:
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        return super().buffer_of(tensor, op=op)
+
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        super().note_saved(tensor)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor dispatches to local ops, which come back here
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return self._wait_tensor(func, args, kwargs or {})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def storage_freed(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s storage was resized to zero bytes: its buffer ends here."""
+        idx = self._ids.get(tensor.untyped_storage())
+        if idx is None:
+            return
+        del self._ids[tensor.untyped_storage()]
+        self._refs.pop(idx, None)  # its weak reference must not report a second free
+        if self._b.nbytes[idx] > 0:
+            self._ev_kind.append(FREE)
+            self._ev_buffer.append(idx)
+            self._ev_op.append(len(self._op_name) - 1)
+
+    def storage_allocated(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s storage was resized from zero bytes: a new buffer starts here."""
+        storage = tensor.untyped_storage()
+        if self._ids.get(storage) is not None:
+            self.storage_freed(tensor)
+        idx = self._new_buffer(storage, tensor.device, preexisting=False, op=len(self._op_name) - 1)
+        self._marked[idx] = CATEGORY["parameter"]  # FSDP2's unsharded (gathered) parameters
+
+    @contextlib.contextmanager
+    def fsdp_storage_hooks(self) -> Iterator[None]:
+        """Report FSDP2's in-place storage frees and re-allocations (module docstring)."""
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+        alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+        def alloc_storage(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            alloc(tensor)
+            if before == 0 and tensor.untyped_storage().nbytes() > 0:
+                self.storage_allocated(tensor)
+
+        def free_storage(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            free(tensor)
+            if before > 0:
+                self.storage_freed(tensor)
+
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+        try:
+            yield
+        finally:
+            _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+
+
+def capture_parallel_step(step: Any, *, warmup: int = 1, meta: dict[str, Any] | None = None) -> Trace:
+    """`memplan.capture.capture` of `step` (a `TrainingStep`) with the DTensor-aware
+    recorder; transformers builds its attention masks as on real tensors
+    (`memplan.capture.hf_masks`), as in every memplan capture."""
+    with masks_as_on_real_tensors():
+        for _ in range(warmup):
+            step.run()
+        rec = DistributedRecorder()
+        _mark_model(rec, step.model)
+        _mark_optimizer(rec, step.optimizer)
+        for t in _tensors(step.batches):
+            rec.mark(t, "input")
+        start = time.perf_counter()
+        with _recording_hooks(rec, [step.model], [step.optimizer]), rec.fsdp_storage_hooks(), rec:
+            rec.iteration = 0
+            rec.microbatch = 0
+            rec.reset_phase()
+            step.run()
+    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": 1, "warmup": warmup}
+    info.update(meta or {})
+    return rec.finish(meta=info)
+
+
+def _forget_previous_meshes() -> None:
+    """DTensor caches sharding decisions keyed by mesh *value*, and the cached results
+    hold the mesh object (and its process-group names) of the first call: after the
+    fake group of one rank is destroyed, the next rank's trace would reach into it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+
+
+def capture_rank(config: Any, setup: Any, layout: Any, rank: int, device: str = "cpu") -> tuple[Trace, dict]:
+    """The trace of `rank` of `layout` (see the module docstring) and the step's meta."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memplan.errors import UserError
+    from memplan.parallel.apply import device_mesh
+    from memplan.parallel.groundtruth import build_parallel_step
+
+    if dist.is_initialized():
+        raise UserError("a process group is already initialised in this process: trace ranks in a fresh one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
+            trace = capture_parallel_step(step, meta={**step.meta, "fake": True, "rank": rank,
+                                                      "layout": layout.to_dict()})
+    finally:
+        dist.destroy_process_group()
+        _forget_previous_meshes()
+    if device == "cuda":
+        trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]
+    return trace, step.meta
+
+
+def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
+    """gloo's per-all-gather staging buffers (module docstring), for a cpu job on gloo."""
+    first = trace.ops["first_event"]
+    extras = []
+    for i in range(trace.num_ops):
+        if trace.op_name(i) not in GLOO_STAGED_OPS:
+            continue
+        nbytes = int(trace.buffers["nbytes"][trace.op_outputs(i)].sum())
+        end = int(first[i + 1]) if i + 1 < trace.num_ops else -1
+        extras.append(ExtraBuffer(nbytes, int(first[i]), end, "other", trace.phase_at(int(first[i]))))
+    return [x for x in extras if x.nbytes > 0]
