@@ -8,7 +8,7 @@ fake tensors (no memory, no GPU needed). The demo
 2. estimates it on an A10G (`memplan estimate`);
 3. replays it through the caching allocator, expandable segments and the ideal one,
    plans its addresses (`memplan plan`) and replays the plan (`memplan simulate`);
-4. reorders its operators (`memplan reorder`, a smaller batch to stay quick);
+4. reorders its operators (`memplan reorder`, batch 1 and seq 128 to stay quick);
 5. plans offloading to one NVMe drive and host memory (`memplan offload`);
 6. checks the capture against torch.profiler on a small real CPU training step;
 7. draws the report (`memplan report`).
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             for a in ("caching", "expandable", "ideal", "planned")
         }
         advance("reorder the operators")
-        reo = _run_cli(["reorder", DEFAULT_MODEL, "--batch", "2", "--seq", "256", "--dtype", "bf16",
+        reo = _run_cli(["reorder", DEFAULT_MODEL, "--batch", "1", "--seq", "128", "--dtype", "bf16",
                         "--time-limit", "10", "--json"], log)
         paths["reorder"].write_text(reo)
         results["reorder"] = json.loads(reo)
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(f"reserved by the {a} allocator",
                       f"{format_bytes(r['peak_reserved_bytes'])} ({100 * r['fragmentation']:.1f}% fragmentation)")
     reo = results["reorder"]
-    table.add_row("peak after reordering (batch 2, seq 256)",
+    table.add_row("peak after reordering (batch 1, seq 128)",
                   f"{format_bytes(reo['optimized_peak_bytes'])} vs {format_bytes(reo['baseline_peak_bytes'])} "
                   f"in program order")
     off = results["offload"]
