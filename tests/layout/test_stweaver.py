@@ -194,3 +194,17 @@ def test_a_pipeline_stage_plan_beats_greedy_by_size_with_micro_batch_staircases(
     assert result.arena_bytes < 0.95 * result.stats["greedy_height"]
     replay = simulate_planned(trace, result)
     assert replay.extra["fallback_requests"] == 0 and replay.peak_reserved_bytes == result.arena_bytes
+
+
+def test_a_request_made_before_its_previous_copy_is_freed_gets_a_twin_slot():
+    # Each iteration allocates its batch x before freeing the previous iteration's x
+    # (the next batch is built while the last one is still referenced), then a temporary.
+    kinds = [ALLOC, ALLOC, FREE, ALLOC, FREE, ALLOC, FREE, ALLOC, FREE, ALLOC, FREE, ALLOC, FREE]
+    bufs = [0, 1, 1, 2, 0, 3, 3, 4, 2, 5, 5, 6, 4]
+    trace = from_events(kinds, [1024, 4096, 1024, 4096, 1024, 4096, 1024], bufs)
+    trace.buffers["iteration"][:] = [0, 0, 1, 1, 2, 2, 3]
+    result = plan(trace)
+    assert result.stats["twin_slots"] == 1
+    assert result.for_iteration(1).offset[0] == -1  # served from its two slots
+    replay = simulate_planned(trace, result)
+    assert replay.extra["fallback_requests"] == 0 and replay.num_cuda_malloc == 1

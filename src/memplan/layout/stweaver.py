@@ -114,6 +114,7 @@ def plan(
     pieces_hi: list[int] = []
     pieces_item: list[int] = []
     fixed: list[int] = []
+    twins: list[tuple[int, int]] = []  # (buffer, its twin item): see below
     for g in planned:
         ids = groups[g]
         for idx, buf in enumerate(ids.tolist()):
@@ -129,18 +130,29 @@ def plan(
                     wrap_end = _wrap_end(trace, groups, last, idx, buf, period_start, window_end)
                     if wrap_end > period_start:
                         spans.append((period_start, wrap_end))
+                    if a < wrap_end < window_end:
+                        # Allocated again before the previous iteration's copy is freed (a
+                        # batch replaced by the next one): one offset cannot serve both
+                        # copies. A twin slot is reserved; the request takes whichever of
+                        # the two is free, through the dynamic space. (A buffer never
+                        # freed at all cannot be served every period: it is not twinned.)
+                        twins.append((buf, -1))
             spans = _merge(spans)
             whole = spans[0][0] <= period_start and spans[-1][1] >= window_end and len(spans) == 1
             if whole and a < period_start and last >= 0:
                 fixed.append(buf)
                 continue
-            k = len(items)
-            items.append(buf)
-            for lo, hi in spans:
-                if hi > lo:
-                    pieces_lo.append(lo)
-                    pieces_hi.append(hi)
-                    pieces_item.append(k)
+            copies = 2 if twins and twins[-1] == (buf, -1) else 1
+            for copy in range(copies):
+                k = len(items)
+                items.append(buf)
+                if copy:
+                    twins[-1] = (buf, k)
+                for lo, hi in spans:
+                    if hi > lo:
+                        pieces_lo.append(lo)
+                        pieces_hi.append(hi)
+                        pieces_item.append(k)
 
     # -- fixed regions ------------------------------------------------------------------
     offsets = np.full(trace.num_buffers, -1, np.int64)
@@ -165,7 +177,9 @@ def plan(
     )
     plain_height = tried.get("greedy by size", fixed_bytes)
     greedy_s = time.monotonic() - t0
-    offsets[item_ids] = chosen
+    is_twin = np.zeros(item_ids.shape[0], bool)
+    is_twin[[k for _, k in twins]] = True
+    offsets[item_ids[~is_twin]] = chosen[~is_twin]
 
     # -- validate: every piece of every planned buffer, independently --------------------
     fixed_ids = np.asarray(fixed, np.int64)
@@ -173,20 +187,28 @@ def plan(
     fixed_lo = alloc[fixed_ids] if fixed_ids.size else np.zeros(0, np.int64)
     all_lo = np.concatenate([plo, fixed_lo])
     all_owner = np.concatenate([item_ids[pitem] if pitem.size else np.zeros(0, np.int64), fixed_ids])
-    height = check_offsets(all_lo, all_hi, reserve[all_owner], offsets[all_owner], alignment=alignment_bytes)
+    all_off = np.concatenate([chosen[pitem] if pitem.size else np.zeros(0, np.int64), offsets[fixed_ids]])
+    height = check_offsets(all_lo, all_hi, reserve[all_owner], all_off, alignment=alignment_bytes)
     lower_bound = _live_peak(all_lo, all_hi, reserve[all_owner])
 
     # -- the plan -------------------------------------------------------------------------
     is_dynamic = np.zeros(trace.num_buffers, bool)
     if last >= 0 and dynamic.size:
         is_dynamic[groups[last][dynamic]] = True
+    if twins:
+        is_dynamic[[buf for buf, _ in twins]] = True
+        position = np.full(trace.num_buffers, -1, np.int64)
+        position[groups[last]] = np.arange(groups[last].shape[0])
+        dynamic = np.union1d(dynamic, position[[buf for buf, _ in twins]])
     entries = []
     for g in planned:
         ids = groups[g]
         off = offsets[ids].copy()
         off[is_dynamic[ids]] = -1
         entries.append(IterationPlan(g, nbytes[ids].copy(), off))
-    windows = _dynamic_windows(groups, last, dynamic, alloc, free, window_end, all_lo, all_hi, all_owner, offsets, reserve, is_dynamic, height)
+    windows = _dynamic_windows(
+        groups, last, dynamic, alloc, free, window_end, all_lo, all_hi, all_owner, all_off, reserve, height
+    )
     elapsed = time.monotonic() - start
     result = Plan(
         trace_fingerprint=trace_fingerprint(trace, planned),
@@ -200,7 +222,8 @@ def plan(
             "fixed_bytes": fixed_bytes,
             "fixed_buffers": len(fixed),
             "planned_buffers": len(items) + len(fixed),
-            "dynamic_requests": int(dynamic.size),
+            "dynamic_requests": int(dynamic.size) - len(twins),
+            "twin_slots": len(twins),
             "cross_phase_groups": groups_used,
             "greedy_height": plain_height,
             "layouts_tried": tried,
@@ -269,7 +292,8 @@ def _best_layout(
     Tried in turn, while the time spent plus the last layout's time stays within
     `search_s`: greedy by size; greedy by area (bytes x lifetime); cross-phase groups
     as staircases among the buffers by size; the same groups first, in time order, so
-    equal groups of a pipeline's micro-batches take turns in the same slots. Returns
+    equal groups of a pipeline's micro-batches take turns in the same slots; the
+    staircases among the buffers by area. Returns
     (offsets, method, groups used, height of each layout tried)."""
     n = item_ids.shape[0]
     if n == 0:
@@ -285,10 +309,11 @@ def _best_layout(
     ]
     groups = _cross_phase_groups(trace, item_ids, plo, phi, pitem, sizes, alignment)
     if groups:
-        for name, units_first in (("cross-phase staircases + greedy by size", False),
-                                  ("cross-phase staircases in time order, then greedy by size", True)):
+        for name, how in (("cross-phase staircases + greedy by size", "size"),
+                          ("cross-phase staircases in time order, then greedy by size", "groups in time order"),
+                          ("cross-phase staircases + greedy by area", "area")):
             layouts.append((name, partial(_staircase_layout, plo, phi, pitem, sizes, groups, alignment, base,
-                                          length, units_first)))
+                                          length, how)))
     best: tuple[int, np.ndarray, str] | None = None
     tried: dict[str, int] = {}
     last_s = 0.0
@@ -371,7 +396,7 @@ def _staircase_layout(
     alignment: int,
     base: int,
     length: np.ndarray,
-    units_first: bool,
+    how: str,
 ) -> np.ndarray:
     """Each group placed as one rigid shape (its members at their local offsets), every
     other buffer on its own, by `greedy_shapes`; offsets per buffer."""
@@ -393,8 +418,8 @@ def _staircase_layout(
     span = np.concatenate([[int(item_hi[m].max() - item_lo[m].min()) for m, _ in groups], length[rest]])
     first = np.asarray([int(item_lo[m].min()) for m, _ in groups] + [0] * rest.shape[0], np.int64)
     index = np.arange(num_units + rest.shape[0])
-    order = np.lexsort((index, -span, -height))
-    if units_first:
+    order = np.lexsort((index, -height, -height * span) if how == "area" else (index, -span, -height))
+    if how == "groups in time order":
         order = np.concatenate([np.argsort(first[:num_units], kind="stable"), order[order >= num_units]])
     placed = greedy_shapes(plo, phi, shape_of[pitem], local[pitem], sizes[pitem], order, alignment, base_offset=base)
     return placed[shape_of] + local
@@ -419,27 +444,28 @@ def _dynamic_windows(
     piece_lo: np.ndarray,
     piece_hi: np.ndarray,
     piece_owner: np.ndarray,
-    offsets: np.ndarray,
+    piece_offset: np.ndarray,
     reserve: np.ndarray,
-    is_dynamic: np.ndarray,
     height: int,
 ) -> list[DynamicWindow]:
-    """For each dynamic request: arena ranges no planned (static) buffer uses in its lifetime."""
+    """For each dynamic request: the arena ranges no other request's planned or reserved
+    range uses while any of its own pieces is live (its own reserved slots are free)."""
     if last < 0 or dynamic.size == 0:
         return []
     ids = groups[last]
-    static = ~is_dynamic[piece_owner]
-    s_lo, s_hi, s_owner = piece_lo[static], piece_hi[static], piece_owner[static]
-    s_off = offsets[s_owner]
-    s_top = s_off + reserve[s_owner]
+    top = piece_offset + reserve[piece_owner]
     alloc_of_group = alloc[ids]
+    order = np.argsort(piece_owner, kind="stable")
+    owners = piece_owner[order]
     windows = []
     for j in dynamic.tolist():
         buf = int(ids[j])
-        a, f = int(alloc[buf]), min(int(free[buf]), window_end)
-        end_request = int(np.searchsorted(alloc_of_group, f, side="left"))
-        busy = (s_lo < max(f, a + 1)) & (s_hi > a)
-        intervals = sorted(zip(s_off[busy].tolist(), s_top[busy].tolist()))
+        mine = order[np.searchsorted(owners, buf, "left") : np.searchsorted(owners, buf, "right")]
+        busy = np.zeros(piece_lo.shape[0], bool)
+        for lo, hi in zip(piece_lo[mine].tolist(), piece_hi[mine].tolist()):
+            busy |= (piece_lo < hi) & (piece_hi > lo)
+        busy &= piece_owner != buf
+        intervals = sorted(zip(piece_offset[busy].tolist(), top[busy].tolist()))
         ranges = []
         cursor = 0
         for lo, hi in intervals:
@@ -448,5 +474,6 @@ def _dynamic_windows(
             cursor = max(cursor, hi)
         if cursor < height:
             ranges.append((cursor, height))
+        end_request = int(np.searchsorted(alloc_of_group, min(int(free[buf]), window_end), side="left"))
         windows.append(DynamicWindow(last, j, max(end_request, j + 1), ranges))
     return windows
