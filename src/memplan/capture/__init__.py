@@ -27,10 +27,11 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_flatten
 
 from memplan.capture.hf_masks import masks_as_on_real_tensors
-from memplan.capture.recorder import Recorder
+from memplan.capture.recorder import Recorder, set_microbatch
+from memplan.capture.step import build_training_step, capture_model
 from memplan.trace.model import Trace
 
-__all__ = ["Recorder", "capture", "capture_model"]
+__all__ = ["Recorder", "build_training_step", "capture", "capture_model", "set_microbatch"]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -172,32 +173,3 @@ def _capture(
     info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup}
     info.update(meta or {})
     return rec.finish(meta=info)
-
-
-def capture_model(
-    model: str,
-    setup: Any = None,
-    *,
-    fake: bool = True,
-    device: str = "cuda",
-    iterations: int = 1,
-    warmup: int = 1,
-    record_flops: bool = True,
-) -> Trace:
-    """Build registry model `model` with training setup `setup` and capture its step.
-
-    With `fake`, everything is built inside one `FakeTensorMode`, so any size traces
-    with no memory and `device` may be "cuda" on a machine without a GPU. With
-    `fake=False` the step runs for real (use small models and device "cpu").
-    """
-    from memplan.capture.step import training_step_capture
-
-    return training_step_capture(
-        model,
-        setup,
-        fake=fake,
-        device=device,
-        iterations=iterations,
-        warmup=warmup,
-        record_flops=record_flops,
-    )

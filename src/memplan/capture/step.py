@@ -97,7 +97,7 @@ def build_training_step(
     return TrainingStep(model, optimizer, batches, make_step(model, optimizer, batches, setup, device), meta)
 
 
-def training_step_capture(
+def capture_model(
     model_spec: Any,
     setup: Any = None,
     *,
@@ -107,7 +107,12 @@ def training_step_capture(
     warmup: int = 1,
     record_flops: bool = True,
 ) -> Trace:
-    """Build `model_spec` under `setup` and capture `iterations` steps after `warmup`.
+    """Build `model_spec` (registry name, config.json path, factory spec or config)
+    under `setup` and capture `iterations` steps after `warmup`.
+
+    With `fake`, model, optimizer and batches are built inside one `FakeTensorMode`, so
+    any size traces with no memory. With `fake=False` the step runs for real (small
+    models, device "cpu").
 
     A "cuda" job is traced on fake *cpu* tensors: a CPU-only PyTorch cannot run
     autograd on fake cuda tensors (its gradient accumulators need a CUDA device guard
