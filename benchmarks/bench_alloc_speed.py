@@ -15,14 +15,13 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks_md import write_section
 from memplan.alloc import AllocConf, CachingAllocator, replay, simulate
 from memplan.trace import from_events
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCH = "alloc_speed"
 
 
@@ -120,22 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines.append(f"<!-- /bench:{BENCH} -->")
     if not args.no_write:
-        write_section(ROOT / "BENCHMARKS.md", BENCH, "\n".join(lines))
+        write_section(BENCH, "\n".join(lines))
     print("\n".join(lines))
     return 0
-
-
-def write_section(path: Path, name: str, section: str) -> None:
-    """Replace this benchmark's marked section of BENCHMARKS.md (append it if absent)."""
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in text and end in text:
-        before = text[: text.index(start)]
-        after = text[text.index(end) + len(end):]
-        text = before + section + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

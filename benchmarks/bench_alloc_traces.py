@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_alloc_speed import ROOT, write_section  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
 from memplan.alloc import simulate  # noqa: E402
 from memplan.capture import capture_model  # noqa: E402
 from memplan.models.setup import TrainingSetup  # noqa: E402
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     lines.append(f"<!-- /bench:{BENCH} -->")
     if not args.no_write:
-        write_section(ROOT / "BENCHMARKS.md", BENCH, "\n".join(lines))
+        write_section(BENCH, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

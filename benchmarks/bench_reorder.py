@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # (label, model spec, seq or None for the model's default, batches)
@@ -129,7 +128,6 @@ def write_section(
     rows: list[tuple[str, int, int | None, dict]], short_rows: list[tuple[str, int, int | None, dict]],
     time_limit_s: float, command: str,
 ) -> None:
-    path = ROOT / "BENCHMARKS.md"
     lines = [
         "<!-- bench:reorder -->",
         "## Operator reordering of the whole training step (memplan reorder, ROAM)",
@@ -160,18 +158,9 @@ def write_section(
     if short_rows:
         lines += ["", f"Short sequences (last {len(short_rows)} rows, seq 128): {_summary(short_rows)}."]
     lines += ["<!-- /bench:reorder -->"]
-    section = "\n".join(lines) + "\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    begin, end = "<!-- bench:reorder -->", "<!-- /bench:reorder -->"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        _old, tail = rest.split(end, 1)
-        text = head + section.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    from memplan.trace.io import atomic_write
+    from benchmarks_md import write_section as write_bench_section
 
-    atomic_write(path, lambda fh: fh.write(text.encode()))
+    write_bench_section("reorder", "\n".join(lines))
 
 
 def main() -> int:
