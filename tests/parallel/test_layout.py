@@ -1,4 +1,5 @@
-"""Parallel layouts: checks, and the sharding rules on hand-computable tiny steps."""
+"""Parallel layouts: checks, and the *modelled* sharding rules on hand-computable tiny steps
+(`parallel_tracing=False`; the traced layouts are tested in test_traced.py and test_groundtruth.py)."""
 
 import pytest
 
@@ -12,7 +13,8 @@ SETUP = models.TrainingSetup(seq=32, dtype="bf16")
 
 def _rank0(layout, family="llama-2-7b", **options):
     setup = models.TrainingSetup(seq=32, dtype="bf16", **options)
-    return estimate(models.tiny_config(family), setup, layout, allocator="none", device="cpu").per_rank[0]
+    return estimate(models.tiny_config(family), setup, layout, allocator="none", device="cpu",
+                    parallel_tracing=False).per_rank[0]
 
 
 def test_world_size_defaults_to_tp_times_pp_and_dp_is_what_remains():

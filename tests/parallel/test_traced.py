@@ -1,0 +1,74 @@
+"""Tracing one rank of a parallel job on a fake process group (FSDP2, DTensor TP)."""
+
+import pytest
+
+from memplan import models
+from memplan.errors import UserError
+from memplan.estimation import estimate
+from memplan.parallel import Layout
+from memplan.parallel.apply import traceable
+from memplan.parallel.traced import capture_rank, gloo_staging_buffers
+from memplan.trace.model import CATEGORY
+
+LLAMA = models.tiny_config("llama-2-7b")
+SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+
+
+def _parameter_bytes_at_start(trace):
+    pre = trace.buffers["alloc_op"] < 0
+    return int(trace.buffers["nbytes"][pre & (trace.buffers["category"] == CATEGORY["parameter"])].sum())
+
+
+def test_fsdp2_rank_holds_a_shard_of_every_parameter_between_steps():
+    single = estimate(LLAMA, SETUP, None, device="cpu", allocator="none").per_rank[0]
+    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=4, zero=3), rank=1)
+    sharded = _parameter_bytes_at_start(trace)
+    # FSDP2 pads each parameter's dim 0 to a multiple of 4 before sharding
+    assert single.breakdown["parameters"] / 4 <= sharded <= single.breakdown["parameters"] / 4 * 1.05
+
+
+def test_fsdp2_frees_each_block_s_gathered_parameters_after_its_forward():
+    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0)
+    names = [trace.op_name(i) for i in range(trace.num_ops)]
+    gathers = names.count("c10d._allgather_base_.default")
+    assert gathers == 2 * (LLAMA.num_hidden_layers + 1)  # root and every block, forward and backward
+    assert names.count("c10d._reduce_scatter_base_.default") == LLAMA.num_hidden_layers + 1
+
+
+def test_gloo_stages_one_buffer_the_size_of_each_all_gather_output():
+    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0)
+    extras = gloo_staging_buffers(trace)
+    outputs = [int(trace.buffers["nbytes"][trace.op_outputs(i)].sum()) for i in range(trace.num_ops)
+               if trace.op_name(i) == "c10d._allgather_base_.default"]
+    assert [x.nbytes for x in extras] == outputs
+
+
+def test_tensor_parallel_rank_holds_half_of_each_projection():
+    trace, _ = capture_rank(LLAMA, SETUP, Layout(tp=2), rank=0)
+    full = estimate(LLAMA, SETUP, None, device="cpu", allocator="none").per_rank[0].breakdown["parameters"]
+    assert _parameter_bytes_at_start(trace) < full * 0.6
+
+
+def test_estimate_traces_fsdp2_and_tp_and_models_ddp_zero12_and_pipelines():
+    def how(layout):
+        return estimate(LLAMA, SETUP, layout, device="cpu", allocator="none").parallel
+
+    assert how(Layout(world_size=2, zero=3)) == "traced"
+    assert how(Layout(tp=2)) == "traced"
+    assert how(Layout(world_size=2)) == "modelled"
+    assert how(Layout(world_size=2, zero=1)) == "modelled"
+    assert traceable(Layout(pp=2)) is not None
+    assert traceable(Layout(tp=2), models.tiny_config("gpt2")) is not None  # no Llama projections
+
+
+def test_estimate_can_be_told_to_model_a_traceable_layout():
+    result = estimate(LLAMA, SETUP, Layout(world_size=2, zero=3), device="cpu", allocator="none",
+                      parallel_tracing=False)
+    assert result.parallel == "modelled"
+
+
+def test_ddp_with_tensor_parallel_is_refused_when_applied():
+    from memplan.parallel.apply import apply_layout
+
+    with pytest.raises(UserError, match="zero 3"):
+        apply_layout(None, Layout(world_size=4, tp=2), "model.layers")
