@@ -5,7 +5,10 @@ DP+TP that does not run out of memory), over the whole space: data-parallel degr
 ZeRO stage 0-3, TP and PP degrees, micro-batch size, activation checkpointing and the
 allocator (caching, else expandable segments when only those fit). Each candidate's
 memory is a full `estimate` (captured steps are shared between candidates through the
-estimate cache, so a search costs a few traces plus one replay per candidate).
+estimate cache, so a search costs a few traces plus one replay per candidate). The search
+uses the modelled layout rules (`estimate(..., parallel_tracing=False)`): tracing FSDP2 / TP
+on a fake process group for every candidate would cost a trace per candidate; re-run
+`memplan estimate` on the chosen configuration for the traced figure.
 
 Step time is a roofline model over the device profile, as PyTorch's
 `torch.distributed._tools.runtime_estimator.RuntimeEstimator` does in roofline mode:
@@ -117,7 +120,8 @@ def fit(model: Any, gpu: str, gpus: int, setup: Any = None, *, progress: bool = 
                             grad_accum=1 if cand.layout.pp > 1 else setup.grad_accum)
             result = None
             for allocator in ("caching", "expandable"):
-                result = estimate(config, trial, cand.layout, gpu=gpu, allocator=allocator, cache=cache)
+                result = estimate(config, trial, cand.layout, gpu=gpu, allocator=allocator, cache=cache,
+                                  parallel_tracing=False)
                 if result.fits:
                     cand = replace(cand, allocator=allocator)
                     break

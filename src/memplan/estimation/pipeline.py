@@ -7,9 +7,12 @@ tensors and adds only what a CPU trace cannot see):
 1. capture the step on fake cpu tensors with the target device's code paths
    (`memplan.capture.step`), at full depth or, for deep models, at 2 and 3 blocks
    (`memplan.estimation.layers`);
-2. per rank of the parallel layout, reshape the trace to that rank
-   (`memplan.parallel.rank_trace`: sharded parameters, gradients and states,
-   collective buffers);
+2. per distinct rank of the parallel layout, trace that rank's step itself with FSDP2 /
+   DTensor TP applied on a fake process group (`memplan.parallel.traced`), or, where
+   that is not possible (DDP, ZeRO-1/2, PP, TP of non-Llama families) or not asked
+   for (`parallel_tracing=False`), reshape the single-device trace by the modelled
+   rules (`memplan.parallel.rank_trace`); a cpu job traced on the fake group also gets
+   gloo's all-gather staging buffers;
 3. add the GPU-only terms (`memplan.estimation.gpu_terms`: SDPA kernel workspaces,
    cuBLAS workspace) when the target is cuda;
 4. replay through the allocator simulator (512-B rounding, caching / expandable
