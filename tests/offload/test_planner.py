@@ -179,3 +179,42 @@ def test_every_plan_passes_the_validator_and_holds_in_simulation(make_trace, cas
     assert result.step_s >= lt.step_s - 1e-9
     if p.feasible:
         assert result.peak_device_bytes <= budget
+
+
+def test_planned_stall_is_the_runs_max_excess_over_bandwidth_spread_by_excess():
+    from memplan.offload.planner import stall_padding_s
+
+    excess = np.array([0.0, 2.0, 4.0, 2.0, 0.0, 6.0, 6.0])
+    phase = np.array([0, 0, 0, 0, 0, 0, 3])
+    # runs: ops 1-3 (max 4, 2 s in all, weights 2:4:2), op 5 alone, op 6 alone (another phase)
+    pad = stall_padding_s(excess, phase, 2.0)
+    assert pad.tolist() == [0.0, 0.5, 1.0, 0.5, 0.0, 3.0, 3.0]
+
+
+def optimizer_crunch(make_trace):
+    # four 100 B states, each used by one short "optimizer" op at the end of the step; eight
+    # idle ops before them. 400 B live everywhere, budget 250 B: 150 B must be away at every
+    # op, including the optimizer ops, where what is away must come back within the phase.
+    ops = [{} for _ in range(8)] + [{"reads": [b], "writes": [b]} for b in range(4)]
+    tr = make_trace([100] * 4, ["optimizer_state"] * 4, ops, persistent=[0, 1, 2, 3])
+    durations = np.array([1.0] * 8 + [0.01] * 4)
+    return tr, analyse(tr, durations)
+
+
+def test_planned_stalls_beat_urgent_transfers_in_an_optimizer_crunch(make_trace):
+    tr, lt = optimizer_crunch(make_trace)
+    hw = hardware(ssd_bytes_per_s=100.0, pcie_bytes_per_s=100.0)
+    p = plan_lifetimes(tr, lt, hw, 250, min_nbytes=1)
+    first = p.rounds[0]
+    assert first["planned_stall_s"] == 0 and first["urgent"] > 0
+    assert len(p.rounds) > 1 and p.planned_stall_s > 0
+    step_s = simulate_plan(lt, p, hw.link_bytes_per_s()).step_s
+    assert step_s < first["simulated_step_s"]
+    assert p.feasible
+    validate_plan(tr, p)
+
+
+def test_one_round_when_overlapped_transfers_fit(make_trace):
+    tr = only_activation(make_trace)
+    p = plan_lifetimes(tr, analyse(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
+    assert len(p.rounds) == 1 and p.planned_stall_s == 0 and p.rounds[0]["urgent"] == 0

@@ -11,9 +11,12 @@ Each baseline turns the trace's lifetimes into op times, device bytes and `Move`
   optimizer states leave the GPU; parameters are fetched from NVMe *per layer* with
   fixed timing (issued when the previous layer starts, released when the layer ends),
   in forward and again in backward; the optimizer step streams the states from NVMe
-  through CPU-Adam and writes them back. Activations stay on the GPU (no checkpointing).
+  through CPU-Adam and writes them back. Activations go to host memory at layer
+  granularity (DeepSpeed's `cpu_checkpointing`, the only activation offload it has,
+  facts.md §6), as in `torchtune_activations`; before this, the baseline kept them on the
+  GPU and was infeasible for Llama3-70B, where the paper runs it (43.0% of ideal).
   Host memory needed (assumption): 8 B per parameter (fp32 gradients and parameter
-  staging buffers).
+  staging buffers) plus the offloaded activations.
 - `torchtune_activations`: torchtune's `OffloadActivations`, at layer granularity: a
   layer's activations go to host memory when its forward ends and come back when the
   backward of the layer after it starts; everything else stays on the GPU.
@@ -107,6 +110,25 @@ def _pcie_links(hardware: Hardware) -> dict[str, float]:
     return {"pcie_d2h": hardware.pcie_bytes_per_s, "pcie_h2d": hardware.pcie_bytes_per_s}
 
 
+def _gradient_stream(trace: Trace, lt: Lifetimes, cpu_op: int, link: str, gpus: int) -> list[Move]:
+    """Each gradient leaves for host memory (its 1/gpus shard, after the reduce-scatter) as soon as
+    backward has produced it, and the CPU optimizer step waits for all of them. The device holds
+    a gradient only from the end of its last backward op until its write completes; callers
+    take every gradient buffer out of the trace's bytes (the trace frees last iteration's
+    gradients at zero_grad and allocates this iteration's in backward, two generations that a
+    per-buffer give-back would count twice)."""
+    moves = []
+    for b in np.flatnonzero(trace.buffers["category"] == CATEGORY["gradient"]).tolist():
+        uses = _uses(lt, b)
+        produced = uses[uses < cpu_op]
+        if produced.size == 0:
+            continue
+        nbytes = int(trace.buffers["nbytes"][b])
+        moves.append(Move(link, nbytes // gpus, int(produced[-1]), True, wait_op=cpu_op,
+                          device_delta_on_issue=nbytes, device_delta_on_complete=-nbytes))
+    return moves
+
+
 def zero_offload(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
     n = lt.num_ops
     cat, phase = trace.buffers["category"], trace.ops["phase"]
@@ -118,17 +140,9 @@ def zero_offload(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: 
     durations[optimizer_ops] = 0.0
     allgather_s = 4 * params * (g - 1) / g / hardware.gpu.interconnect_bytes_per_s if g > 1 else 0.0
     durations[cpu_op] = params / cpu_adam_params_per_s() + allgather_s
-    base = lt.op_bytes - _live_bytes_of(trace, lt, cat == CATEGORY["optimizer_state"])
+    base = lt.op_bytes - _live_bytes_of(trace, lt, (cat == CATEGORY["optimizer_state"]) | (cat == CATEGORY["gradient"]))
     moves = []
-    for b in np.flatnonzero(cat == CATEGORY["gradient"]).tolist():
-        uses = _uses(lt, b)
-        produced = uses[uses < cpu_op]
-        if produced.size == 0:
-            continue
-        nbytes = int(trace.buffers["nbytes"][b])
-        moves.append(Move("pcie_d2h", nbytes // g, int(produced[-1]), True, wait_op=cpu_op,
-                          device_delta_on_complete=-nbytes))
-        moves.append(Move(None, 0, int(min(lt.live_last_op[b], n - 1)), False, device_delta_on_issue=nbytes))
+    moves += _gradient_stream(trace, lt, cpu_op, "pcie_d2h", g)
     first_forward = int(np.flatnonzero(phase == PHASE["forward"])[0]) if (phase == PHASE["forward"]).any() else 0
     moves.append(Move("pcie_h2d", int(4 * params / g), cpu_op, True, wait_op=first_forward + n))
     sim = simulate(durations, base, moves, _pcie_links(hardware), budget_bytes)
@@ -169,18 +183,10 @@ def zero_infinity(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes:
     share = params / g
     swap_s = max(12 * share / max(links["ssd_read"], 1.0), 16 * share / max(links["ssd_write"], 1.0))
     durations[cpu_op] = max(params / cpu_adam_params_per_s(), swap_s)
-    persistent = (cat == CATEGORY["optimizer_state"]) | (cat == CATEGORY["parameter"])
+    persistent = np.isin(cat, [CATEGORY["optimizer_state"], CATEGORY["parameter"], CATEGORY["gradient"]])
     base = lt.op_bytes - _live_bytes_of(trace, lt, persistent)
     moves = []
-    for b in np.flatnonzero(cat == CATEGORY["gradient"]).tolist():
-        uses = _uses(lt, b)
-        produced = uses[uses < cpu_op]
-        if produced.size == 0:
-            continue
-        nbytes = int(trace.buffers["nbytes"][b])
-        moves.append(Move("host_write", nbytes // g, int(produced[-1]), True, wait_op=cpu_op,
-                          device_delta_on_complete=-nbytes))
-        moves.append(Move(None, 0, int(min(lt.live_last_op[b], n - 1)), False, device_delta_on_issue=nbytes))
+    moves += _gradient_stream(trace, lt, cpu_op, "host_write", g)
     param_buffers = np.flatnonzero(cat == CATEGORY["parameter"])
     for phase_id in (PHASE["forward"], PHASE["backward"]):
         windows = sorted(_layer_windows(trace, lt, param_buffers, phase_id).values())
@@ -188,19 +194,25 @@ def zero_infinity(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes:
             issue = windows[i - 1][0] if i > 0 else first  # fixed timing: one layer ahead
             moves.append(Move("ssd_read", nbytes // g, issue, False, wait_op=first, device_delta_on_issue=nbytes))
             moves.append(Move(None, 0, last, True, device_delta_on_issue=-nbytes))
+    # activations to host memory at layer granularity (DeepSpeed's cpu_checkpointing), on the
+    # PCIe share the NVMe traffic leaves; they add to the host need
+    act_moves, act_host = _layer_activation_moves(trace, lt, "host_write", "host_read")
+    moves += act_moves
     sim = simulate(durations, base, moves, links, budget_bytes)
-    host = 8.0 * params
+    host = 8.0 * params + act_host
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("zero_infinity", sim, host, ok, note)
 
 
-def torchtune_activations(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
+def _layer_activation_moves(trace: Trace, lt: Lifetimes, write_link: str, read_link: str) -> tuple[list[Move], float]:
+    """Layer-granular activation offload to host memory: a layer's activations leave when its
+    forward ends and come back when the backward of the layer after it starts. Returns the
+    moves and the host bytes they need."""
     cat = trace.buffers["category"]
     acts = np.flatnonzero((cat == CATEGORY["activation"]) & (trace.buffers["nbytes"] >= 1024))
     forward = _layer_windows(trace, lt, acts, PHASE["forward"])
     backward = _layer_windows(trace, lt, acts, PHASE["backward"])
     layers = [k for k in sorted(forward, key=lambda k: forward[k][0]) if k in backward and ".layers." in k]
-    links = {"host_write": hardware.pcie_bytes_per_s, "host_read": hardware.pcie_bytes_per_s}
     moves = []
     host = 0.0
     for i, key in enumerate(layers):
@@ -209,9 +221,15 @@ def torchtune_activations(trace: Trace, lt: Lifetimes, hardware: Hardware, budge
         # prefetched when the backward of the next layer (in forward order) starts
         issue = backward[layers[i + 1]][0] if i + 1 < len(layers) else b_first
         issue = min(issue, b_first)
-        moves.append(Move("host_write", nbytes, f_last, True, device_delta_on_complete=-nbytes, key=i))
-        moves.append(Move("host_read", nbytes, issue, False, wait_op=b_first, device_delta_on_issue=nbytes, after_key=i))
+        moves.append(Move(write_link, nbytes, f_last, True, device_delta_on_complete=-nbytes, key=i))
+        moves.append(Move(read_link, nbytes, issue, False, wait_op=b_first, device_delta_on_issue=nbytes, after_key=i))
         host += nbytes
+    return moves, host
+
+
+def torchtune_activations(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
+    links = {"host_write": hardware.pcie_bytes_per_s, "host_read": hardware.pcie_bytes_per_s}
+    moves, host = _layer_activation_moves(trace, lt, "host_write", "host_read")
     sim = simulate(lt.op_durations_s, lt.op_bytes, moves, links, budget_bytes)
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("torchtune_activations", sim, host, ok, note)

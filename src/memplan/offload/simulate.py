@@ -50,6 +50,7 @@ class SimResult:
     peak_device_bytes: int
     over_budget_bytes: int  # 0 when the budget held at every op
     link_utilisation: dict[str, float] = field(default_factory=dict)
+    op_stall_s: np.ndarray | None = None  # seconds each op of the reported step waited before it started
 
     @property
     def within_budget(self) -> bool:
@@ -118,6 +119,7 @@ def simulate(
     over = 0
     iter_start = [0.0] * (iterations + 1)
     stall_at_iter = [0.0] * (iterations + 1)
+    op_stall = np.zeros(n)
 
     def issue(m: Move, t: float) -> None:
         nonlocal delta
@@ -166,6 +168,8 @@ def simulate(
         peak = max(peak, mem)
         over = max(over, int(mem - budget_bytes)) if mem > budget_bytes else over
         stall += ready - now
+        if g >= total - n:
+            op_stall[i] = ready - now
         now = ready + durations[i]
         for m in at_end.get(g, ()):
             issue(m, now)
@@ -183,6 +187,7 @@ def simulate(
         peak_device_bytes=int(peak),
         over_budget_bytes=int(over),
         link_utilisation=util,
+        op_stall_s=op_stall,
     )
 
 
