@@ -2,8 +2,8 @@
 per rank against real multi-process gloo runs measured with torch.profiler on every rank.
 
 Each case starts `world_size` processes (torch.multiprocessing spawn, gloo backend),
-applies the layout with `memplan.parallel.apply` (DDP, FSDP2 `fully_shard`, DTensor TP,
-FSDP2 + TP), runs one warm-up step and profiles the next on every rank
+applies the layout with `memplan.parallel.apply` (DDP, FSDP2 `fully_shard`, HSDP, DTensor
+TP, FSDP2 + TP), runs one warm-up step and profiles the next on every rank
 (`memplan.parallel.groundtruth.measure_rank_peaks`). The estimate traces the parallel
 step on a fake process group where it can (column "estimate path": traced) and applies
 the modelled rules otherwise (modelled). Tiny configs (`memplan.models.tiny_config`),
@@ -34,6 +34,7 @@ LAYOUTS = {
     "TP 2": {"tp": 2},
     "FSDP2 x4": {"world_size": 4, "zero": 3},
     "FSDP2 2 x TP 2": {"world_size": 4, "zero": 3, "tp": 2},
+    "HSDP 2 x 2": {"world_size": 4, "zero": 3, "shard_size": 2},
 }
 OPTIONS = {
     "": {},
@@ -44,6 +45,7 @@ OPTIONS = {
 CASES = (
     [("llama-2-7b", opt, lay) for opt in OPTIONS for lay in ("DDP x2", "FSDP2 x2", "TP 2")]
     + [("llama-2-7b", opt, lay) for opt in ("", "ckpt") for lay in ("FSDP2 x4", "FSDP2 2 x TP 2")]
+    + [("llama-2-7b", "", "HSDP 2 x 2")]
     + [("mistral-7b", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2", "FSDP2 2 x TP 2")]
     + [("qwen2.5-0.5b", "ckpt", lay) for lay in ("FSDP2 x2", "TP 2")]
     + [("gpt2", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2")]

@@ -57,3 +57,12 @@ def test_capacity_below_the_estimate_does_not_fit(capsys):
     code, out, _ = run_cli(capsys, "estimate", "gpt2", *TINY, "--capacity", "1GiB", "--json")
     data = json.loads(out)
     assert code == 0 and data["capacity_bytes"] == 2**30 and data["fits"] is False
+
+
+def test_estimate_json_says_whether_the_layout_was_traced_or_modelled(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "llama-2-7b", *TINY, "--world-size", "2", "--zero", "3",
+                           "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["parallel"] == "traced"
+    code, out, _ = run_cli(capsys, "estimate", "llama-2-7b", *TINY, "--world-size", "2", "--zero", "3",
+                           "--device", "cpu", "--modelled-layout", "--json")
+    assert code == 0 and json.loads(out)["parallel"] == "modelled"

@@ -28,6 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="caching (default), expandable, planned or none (tensor bytes only)")
     p.add_argument("--alloc-conf", default=None, metavar="STR", help="a PYTORCH_CUDA_ALLOC_CONF string")
     p.add_argument("--full-depth", action="store_true", help="trace every block instead of extrapolating")
+    p.add_argument("--modelled-layout", action="store_true",
+                   help="apply the modelled layout rules instead of tracing FSDP2 / TP on a fake process group")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     layout = layout_from_args(args)
     result = estimate(args.model, setup, layout, device=args.device, allocator=args.allocator,
                       alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
-                      extrapolate=not args.full_depth)
+                      extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout)
     if args.json:
         print_json(result.to_json())
         return 0
@@ -75,6 +77,8 @@ def render(result) -> None:  # noqa: ANN001 - memplan.estimation.Estimate
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "
-                      f"{format_bytes(result.capacity_bytes)} ({result.method}, {result.elapsed_s:.1f} s)")
+                      f"{format_bytes(result.capacity_bytes)} ({result.method}, layout {result.parallel}, "
+                      f"{result.elapsed_s:.1f} s)")
     else:
-        console.print(f"({result.method}, {result.elapsed_s:.1f} s; give --gpu or --capacity to check the fit)")
+        console.print(f"({result.method}, layout {result.parallel}, {result.elapsed_s:.1f} s; "
+                      "give --gpu or --capacity to check the fit)")
