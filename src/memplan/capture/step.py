@@ -33,13 +33,26 @@ def make_step(
     batches: list[dict[str, torch.Tensor]],
     setup: Any,
     device: str,
+    *,
+    cuda_kernels: bool = False,
 ) -> Any:
-    """The training step closure for `capture`: micro-batches, backward, optimizer."""
+    """The training step closure for `capture`: micro-batches, backward, optimizer.
+
+    `cuda_kernels`: route attention through CUDA's fused SDPA kernels (for a CUDA job
+    traced on fake cpu tensors; see `memplan.capture.cuda_kernels`).
+    """
+    from memplan.capture.cuda_kernels import sdpa_as_on_cuda
     from memplan.models import autocast, forward_loss
 
     accum = len(batches)
 
     def step() -> None:
+        with sdpa_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
+            run_micro_batches()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def run_micro_batches() -> None:
         for batch in batches:
             with autocast(setup, device):
                 loss = forward_loss(model, batch)
@@ -47,8 +60,6 @@ def make_step(
                     loss = loss / accum
             loss.backward()
             del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     return step
 
@@ -94,7 +105,11 @@ def build_training_step(
         "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
         "build_s": round(time.perf_counter() - start, 3),
     }
-    return TrainingStep(model, optimizer, batches, make_step(model, optimizer, batches, setup, device), meta)
+    # A CUDA job traced on fake tensors runs CUDA's attention kernels, not the CPU's
+    cuda_kernels = (target_device or device) == "cuda" and models.is_fake_mode_active()
+    step = make_step(model, optimizer, batches, setup, device, cuda_kernels=cuda_kernels)
+    meta["attention_kernels"] = "cuda" if cuda_kernels else device
+    return TrainingStep(model, optimizer, batches, step, meta)
 
 
 def capture_model(

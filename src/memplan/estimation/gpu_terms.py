@@ -36,6 +36,13 @@ from memplan.trace.validate import validate
 
 FLASH_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+# A fake CUDA step runs CUDA's own kernels (memplan.capture.cuda_kernels): the backward
+# op names then say which kernel it is.
+SDPA_BACKWARDS = {
+    FLASH_BACKWARD: None,  # CPU flash: CUDA's kernel is flash, or memory-efficient in fp32
+    "aten._scaled_dot_product_flash_attention_backward.default": "flash",
+    "aten._scaled_dot_product_efficient_attention_backward.default": "efficient",
+}
 
 
 @dataclass(frozen=True)
@@ -140,18 +147,23 @@ def attention_kernel_buffers(trace: Trace, *, dtype: str, attn: str, seq: int, h
     the dtype the attention runs in ("fp32", "bf16", "fp16"): fp32 means CUDA's
     memory-efficient kernel. Eager attention (`attn="eager"`) has no SDPA op and needs nothing.
     """
-    if attn == "eager" or FLASH_BACKWARD not in trace.op_names:
+    if attn == "eager":
         return []
-    backward_name = trace.op_names.index(FLASH_BACKWARD)
+    kernel_of_op: dict[int, str] = {}
+    for name, kernel in SDPA_BACKWARDS.items():
+        if name in trace.op_names:
+            code = trace.op_names.index(name)
+            for op in np.flatnonzero(trace.ops["name"] == code).tolist():
+                kernel_of_op[op] = kernel or ("efficient" if dtype == "fp32" else "flash")
     extras = []
-    for op in np.flatnonzero(trace.ops["name"] == backward_name).tolist():
+    for op in sorted(kernel_of_op):
         outputs = trace.op_outputs(op)
         if outputs.shape[0] == 0:
             continue
         grad_q_bytes = int(trace.buffers["nbytes"][outputs[0]])
         element = 4 if dtype == "fp32" else 2
         tokens_x_heads = grad_q_bytes // (element * max(head_dim, 1))  # B * S * H
-        if dtype == "fp32":  # memory-efficient kernel: fp32 grad-q accumulator + delta
+        if kernel_of_op[op] == "efficient":  # memory-efficient kernel: fp32 grad-q accumulator + delta
             nbytes = tokens_x_heads * head_dim * 4 + tokens_x_heads * 4
         else:  # flash: dq_accum + softmax_d, with S rounded up to 128 and D to 32
             batch_x_heads = max(tokens_x_heads // max(seq, 1), 1)

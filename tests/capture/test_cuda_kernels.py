@@ -1,0 +1,58 @@
+"""A CUDA job traced on fake cpu tensors runs CUDA's fused attention kernels."""
+
+import numpy as np
+import pytest
+import torch
+
+from memplan import models
+from memplan.capture import capture_model
+from memplan.capture.cuda_kernels import cuda_sdpa, sdpa_as_on_cuda
+
+
+def attention_matrices(trace, batch, heads, seq):
+    # buffers shaped like an attention matrix [B, H, S, S] (bf16 or fp32), made by ops
+    # of the math path (softmax over scores, dropout)
+    sizes = {batch * heads * seq * seq * k for k in (1, 2, 4)}
+    made = trace.buffers["alloc_op"] >= 0
+    count = 0
+    for b in np.flatnonzero(made):
+        name = trace.op_name(int(trace.buffers["alloc_op"][b]))
+        if int(trace.buffers["nbytes"][b]) in sizes and "softmax" in name and "log_softmax" not in name:
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize("dtype,kernel", [("bf16", "flash"), ("fp32", "efficient")])
+def test_cuda_job_uses_the_kernel_a_gpu_would_pick(dtype, kernel):
+    setup = models.TrainingSetup(batch=2, seq=64, dtype=dtype)
+    trace = capture_model(models.tiny_config("gpt2"), setup, fake=True, device="cuda")
+    names = set(trace.op_names)
+    assert f"aten._scaled_dot_product_{kernel}_attention.default" in names
+    assert f"aten._scaled_dot_product_{kernel}_attention_backward.default" in names
+
+
+def test_gpt2_with_dropout_keeps_no_attention_matrix_on_cuda_but_does_on_cpu():
+    # GPT-2 trains with attention dropout, which sends CPU SDPA down the math path
+    config = models.tiny_config("gpt2", n_positions=512)
+    setup = models.TrainingSetup(batch=2, seq=256, dtype="bf16")
+    heads = config.n_head
+    cpu = capture_model(config, setup, fake=True, device="cpu")
+    cuda = capture_model(config, setup, fake=True, device="cuda")
+    assert attention_matrices(cpu, 2, heads, 256) > 0
+    assert attention_matrices(cuda, 2, heads, 256) == 0
+    assert cuda.peak()[0] < cpu.peak()[0]
+
+
+def test_checkpointed_recomputation_runs_the_same_kernels():
+    setup = models.TrainingSetup(batch=2, seq=64, dtype="bf16", checkpointing="full")
+    trace = capture_model(models.tiny_config("llama-2-7b"), setup, fake=True, device="cuda")
+    flash = trace.op_names.index("aten._scaled_dot_product_flash_attention.default")
+    # forward + recomputation, once per layer
+    assert int(np.sum(trace.ops["name"] == flash)) == 2 * models.tiny_config("llama-2-7b").num_hidden_layers
+
+
+def test_the_swap_is_undone_after_the_block():
+    original = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_as_on_cuda():
+        assert torch.nn.functional.scaled_dot_product_attention is cuda_sdpa
+    assert torch.nn.functional.scaled_dot_product_attention is original
