@@ -1,4 +1,5 @@
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -89,3 +90,81 @@ def test_a_corrupted_file_is_detected(tmp_path):
 
     with pytest.raises(OffloadError, match="corrupted"):
         train(tiny_step(), 3, directory=tmp_path, min_nbytes=1024, checksum=True, fault=corrupt)
+
+
+
+WORKER = """
+import json, os, resource, signal, sys
+import torch
+from memplan import models
+from memplan.capture.step import build_training_step
+from memplan.offload.runtime import OffloadError, run
+
+directory, limit = sys.argv[1], int(sys.argv[2])
+def step():
+    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=2, seq=32), device="cpu")
+ref = step()
+for _ in range(2):
+    ref.run()
+if limit:
+    # past RLIMIT_FSIZE a write fails with EFBIG instead of killing the process with SIGXFSZ
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+results = {}
+for fallback in (True, False):
+    off = step()
+    out = {"error": None}
+    try:
+        with run(off.model, off.optimizer, directory=directory, min_nbytes=1024, host_fallback=fallback) as engine:
+            for _ in range(2):
+                off.run()
+        out["degraded"] = engine.degraded
+        out["written"] = engine.bytes_written
+    except OffloadError as exc:
+        out["error"] = str(exc)
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(ref.model.parameters(), off.model.parameters()))
+    out["left"] = os.listdir(directory)
+    results["fallback" if fallback else "no_fallback"] = out
+print(json.dumps(results))
+"""
+
+
+def run_worker(directory, limit_bytes=0):
+    """Train 2 steps with and without host fallback in a fresh process; their outcomes by name."""
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(directory), str(limit_bytes)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_file_size_limit_degrades_to_host_memory_or_fails_clearly(tmp_path):
+    # RLIMIT_FSIZE needs no privileges: files past 64 KiB cannot grow (EFBIG), smaller ones still land
+    out = run_worker(tmp_path, limit_bytes=64 * 1024)
+    fb, strict = out["fallback"], out["no_fallback"]
+    assert fb["error"] is None and fb["equal"] and fb["left"] == []
+    assert fb["degraded"] and all("File too large" in d for d in fb["degraded"])
+    assert fb["written"] > 0  # tensors under the limit still went to the files
+    assert strict["error"] and "File too large" in strict["error"] and strict["left"] == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB file system (tmpfs): needs root with CAP_SYS_ADMIN, as in CI and here."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_full_file_system_degrades_to_host_memory_or_fails_clearly(small_tmpfs):
+    # the tiny model's states and activations are several MiB: the 1 MiB tmpfs fills up (ENOSPC)
+    out = run_worker(small_tmpfs)
+    fb, strict = out["fallback"], out["no_fallback"]
+    assert fb["error"] is None and fb["equal"] and fb["left"] == []
+    assert fb["degraded"] and any("No space left" in d for d in fb["degraded"])
+    assert strict["error"] and "No space left" in strict["error"] and strict["left"] == []
