@@ -23,6 +23,10 @@ skyline branching rule that suits an interpreted language:
   area first) run round-robin under a node budget that doubles, as minimalloc does
   with its pre-orderings, so one unlucky order does not stall the search.
 
+The same search is compiled from `csrc/offset_search.cpp` (`memplan.layout.native`),
+node for node, with seeded random tie-break restarts added; `solve_exact` uses it when
+it can be built and this module otherwise (this module is the reference).
+
 It answers a decision question; `memplan.layout.pack` turns it into minimisation.
 Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignments.
 """
@@ -33,6 +37,8 @@ import sys
 import time
 
 import numpy as np
+
+from memplan.layout import native
 
 FOUND, NOT_FOUND, ABORTED, TIMEOUT = 0, 1, 2, 3
 
@@ -302,6 +308,12 @@ class _Search:
         return out
 
 
+# Restarts the compiled engine adds after the static orders: the same search with
+# ties broken in a seeded random order (the run time is heavy-tailed; a differently
+# ordered restart often finishes where a static order stalls).
+RANDOM_RESTARTS = ("/1", "/2", "/3")
+
+
 def solve_exact(
     lower: np.ndarray,
     upper: np.ndarray,
@@ -311,24 +323,39 @@ def solve_exact(
     *,
     deadline: float,
     heuristics: tuple[str, ...] = HEURISTICS,
-) -> tuple[int, np.ndarray | None, dict[str, int]]:
-    """(FOUND | NOT_FOUND | TIMEOUT, offsets or None, search counts) for one capacity."""
+    engine: str = "auto",
+) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
+    """(FOUND | NOT_FOUND | TIMEOUT, offsets or None, search counts) for one capacity.
+
+    `engine`: "native" (the compiled search of `csrc/offset_search.cpp`, node for
+    node this search, with `RANDOM_RESTARTS` added to the orders), "python" (this
+    module, the reference), or "auto" (native when it can be built, else python).
+    """
     n = int(np.asarray(nbytes).shape[0])
-    search = _Search(
-        np.asarray(lower, dtype=np.int64),
-        np.asarray(upper, dtype=np.int64),
-        np.asarray(nbytes, dtype=np.int64),
-        np.broadcast_to(np.asarray(alignment, dtype=np.int64), (n,)),
-        int(capacity),
-        deadline,
-    )
+    lower = np.asarray(lower, dtype=np.int64)
+    upper = np.asarray(upper, dtype=np.int64)
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    align = np.broadcast_to(np.asarray(alignment, dtype=np.int64), (n,))
+    if engine not in ("auto", "native", "python"):
+        raise ValueError(f"engine {engine!r}: expected auto, native or python")
+    if engine == "native" or (engine == "auto" and native.available()):
+        orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
+        status, offsets, nodes, backtracks = native.extension().solve(
+            lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity),
+            max(0.0, deadline - time.monotonic()), orders,
+        )
+        stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": "native"}
+        if status == FOUND:
+            return FOUND, np.asarray(offsets, dtype=np.int64), stats
+        return status, None, stats
+    search = _Search(lower, upper, nbytes, align, int(capacity), deadline)
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 20 * n + 1000))
     try:
         status = search.solve(heuristics)
     finally:
         sys.setrecursionlimit(old_limit)
-    stats = {"nodes": search.nodes, "backtracks": search.backtracks}
+    stats = {"nodes": search.nodes, "backtracks": search.backtracks, "engine": "python"}
     if status == FOUND:
         return FOUND, search.offset.copy(), stats
     return status, None, stats

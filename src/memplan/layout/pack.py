@@ -90,6 +90,7 @@ def pack(
         status, found, counts = solve_exact(lower, upper, nbytes, align, cap, deadline=deadline)
         stats["nodes"] += counts["nodes"]
         stats["backtracks"] += counts["backtracks"]
+        stats["engine"] = counts["engine"]
         if status == FOUND:
             assert found is not None
             height = int((found + nbytes).max())
