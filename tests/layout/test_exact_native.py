@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.layout import check_offsets, pack
-from memplan.layout import native
+from memplan.layout import check_offsets, native, pack
 from memplan.layout.exact import FOUND, NOT_FOUND, solve_exact
 from memplan.layout.generate import tight_instance
 
