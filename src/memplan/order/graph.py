@@ -37,6 +37,7 @@ constant (Adam's step counter on CPU), which the trace then fixes (see `scalar_r
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -557,6 +558,7 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan import models
+    from memplan.capture.cuda_kernels import sdpa_as_on_cuda
     from memplan.capture.step import build_training_step
 
     setup = setup if setup is not None else models.TrainingSetup()
@@ -576,7 +578,10 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        gm = _trace(train_step, (step.batches[0],))
+        # a CUDA job's attention runs CUDA's fused kernels (see memplan.capture.cuda_kernels)
+        kernels = sdpa_as_on_cuda() if step.meta.get("attention_kernels") == "cuda" else contextlib.nullcontext()
+        with kernels:
+            gm = _trace(train_step, (step.batches[0],))
         split = split_foreach(gm)
     meta = {**step.meta, "trace_s": round(time.perf_counter() - start, 3), "foreach_split": split}
     return analyse(gm, meta)
