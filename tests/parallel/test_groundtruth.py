@@ -2,6 +2,11 @@
 measured with torch.profiler's memory timeline, against
 `estimate(..., device="cpu", allocator="none")` per rank: within 1% on every rank.
 
+One profiled step per rank. It depends a little on scheduling: gloo stages each
+all-gather in a buffer on its own thread, and on a heavily loaded machine one rank has
+been measured with that buffer (262,400 B on this config, ~10%) still alive at its peak
+(docs/estimation.md); on an idle machine every rank matches the estimate to 0.002%.
+
 Each case starts its own processes: torch's memory-profiler analysis is not reliable
 for a second case in the same processes (it trips over state of the first).
 """

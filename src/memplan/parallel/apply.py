@@ -61,7 +61,7 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
 
 def _llama_like(config: Any) -> bool:
     return getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                                                  "phi3", "olmo", "olmo2", "granite", "smollm3")
+                                                  "olmo", "olmo2", "granite", "smollm3")
 
 
 def device_mesh(layout: Any, device: str = "cpu") -> Any:
@@ -136,6 +136,8 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
     if layout.zero == 0 and layout.dp > 1 and layout.tp > 1:
         raise UserError("DDP does not take DTensor (TP) parameters: combine TP with --zero 3 (FSDP2)")
     mesh = mesh if mesh is not None else device_mesh(layout)
+    if layout.tp > 1 and any(hasattr(m, "lora_A") for m in model.modules()):
+        raise UserError("the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones")
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 

@@ -6,7 +6,16 @@ does, with less process overhead), applies the layout with the same code the tra
 estimate uses (`memplan.parallel.apply`), runs one untraced warm-up step (so the
 optimizer state exists, as in the estimate's traced step) and then measures one step on
 every rank with torch.profiler's memory timeline (`memplan.capture.groundtruth`).
-It returns, per case, the per-rank peak bytes in rank order.
+It returns, per case, the per-rank peak bytes in rank order. Profile one step per set
+of processes: torch's memory-profiler analysis fails ("version mismatch") on a second
+profiled step in the same process more often than not.
+
+One step's figure depends a little on scheduling: gloo stages every all-gather in a
+buffer on its own thread, freed when the collective completes, so whether one is still
+alive at the main thread's peak depends on how the ranks' processes run (on a loaded
+2-core machine one step of FSDP2 x2 measured 2,969,852 B on rank 0 where every other
+measurement gave 2,707,452 B: one root all-gather staging buffer more). Repeat the
+measurement in fresh processes and take medians where that matters.
 
 Assumes a small model (every rank holds its shard in this machine's memory) and a
 layout that `memplan.parallel.apply.traceable` accepts.
