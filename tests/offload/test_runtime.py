@@ -168,3 +168,31 @@ def test_a_full_file_system_degrades_to_host_memory_or_fails_clearly(small_tmpfs
     assert fb["error"] is None and fb["equal"] and fb["left"] == []
     assert fb["degraded"] and any("No space left" in d for d in fb["degraded"])
     assert strict["error"] and "No space left" in strict["error"] and strict["left"] == []
+
+
+def mid_step():
+    # 4 layers of width 256: ~3.3M parameters, so parameters, gradients and AdamW states dominate
+    config = models.tiny_config("gpt2", n_embd=256, n_layer=4, n_head=4)
+    return build_training_step(config, models.TrainingSetup(batch=1, seq=32), device="cpu")
+
+
+def test_streamed_step_halves_the_measured_peak_and_keeps_parameters_bit_identical(tmp_path):
+    from memplan.offload.measure import step_peak_bytes
+
+    ref = mid_step()
+    ref.run()
+    ref_peak = step_peak_bytes(ref)
+    ref.run()
+    off = mid_step()
+    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, streamed_step=True,
+             chunk_nbytes=1 << 20, checksum=True) as engine:
+        off.run()
+        off_peak = step_peak_bytes(off)
+        off.run()
+    assert engine.bytes_written > 0 and not engine.degraded
+    assert off_peak <= ref_peak // 2, (off_peak, ref_peak)
+    for (name, a), (_, b) in zip(ref.model.named_parameters(), off.model.named_parameters()):
+        assert torch.equal(a, b), name
+    for x, y in zip(ref.optimizer.state.values(), off.optimizer.state.values()):
+        assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
+    assert list(tmp_path.iterdir()) == []

@@ -195,6 +195,7 @@ class OffloadEngine:
         self.fault = fault  # test hook: called as fault(op, key) inside the worker before the I/O
         self.table: dict[str, Location] = {}
         self.pending: dict[str, Future] = {}
+        self.holding: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
         self.degraded: list[str] = []
         self.bytes_written = 0
@@ -218,16 +219,27 @@ class OffloadEngine:
         return Location("ssd", data.nbytes, path=path, crc32=crc)
 
     def offload(self, key: str, t: torch.Tensor) -> Future:
-        """Write `t` out in the background; the caller may drop its storage once the future is done."""
+        """Write `t` out in the background; the caller may drop its storage once the future is done.
+
+        The engine holds `t` until the caller's thread calls `reap` or `wait`, so that the
+        tensor is freed on that thread, never on a worker: allocations and frees then stay
+        on the training thread, where `torch.profiler` records them."""
         self.wait(key)
         future = self.pool.submit(self._write, key, t)
         self.pending[key] = future
+        self.holding[key] = t
         return future
+
+    def reap(self) -> None:
+        """Drop the engine's hold on tensors whose writes have completed (on the calling thread)."""
+        for key in [k for k, f in self.pending.items() if f.done()]:
+            self.wait(key)
 
     def wait(self, key: str) -> Location | None:
         future = self.pending.pop(key, None)
         if future is not None:
             self.table[key] = future.result()
+        self.holding.pop(key, None)
         return self.table.get(key)
 
     def load_into(self, key: str, out: torch.Tensor) -> None:
@@ -319,17 +331,152 @@ class _StateOffloader:
             h.remove()
 
 
+class _StreamedOptimizer:
+    """Gradients and optimizer states streamed through the files, one chunk of parameters at a time.
+
+    Each gradient is written out as soon as backward has accumulated it and its storage is
+    released when the write completes. `optimizer.step` is replaced, for the life of the
+    context, by a loop over chunks of about `chunk_nbytes` of state: the next chunk's
+    gradients and states are read back while the optimizer updates this chunk (the original
+    `step`, called with the group's parameter list cut down to the chunk), and this chunk's
+    states go out again right after. Per-parameter optimizers (AdamW with `foreach=False`)
+    compute exactly what one whole step would. Gradients are dropped after their chunk's
+    update, as `zero_grad(set_to_none=True)` would.
+
+    This is how a step fits a budget below params + gradients + states: TERAIO's plan makes
+    the optimizer phase stream its states in and out (see `planner.py`).
+    """
+
+    def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 min_nbytes: int, chunk_nbytes: int) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+        self.min_nbytes = min_nbytes
+        self.chunk_nbytes = chunk_nbytes
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.away: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (tensor, storage bytes)
+        self.sending: dict[str, torch.Tensor] = {}  # written out (or being written), not yet released
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                        for p in model.parameters() if p.requires_grad]
+        self.original_step = optimizer.step
+        optimizer.step = self.step  # type: ignore[method-assign]
+
+    def _big(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() * t.element_size() >= self.min_nbytes
+
+    def _send(self, key: str, t: torch.Tensor) -> None:
+        """Write `t` out; `_reap` releases its storage, on the training thread, once written.
+
+        Back-pressure: while more than `chunk_nbytes` wait to be written, the oldest is waited
+        for and released, so the device memory the writes hold does not depend on disk speed."""
+        self.engine.offload(key, t)
+        self.sending[key] = t
+        while len(self.sending) > 1 and sum(x.untyped_storage().nbytes() for x in self.sending.values()) > self.chunk_nbytes:
+            oldest = next(iter(self.sending))
+            self.engine.wait(oldest)
+            self._reap()
+
+    def _reap(self) -> None:
+        for key in [k for k in self.sending if self.engine.pending.get(k) is None or self.engine.pending[k].done()]:
+            t = self.sending.pop(key)
+            self.engine.wait(key)
+            self.away[key] = (t, t.untyped_storage().nbytes())
+            t.untyped_storage().resize_(0)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._reap()
+        if p.grad is not None and self._big(p.grad):
+            self._send(f"grad.{self.names.get(id(p), id(p))}", p.grad)
+
+    def _tensors_of(self, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        name = self.names.get(id(p), id(p))
+        out = [(f"grad.{name}", p.grad)] if p.grad is not None else []
+        out += [(f"state.{name}.{k}", t) for k, t in self.optimizer.state.get(p, {}).items()]
+        return [(k, t) for k, t in out if self._big(t)]
+
+    def _fetch(self, params: list[torch.Tensor]) -> list[Future]:
+        futures = []
+        for p in params:
+            for key, _t in self._tensors_of(p):
+                if self.sending.pop(key, None) is not None:
+                    self.engine.wait(key)  # written but never released: it is still here
+                    continue
+                entry = self.away.pop(key, None)
+                if entry is not None:
+                    t, nbytes = entry
+                    t.untyped_storage().resize_(nbytes)
+                    futures.append(self.engine.prefetch_into(key, t))
+        return futures
+
+    def _chunks(self) -> list[tuple[int, list[torch.Tensor]]]:
+        chunks: list[tuple[int, list[torch.Tensor]]] = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            current: list[torch.Tensor] = []
+            nbytes = 0
+            for p in group["params"]:
+                current.append(p)
+                nbytes += 3 * p.numel() * p.element_size()  # gradient + two moments
+                if nbytes >= self.chunk_nbytes:
+                    chunks.append((gi, current))
+                    current, nbytes = [], 0
+            if current:
+                chunks.append((gi, current))
+        return chunks
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise OffloadError("the streamed optimizer step does not take a closure")
+        chunks = self._chunks()
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        pending = self._fetch(chunks[0][1]) if chunks else []
+        try:
+            for i, (gi, params) in enumerate(chunks):
+                for f in pending:
+                    f.result()
+                self._reap()
+                pending = self._fetch(chunks[i + 1][1]) if i + 1 < len(chunks) else []
+                for g in groups:
+                    g["params"] = []
+                groups[gi]["params"] = params
+                self.original_step()
+                for p in params:
+                    p.grad = None
+                    for key, t in self._tensors_of(p):
+                        self._send(key, t)
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+            for f in pending:
+                f.result()
+        return None
+
+    def restore(self) -> None:
+        """Bring every state back and put the optimizer's own step back (at exit)."""
+        for p in [p for g in self.optimizer.param_groups for p in g["params"]]:
+            for f in self._fetch([p]):
+                f.result()
+        self.optimizer.step = self.original_step  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 class _ActivationOffloader:
     """saved_tensors_hooks: large saved tensors go out at pack and come back at unpack."""
 
-    def __init__(self, engine: OffloadEngine, model: torch.nn.Module, min_nbytes: int) -> None:
+    def __init__(self, engine: OffloadEngine, model: torch.nn.Module, min_nbytes: int,
+                 max_inflight_nbytes: int = 64 << 20) -> None:
         self.engine = engine
         self.min_nbytes = min_nbytes
+        self.max_inflight_nbytes = max_inflight_nbytes
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.count = 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
+        self.engine.reap()
         nbytes = t.numel() * t.element_size()
         if (
             nbytes < self.min_nbytes
@@ -342,11 +489,17 @@ class _ActivationOffloader:
         self.count += 1
         key = f"act.{self.count}"
         self.engine.offload(key, t)
+        # back-pressure: the tensors waiting to be written stay within `max_inflight_nbytes`
+        while len(self.engine.holding) > 1 and sum(
+            x.numel() * x.element_size() for x in self.engine.holding.values()
+        ) > self.max_inflight_nbytes:
+            self.engine.wait(next(iter(self.engine.holding)))
         return (key, t.shape, t.dtype, t.stride())
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        self.engine.reap()
         key, shape, dtype, _stride = packed
         out = torch.empty(shape, dtype=dtype)
         self.engine.load_into(key, out)
@@ -371,11 +524,15 @@ def run(
     direct: bool = True,
     workers: int = 2,
     fault: Any = None,
+    streamed_step: bool = False,
+    chunk_nbytes: int = 64 << 20,
 ) -> Iterator[OffloadEngine]:
     """Offload activations and optimizer states of `model`'s training to files under `directory`.
 
     `plan` (an `OffloadPlan`) restricts what moves to the categories it offloads; with
-    None, every large activation and optimizer state moves. Yields the engine (its
+    None, every large activation and optimizer state moves. With `streamed_step`, gradients
+    move too and the optimizer step streams states chunk by chunk (`_StreamedOptimizer`):
+    the device then never holds every gradient and state at once. Yields the engine (its
     location table, bytes moved and degraded tensors are there to inspect).
     """
     if plan is not None:
@@ -384,8 +541,12 @@ def run(
         optimizer_states = optimizer_states and "optimizer_state" in categories
     engine = OffloadEngine(FileStore(directory, direct=direct), workers=workers, checksum=checksum,
                            host_fallback=host_fallback, fault=fault)
-    states = _StateOffloader(engine, model, optimizer, min_nbytes, False) if optimizer_states else None
-    acts = _ActivationOffloader(engine, model, min_nbytes) if activations else None
+    states: Any = None
+    if optimizer_states and streamed_step:
+        states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes)
+    elif optimizer_states:
+        states = _StateOffloader(engine, model, optimizer, min_nbytes, False)
+    acts = _ActivationOffloader(engine, model, min_nbytes, chunk_nbytes) if activations else None
     try:
         with acts.hooks if acts is not None else contextlib.nullcontext():
             yield engine
