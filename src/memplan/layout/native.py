@@ -17,30 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 from memplan.errors import UserError
+from memplan.runtime.build import missing_build_tools
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "offset_search.cpp"
 EXTENSION = "memplan_offset_search"
-
-
-def missing_build_tools() -> list[str]:
-    """What the build needs and this machine lacks (empty: it can build)."""
-    from torch.utils.cpp_extension import is_ninja_available
-
-    missing = []
-    compiler = os.environ.get("CXX", "c++")
-    if not (shutil.which(compiler) or shutil.which("g++") or shutil.which("clang++")):
-        missing.append(f"a C++ compiler (looked for {compiler}, g++, clang++: install g++ or set CXX)")
-    if not is_ninja_available():
-        missing.append("ninja (pip install ninja)")
-    return missing
 
 
 @cache
