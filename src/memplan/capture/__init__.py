@@ -24,18 +24,13 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._pytree import tree_flatten
 
 from memplan.capture.hf_masks import masks_as_on_real_tensors
-from memplan.capture.recorder import Recorder, set_microbatch
+from memplan.capture.recorder import Recorder, _tensors, set_microbatch
 from memplan.capture.step import build_training_step, capture_model
 from memplan.trace.model import Trace
 
 __all__ = ["Recorder", "build_training_step", "capture", "capture_model", "set_microbatch"]
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -120,6 +115,7 @@ def capture(
     meta: dict[str, Any] | None = None,
     record_flops: bool = True,
     inputs: Any = None,
+    recorder: Recorder | None = None,
     **kwargs: Any,
 ) -> Trace:
     """Run `step_fn(*args, **kwargs)` `warmup` times untraced, then `iterations` times
@@ -128,7 +124,8 @@ def capture(
     Give `model` and `optimizer` so that every parameter, gradient and optimizer
     state is in the trace from its first event, even if the step never touches it.
     Tensors in `args`/`kwargs`, and in `inputs` (for a step that closes over its
-    batch), are the step's inputs. Works on real tensors and on
+    batch), are the step's inputs. `recorder` records with a `Recorder` subclass
+    (e.g. the DTensor-aware one of `memplan.parallel.traced`) instead of a plain one. Works on real tensors and on
     fake ones (call it inside the `FakeTensorMode` that made them).
     """
     if iterations < 1:
@@ -139,7 +136,7 @@ def capture(
     )
     with masks_as_on_real_tensors():
         return _capture(step_fn, args, kwargs, models, optimizers, iterations, warmup, meta,
-                        record_flops, inputs)
+                        recorder or Recorder(record_flops=record_flops), inputs)
 
 
 def _capture(
@@ -151,12 +148,11 @@ def _capture(
     iterations: int,
     warmup: int,
     meta: dict[str, Any] | None,
-    record_flops: bool,
+    rec: Recorder,
     inputs: Any,
 ) -> Trace:
     for _ in range(warmup):
         step_fn(*args, **kwargs)
-    rec = Recorder(record_flops=record_flops)
     for m in models:
         _mark_model(rec, m)
     for opt in optimizers:
@@ -164,7 +160,7 @@ def _capture(
     for t in _tensors((args, kwargs, inputs)):
         rec.mark(t, "input")
     start = time.perf_counter()
-    with _recording_hooks(rec, models, optimizers), rec:
+    with _recording_hooks(rec, models, optimizers), rec.extra_hooks(), rec:
         for it in range(iterations):
             rec.iteration = it
             rec.microbatch = 0

@@ -266,6 +266,10 @@ class Recorder(TorchDispatchMode):
                 self._seq_ends.append(end)
                 self._seq_modules.append(path)
 
+    def extra_hooks(self) -> contextlib.AbstractContextManager:
+        """Hooks a subclass needs while it records (none here)."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def module_hooks(self, roots: list[torch.nn.Module]) -> Iterator[None]:
         """Name modules after their path under `roots`; track forward and recompute."""

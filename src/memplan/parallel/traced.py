@@ -37,7 +37,6 @@ before the next op starts.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -45,8 +44,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from memplan.capture import _mark_model, _mark_optimizer, _recording_hooks, _tensors
-from memplan.capture.hf_masks import masks_as_on_real_tensors
+from memplan.capture import capture
 from memplan.capture.recorder import Recorder
 from memplan.estimation.gpu_terms import ExtraBuffer
 from memplan.trace.model import CATEGORY, FREE, Trace
@@ -122,6 +120,9 @@ class DistributedRecorder(Recorder):
         idx = self._new_buffer(storage, tensor.device, preexisting=False, op=len(self._op_name) - 1)
         self._marked[idx] = CATEGORY["parameter"]  # FSDP2's unsharded (gathered) parameters
 
+    def extra_hooks(self) -> contextlib.AbstractContextManager:
+        return self.fsdp_storage_hooks()
+
     @contextlib.contextmanager
     def fsdp_storage_hooks(self) -> Iterator[None]:
         """Report FSDP2's in-place storage frees and re-allocations (module docstring)."""
@@ -149,26 +150,9 @@ class DistributedRecorder(Recorder):
 
 
 def capture_parallel_step(step: Any, *, warmup: int = 1, meta: dict[str, Any] | None = None) -> Trace:
-    """`memplan.capture.capture` of `step` (a `TrainingStep`) with the DTensor-aware
-    recorder; transformers builds its attention masks as on real tensors
-    (`memplan.capture.hf_masks`), as in every memplan capture."""
-    with masks_as_on_real_tensors():
-        for _ in range(warmup):
-            step.run()
-        rec = DistributedRecorder()
-        _mark_model(rec, step.model)
-        _mark_optimizer(rec, step.optimizer)
-        for t in _tensors(step.batches):
-            rec.mark(t, "input")
-        start = time.perf_counter()
-        with _recording_hooks(rec, [step.model], [step.optimizer]), rec.fsdp_storage_hooks(), rec:
-            rec.iteration = 0
-            rec.microbatch = 0
-            rec.reset_phase()
-            step.run()
-    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": 1, "warmup": warmup}
-    info.update(meta or {})
-    return rec.finish(meta=info)
+    """`memplan.capture.capture` of `step` (a `TrainingStep`) with the DTensor-aware recorder."""
+    return capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=warmup,
+                   meta=meta, inputs=step.batches, recorder=DistributedRecorder())
 
 
 def _forget_previous_meshes() -> None:
