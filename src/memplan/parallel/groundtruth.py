@@ -115,8 +115,18 @@ def measure_rank_peaks(cases: list[tuple[Any, Any, Any]]) -> list[list[int]]:
     if len(sizes) != 1:
         raise ValueError(f"one world size per call, not {sorted(sizes)}")
     world_size = sizes.pop()
-    with tempfile.TemporaryDirectory(prefix="memplan-gt-") as workdir:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        mp.spawn(_rank_main, args=(cases, world_size, workdir), nprocs=world_size, join=True)
-        per_rank = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(world_size)]
-    return [[per_rank[r][c] for r in range(world_size)] for c in range(len(cases))]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # A failed memory analysis poisons torch's profiler for the rest of the process, so
+    # the in-process retries of `_measured_step` can all fail: then the whole set of
+    # processes runs again, fresh. A run either measures or fails; no value is chosen.
+    for attempt in range(PROFILER_ATTEMPTS):
+        with tempfile.TemporaryDirectory(prefix="memplan-gt-") as workdir:
+            try:
+                mp.spawn(_rank_main, args=(cases, world_size, workdir), nprocs=world_size, join=True)
+            except mp.ProcessRaisedException as exc:
+                if "memory analysis failed" not in str(exc) or attempt == PROFILER_ATTEMPTS - 1:
+                    raise
+                continue
+            per_rank = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(world_size)]
+        return [[per_rank[r][c] for r in range(world_size)] for c in range(len(cases))]
+    raise AssertionError("unreachable")
