@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         "buffers": problem.num_buffers,
         "capacity": capacity,
         "method": solution.method,
+        # the compiled search, or the Python one when no compiler is available (slower)
+        "engine": solution.stats.get("engine"),
     }
     if args.json:
         print_json(doc)
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         if solution.height is not None:
             sys.stdout.write(
                 f"height {format_bytes(solution.height)} ({solution.height} B), lower bound "
-                f"{solution.lower_bound} B, {solution.status}, {solution.elapsed_s:.3f} s\n"
+                f"{solution.lower_bound} B, {solution.status}, {solution.elapsed_s:.3f} s"
+                f"{' (' + str(doc['engine']) + ' search)' if doc['engine'] else ''}\n"
             )
         else:
             sys.stdout.write(
