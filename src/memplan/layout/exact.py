@@ -59,7 +59,9 @@ class _Search:
         align: np.ndarray,
         capacity: int,
         deadline: float,
+        max_nodes: int = 1 << 62,
     ) -> None:
+        self.max_nodes = max_nodes
         self.n = n = int(lower.shape[0])
         self.size = nbytes.tolist()
         self.align = align.tolist()
@@ -140,6 +142,8 @@ class _Search:
         self.nodes += 1
         if self.nodes > self.node_limit:
             return ABORTED
+        if self.nodes > self.max_nodes:
+            return TIMEOUT
         if (self.nodes & 255) == 0 and time.monotonic() > self.deadline:
             return TIMEOUT
         total = self.total[s_start:s_end]
@@ -324,8 +328,12 @@ def solve_exact(
     deadline: float,
     heuristics: tuple[str, ...] = HEURISTICS,
     engine: str = "auto",
+    max_nodes: int | None = None,
 ) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
     """(FOUND | NOT_FOUND | TIMEOUT, offsets or None, search counts) for one capacity.
+
+    `max_nodes`: a budget of search nodes besides the deadline; past it the search
+    stops with TIMEOUT at the same node in both engines, whatever the machine's speed.
 
     `engine`: "native" (the compiled search of `csrc/offset_search.cpp`, node for
     node this search, with `RANDOM_RESTARTS` added to the orders), "python" (this
@@ -338,17 +346,18 @@ def solve_exact(
     align = np.broadcast_to(np.asarray(alignment, dtype=np.int64), (n,))
     if engine not in ("auto", "native", "python"):
         raise ValueError(f"engine {engine!r}: expected auto, native or python")
+    node_cap = (1 << 62) if max_nodes is None else int(max_nodes)
     if engine == "native" or (engine == "auto" and native.available()):
         orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
         status, offsets, nodes, backtracks = native.extension().solve(
             lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity),
-            max(0.0, deadline - time.monotonic()), orders,
+            max(0.0, deadline - time.monotonic()), orders, node_cap,
         )
         stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": "native"}
         if status == FOUND:
             return FOUND, np.asarray(offsets, dtype=np.int64), stats
         return status, None, stats
-    search = _Search(lower, upper, nbytes, align, int(capacity), deadline)
+    search = _Search(lower, upper, nbytes, align, int(capacity), deadline, node_cap)
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 20 * n + 1000))
     try:

@@ -43,8 +43,9 @@ class Search {
  public:
   Search(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
          const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align,
-         int64_t capacity, double time_limit_s)
-      : n_(static_cast<int>(nbytes.size())), size_(nbytes), align_(align), capacity_(capacity) {
+         int64_t capacity, double time_limit_s, int64_t max_nodes)
+      : n_(static_cast<int>(nbytes.size())), size_(nbytes), align_(align), capacity_(capacity),
+        max_nodes_(max_nodes) {
     deadline_ = std::chrono::steady_clock::now() +
                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                     std::chrono::duration<double>(std::max(0.0, time_limit_s)));
@@ -155,6 +156,7 @@ class Search {
   int search(int s_start, int s_end) {
     ++nodes_;
     if (nodes_ > node_limit_) return kAborted;
+    if (nodes_ > max_nodes_) return kTimeout;
     if ((nodes_ & 255) == 0 && std::chrono::steady_clock::now() > deadline_) return kTimeout;
     int64_t lowest = kDone;
     for (int k = s_start; k < s_end; ++k)
@@ -346,19 +348,20 @@ class Search {
   std::vector<std::vector<int>> covering_, starting_, overlaps_;
   std::vector<int64_t> total_, skyline_, rest_, offset_;
   std::vector<char> placed_;
+  int64_t max_nodes_ = kDone;  // a deterministic budget: past it the search gives up as on a timeout
   int64_t node_limit_ = kDone, nodes_ = 0, backtracks_ = 0;
 };
 
 std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve(
     const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
     const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align, int64_t capacity,
-    double time_limit_s, const std::vector<std::string>& heuristics) {
+    double time_limit_s, const std::vector<std::string>& heuristics, int64_t max_nodes) {
   int status;
   std::vector<int64_t> offsets;
   int64_t nodes, backtracks;
   {
     pybind11::gil_scoped_release release;
-    Search search(lower, upper, nbytes, align, capacity, time_limit_s);
+    Search search(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
     status = search.solve(heuristics);
     if (status == kFound) offsets = search.offsets();
     nodes = search.nodes();
