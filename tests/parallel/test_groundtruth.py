@@ -21,12 +21,14 @@ from memplan.parallel.groundtruth import measure_rank_peaks
 LLAMA = models.tiny_config("llama-2-7b")
 PLAIN = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
 CKPT = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", checkpointing="full")
+LORA = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", lora_rank=4)
 
 CASES = {
     2: [
         ("ddp", PLAIN, Layout(world_size=2)),
         ("fsdp2", PLAIN, Layout(world_size=2, zero=3)),
         ("fsdp2-checkpointing", CKPT, Layout(world_size=2, zero=3)),
+        ("fsdp2-lora", LORA, Layout(world_size=2, zero=3)),
         ("tp", PLAIN, Layout(tp=2)),
     ],
     4: [

@@ -8,7 +8,7 @@ from memplan.estimation import estimate
 from memplan.parallel import Layout
 from memplan.parallel.apply import traceable
 from memplan.parallel.traced import capture_rank, gloo_staging_buffers
-from memplan.trace.model import CATEGORY
+from memplan.trace.model import ALLOC, CATEGORY
 
 LLAMA = models.tiny_config("llama-2-7b")
 SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
@@ -41,6 +41,19 @@ def test_gloo_stages_one_buffer_the_size_of_each_all_gather_output():
     outputs = [int(trace.buffers["nbytes"][trace.op_outputs(i)].sum()) for i in range(trace.num_ops)
                if trace.op_name(i) == "c10d._allgather_base_.default"]
     assert [x.nbytes for x in extras] == outputs
+
+
+def test_gloo_staging_buffer_is_freed_before_fsdp2_allocates_the_unsharded_parameters():
+    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0)
+    allocs = trace.events["kind"] == ALLOC
+    unsharded = allocs & (trace.buffers["category"][trace.events["buffer"]] == CATEGORY["parameter"])
+    extras = gloo_staging_buffers(trace)
+    # the root's all-gather in forward and backward is waited on at once: its copy-out
+    # allocations follow the collective directly
+    assert sum(unsharded[x.alloc_before] for x in extras) >= 2
+    for x in extras:
+        end = x.free_before if x.free_before >= 0 else trace.num_events
+        assert not unsharded[x.alloc_before:end].any()
 
 
 def test_tensor_parallel_rank_holds_half_of_each_projection():

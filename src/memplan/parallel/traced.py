@@ -31,7 +31,10 @@ own worker thread (measured with torch.profiler on gloo runs: one allocation per
 all-gather, freed when the collective completes; none for reduce-scatter):
 `gloo_staging_buffers` adds them to a cpu trace, live while the all-gather op runs:
 every rank issues the same collective at the same point of the step, so it completes
-before the next op starts.
+before the next op starts, and before FSDP2's copy-out allocates the unsharded
+parameters (the profiler timeline of a real run shows the staging buffer freed before
+those allocations; in the trace they follow the all-gather op with no op in between, so
+they are recorded under it, and the staging buffer ends at the first of them).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -202,7 +206,14 @@ def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
     for i in range(trace.num_ops):
         if trace.op_name(i) not in GLOO_STAGED_OPS:
             continue
-        nbytes = int(trace.buffers["nbytes"][trace.op_outputs(i)].sum())
-        end = int(first[i + 1]) if i + 1 < trace.num_ops else -1
-        extras.append(ExtraBuffer(nbytes, int(first[i]), end, "other", trace.phase_at(int(first[i]))))
+        outputs = trace.op_outputs(i)
+        nbytes = int(trace.buffers["nbytes"][outputs].sum())
+        start = int(first[i])
+        stop = int(first[i + 1]) if i + 1 < trace.num_ops else trace.num_events
+        # the collective ends before FSDP2's copy-out allocates the unsharded parameters;
+        # with no op in between, those allocations are recorded under the all-gather op
+        own = np.isin(trace.events["buffer"][start:stop], outputs)
+        end = start + int(np.argmin(own)) if not own.all() else stop
+        extras.append(ExtraBuffer(nbytes, start, end if end < trace.num_events else -1, "other",
+                                  trace.phase_at(start)))
     return [x for x in extras if x.nbytes > 0]
