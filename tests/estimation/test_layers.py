@@ -13,7 +13,7 @@ CASES = [
     ("gpt2", {"batch": 2}, None),
     ("mistral-7b", {"lora_rank": 4, "autocast": "bf16"}, None),
     ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
-    ("llama-2-7b", {"dtype": "bf16"}, Layout(world_size=4, tp=2)),
+    ("llama-2-7b", {"dtype": "bf16"}, Layout(tp=2)),
 ]
 
 

@@ -74,6 +74,54 @@ def test_estimate_traces_fsdp2_and_tp_and_models_ddp_zero12_and_pipelines():
     assert traceable(Layout(tp=2), models.tiny_config("gpt2")) is not None  # no Llama projections
 
 
+def test_tied_embeddings_stay_one_vocabulary_sharded_parameter_under_tensor_parallel():
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memplan.parallel.apply import apply_layout
+
+    config = models.tiny_config("qwen2.5-0.5b")
+    assert config.tie_word_embeddings
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = models.build_model(config, SETUP, device="cpu")
+        apply_layout(model, Layout(tp=2), "model.layers")
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        assert head.weight is embed.weight
+        assert embed.weight.placements == (Shard(0),)
+        assert embed.weight.to_local().shape[0] == config.vocab_size // 2
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_of_a_tied_embedding_model_is_traced():
+    config = models.tiny_config("qwen2.5-0.5b")
+    assert estimate(config, SETUP, Layout(tp=2), device="cpu", allocator="none").parallel == "traced"
+
+
+@pytest.mark.parametrize(("family", "options", "layout", "reason"), [
+    ("gpt2", {}, Layout(tp=2), "q/k/v and gate/up"),
+    ("llama-2-7b", {"lora_rank": 4}, Layout(tp=2), "LoRA"),
+    ("llama-2-7b", {}, Layout(tp=2, pp=2), "pipeline"),
+    ("llama-2-7b", {}, Layout(world_size=4, tp=2), "DDP does not take DTensor"),
+    ("llama-2-7b", {}, Layout(world_size=4, zero=2, tp=2), "not with --zero 2"),
+])
+def test_estimate_refuses_tensor_parallel_it_cannot_trace(family, options, layout, reason):
+    setup = models.TrainingSetup(batch=2, seq=32, **options)
+    with pytest.raises(UserError, match=reason):
+        estimate(models.tiny_config(family), setup, layout, device="cpu", allocator="none")
+
+
+def test_estimate_cli_refuses_gpt2_tensor_parallel_with_one_line_and_exit_2(capsys):
+    from memplan.cli import main
+
+    code = main(["estimate", "gpt2", "--tp", "2", "--seq", "32", "--device", "cpu", "--allocator", "none"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "--tp 2" in err
+
+
 def test_estimate_can_be_told_to_model_a_traceable_layout():
     result = estimate(LLAMA, SETUP, Layout(world_size=2, zero=3), device="cpu", allocator="none",
                       parallel_tracing=False)

@@ -314,6 +314,13 @@ def estimate(
     total_layers = layers.num_layers(config)
     layout.check(config, setup)
 
+    if parallel_tracing:
+        from memplan.parallel.apply import untraceable_tensor_parallel
+
+        refused = untraceable_tensor_parallel(layout, config, setup)
+        if refused is not None:
+            raise UserError(refused)
+
     per_rank: list[RankEstimate] = []
     parameters = 0
     method = "full"

@@ -13,6 +13,9 @@ the layout is applied from outside):
   replicated input, the LM head `ColwiseParallel` with replicated (all-gathered) logits;
   every other module with parameters (norms) holds them as replicated DTensors
   (`ReplicateParallel`, so that one foreach optimizer can step all parameters).
+  Tied input/output embeddings (Qwen2.5-0.5B) stay tied: both styles shard the weight
+  over the vocabulary (`Shard(0)`), and the head is given the embedding's parameter
+  again after both are distributed (`_retie_embeddings`).
   Sequence parallel and loss parallel are *not* applied here: Hugging Face blocks take a
   replicated [B, S, H] input (rotary embeddings, masks), so the traced TP step keeps
   block inputs, norms and logits whole on every rank. Only model families whose blocks
@@ -51,12 +54,34 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     if layout.zero == 0 and layout.dp > 1:
         return "DDP's reducer cannot run on a fake process group (its hook gets no tensor back): modelled"
     if layout.tp > 1 and config is not None and not _llama_like(config):
-        return f"the Llama TP plan does not apply to model type {getattr(config, 'model_type', '?')!r}"
-    if layout.tp > 1 and config is not None and getattr(config, "tie_word_embeddings", False):
-        return "TP of tied input/output embeddings is modelled, not traced"
+        return (f"the Llama TP plan needs separate q/k/v and gate/up projections, which model type "
+                f"{getattr(config, 'model_type', '?')!r} does not have")
     if layout.tp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
-        return "TP of LoRA adapters is modelled, not traced"
+        return "the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones"
     return None
+
+
+def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = None) -> str | None:
+    """Why `memplan estimate` refuses `layout`'s TP (None: it does not).
+
+    TP is only estimated where it is traced: the modelled TP rule
+    (`memplan.parallel.transform`) describes Megatron-style TP with sequence and loss
+    parallel, which this plan does not apply, and was 31% low against a real TP run
+    (Qwen2.5, docs/estimation.md). `memplan fit` still searches with it
+    (`parallel_tracing=False`)."""
+    if layout.tp == 1 or traceable(layout, config, setup) is None:
+        return None
+    head = f"cannot estimate --tp {layout.tp}: "
+    if layout.pp > 1:
+        return head + "TP is traced alone or with --zero 3, not with pipeline parallelism (--pp)"
+    if layout.dp > 1 and layout.zero == 0:
+        return head + "DDP does not take DTensor (TP) parameters: combine --tp with --zero 3 (FSDP2)"
+    if layout.dp > 1 and layout.zero in (1, 2):
+        return head + f"TP is traced alone or with --zero 3, not with --zero {layout.zero}"
+    if config is not None and not _llama_like(config):
+        return head + (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
+                       f"model type {getattr(config, 'model_type', '?')!r} does not have")
+    return head + "the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones (drop --lora-rank)"
 
 
 def _llama_like(config: Any) -> bool:
@@ -94,12 +119,29 @@ def tensor_parallel_plan(model: nn.Module, blocks_path: str) -> dict[str, Any]:
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules()}
-    tied = head is not None and embed is not None and head.weight is embed.weight
-    if embed is not None and not tied:
+    if embed is not None:
         plan[names[id(embed)]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if head is not None and not tied:
+    if head is not None:
         plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+def tied_embeddings(model: nn.Module) -> bool:
+    """Whether the LM head's weight is the token embedding's (Qwen2.5-0.5B, Gemma, GPT-2)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return embed is not None and head is not None and head.weight is embed.weight
+
+
+def _retie_embeddings(model: nn.Module) -> None:
+    """Tie the LM head to the token embedding again after both were distributed.
+
+    Both plans shard the [vocab, hidden] weight the same way, `Shard(0)` over the vocabulary
+    (the embedding `RowwiseParallel`, the head `ColwiseParallel`), as Megatron-LM's
+    vocabulary-parallel embedding shares its weight with the output layer; but each
+    `parallelize_module` style registers a new parameter, which would untie them (two
+    copies, two gradients, two sets of optimizer states)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    head.weight = embed.weight
 
 
 class ReplicateParallel:
@@ -141,7 +183,10 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        tied = tied_embeddings(model)
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, blocks_path))
+        if tied:
+            _retie_embeddings(model)
         _replicate_the_rest(model, mesh["tp"])
     if layout.dp > 1 and layout.zero == 3:
         from torch.distributed.fsdp import fully_shard
