@@ -6,7 +6,8 @@ applies the layout with `memplan.parallel.apply` (DDP, FSDP2 `fully_shard`, HSDP
 TP, FSDP2 + TP), runs one warm-up step and profiles the next on every rank
 (`memplan.parallel.groundtruth.measure_rank_peaks`). The estimate traces the parallel
 step on a fake process group where it can (column "estimate path": traced) and applies
-the modelled rules otherwise (modelled). Tiny configs (`memplan.models.tiny_config`),
+the modelled rules otherwise (modelled); TP it cannot trace is refused (exit 2), and the row
+says so next to the real run's outcome. Tiny configs (`memplan.models.tiny_config`),
 batch 2, sequence 32, AdamW foreach. Writes the `bench:parallel_groundtruth` table.
 
     .venv/bin/python benchmarks/bench_parallel_groundtruth.py
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
 from memplan import models  # noqa: E402
+from memplan.errors import UserError  # noqa: E402
 from memplan.estimation import estimate  # noqa: E402
 from memplan.parallel import Layout  # noqa: E402
 from memplan.parallel.groundtruth import measure_rank_peaks  # noqa: E402
@@ -50,6 +52,7 @@ CASES = (
     + [("llama-2-7b", "", "HSDP 2 x 2")]
     + [("mistral-7b", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2", "FSDP2 2 x TP 2")]
     + [("qwen2.5-0.5b", "ckpt", lay) for lay in ("FSDP2 x2", "TP 2")]
+    + [("qwen2.5-0.5b", "", lay) for lay in ("TP 2", "FSDP2 2 x TP 2")]
     + [("gpt2", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2")]
     + [("opt-125m", "bf16 autocast", lay) for lay in ("DDP x2", "FSDP2 x2")]
 )
@@ -69,13 +72,24 @@ def main() -> None:
         config = models.tiny_config(family)
         setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **OPTIONS[option])
         layout = Layout(**LAYOUTS[layout_name])
-        result = estimate(config, setup, layout, device="cpu", allocator="none")
+        try:
+            result = estimate(config, setup, layout, device="cpu", allocator="none")
+        except UserError as exc:  # the estimate refuses what it cannot trace: a row, with the real run's fate
+            result, refused = None, f"refused (exit 2): {exc}"
         try:
             runs = [measure_rank_peaks([(config, setup, layout)])[0] for _ in range(args.repeats)]
         except Exception as exc:  # noqa: BLE001 - a failed real run is a row of the table, not the end of it
             reason = str(exc).strip().splitlines()[-1][:120]
-            row = (f"| {family} | {option or '-'} | {layout_name} | {result.parallel} | real run failed: "
-                   f"{reason} | {result.per_rank[0].peak_allocated_bytes:,} | - |")
+            figure = f"{result.per_rank[0].peak_allocated_bytes:,}" if result is not None else refused
+            row = (f"| {family} | {option or '-'} | {layout_name} | {result.parallel if result else '-'} | "
+                   f"real run failed: {reason} | {figure} | - |")
+            print(row, flush=True)
+            rows.append(row)
+            continue
+        if result is None:
+            real = [int(statistics.median(run[r] for run in runs)) for r in range(layout.world_size)]
+            row = (f"| {family} | {option or '-'} | {layout_name} | - | {', '.join(f'{x:,}' for x in real)} | "
+                   f"{refused} | - |")
             print(row, flush=True)
             rows.append(row)
             continue

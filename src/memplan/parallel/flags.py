@@ -13,7 +13,7 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero", type=int, default=0, metavar="STAGE",
                        help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0)")
     group.add_argument("--shard-size", type=int, default=None, metavar="N", help="HSDP: shard over N ranks (zero 3)")
-    group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (with sequence parallel)")
+    group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (DTensor, torchtitan's Llama plan)")
     group.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree")
     group.add_argument("--microbatches", type=int, default=1, metavar="M", help="pipeline micro-batches")
     group.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"pipeline schedule: {', '.join(SCHEDULES)}")
