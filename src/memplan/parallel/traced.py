@@ -26,10 +26,13 @@ free and a new allocation (the same instrumentation point PyTorch's own
 
 What the fake group cannot show: memory inside the communication backend. NCCL's
 are a device-profile term of the estimate (`memplan.estimation.devices`). gloo, the
-CPU backend, stages every all-gather through a buffer of the output's size on its
-own worker thread (measured with torch.profiler on gloo runs: one allocation per
-all-gather, freed when the collective completes; none for reduce-scatter):
-`gloo_staging_buffers` adds them to a cpu trace, live while the all-gather op runs:
+CPU backend, allocates per all-gather one buffer of the output's size inside the op on
+the calling thread, then one on its own worker thread, freed when the collective
+completes (measured with torch.profiler on gloo runs; none for reduce-scatter). They
+normally follow each other, so one buffer stands for both; on a loaded machine they
+sometimes overlap on one rank, or the worker's outlives the op, which no trace can know.
+`gloo_staging_buffers` adds one such buffer per all-gather to a cpu trace, live while the
+all-gather op runs:
 every rank issues the same collective at the same point of the step, so it completes
 before the next op starts, and before FSDP2's copy-out allocates the unsharded
 parameters (the profiler timeline of a real run shows the staging buffer freed before
