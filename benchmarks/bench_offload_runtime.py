@@ -1,21 +1,27 @@
 """The offload runtime on real training here (CPU): GPT-2-medium, 50% of its no-offload peak, files on disk.
 
 Issue 8's "real run": a GPT-2-medium (registry `gpt2-medium`, 355M parameters, fp32,
-AdamW with per-parameter kernels) trains 3 steps without offloading and 3 steps with
-`memplan.offload.run(..., streamed_step=True)`: saved activations, gradients and
+AdamW with per-parameter kernels) trains without offloading (A) and with
+`memplan.offload.run(..., streamed_step=True)` (B): saved activations, gradients and
 optimizer states go to files in a directory on this machine's disk (O_DIRECT where the
-file system allows it). Both runs are in this one process, one after the other.
+file system allows it). Both set-ups are built side by side in this one process (same
+seed, same initial weights) and their steps are **interleaved**, so that the machine's
+load, which moves by the minute on this shared 2-core host, hits both alike:
 
-- peak: over step 2 of each run, the resident parameters, gradients and states plus the
-  running sum of the profiler's allocation records (`step_peak_bytes`); the budget is 50%
-  of the no-offload peak;
-- bit-identity: every parameter and optimizer state after step 3;
-- step time: steps 1 and 3 of each run timed with perf_counter (step 2 runs under the
-  profiler and is not timed); the ratio is no-offload / offload (>= 0.85 is the target).
+- step 1 of each (A then B) warms up allocator and page cache and is not timed; step 2 of
+  each runs under the profiler and gives the peak (`step_peak_bytes`); the budget is 50%
+  of A's peak;
+- then `--pairs` timed pairs, AB, BA, AB, ... (the order alternates, so that neither set-up
+  always runs right after the other's I/O); the ratio of each pair is A's step time / B's;
+  the result is the median of the pair ratios (target >= 0.85), with their range;
+- bit-identity: every parameter after every step, and every optimizer state at the end.
+
+B's activation hooks are paused (`engine.paused()`) while A runs, so A trains exactly as
+it would alone.
 
 Writes the `offload_runtime` section of BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/bench_offload_runtime.py [--model gpt2-medium] [--batch 1] [--seq 256] [--dir /var/tmp]
+    .venv/bin/python benchmarks/bench_offload_runtime.py [--model gpt2-medium] [--batch 1] [--seq 128] [--pairs 6] [--dir /var/tmp]
 """
 
 from __future__ import annotations
@@ -37,80 +43,131 @@ from memplan.offload.measure import step_peak_bytes
 from memplan.offload.runtime import run
 
 
-def train(step, timed: list[float], peaks: list[int]) -> None:
-    for i in range(3):
-        if i == 1:
-            peaks.append(step_peak_bytes(step))
-        else:
-            t0 = time.perf_counter()
-            step.run()
-            timed.append(time.perf_counter() - t0)
+class Stream:
+    """One set-up's step with its own RNG state, so that interleaving does not change its dropout masks."""
+
+    def __init__(self, step, rng: torch.Tensor) -> None:
+        self.step = step
+        self.rng = rng.clone()
+
+    def run(self) -> None:
+        torch.set_rng_state(self.rng)
+        self.step.run()
+        self.rng = torch.get_rng_state()
+
+    def timed(self) -> float:
+        torch.set_rng_state(self.rng)
+        t0 = time.perf_counter()
+        self.step.run()
+        elapsed = time.perf_counter() - t0
+        self.rng = torch.get_rng_state()
+        return elapsed
+
+    def peak(self) -> int:
+        torch.set_rng_state(self.rng)
+        nbytes = step_peak_bytes(self.step)
+        self.rng = torch.get_rng_state()
+        return nbytes
+
+
+def same_parameters(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="gpt2-medium")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--dir", default="/var/tmp")
+    parser.add_argument("--no-write", action="store_true", help="print the row, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     setup = TrainingSetup(batch=args.batch, seq=args.seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
     config = load_config(args.model)
 
     ref = build_training_step(config, setup, device="cpu")
-    ref_s: list[float] = []
-    ref_peak: list[int] = []
-    train(ref, ref_s, ref_peak)
-    budget = ref_peak[0] // 2
-    print(f"no offload: steps {ref_s} s, peak {ref_peak[0] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-
-    off = build_training_step(config, setup, device="cpu")
-    off_s: list[float] = []
-    off_peak: list[int] = []
+    off = build_training_step(config, setup, device="cpu")  # seeds the RNG again: same weights and batches
+    a, b = Stream(ref, torch.get_rng_state()), Stream(off, torch.get_rng_state())
     directory = tempfile.mkdtemp(prefix="memplan-bench-", dir=args.dir)
+    ref_s: list[float] = []
+    off_s: list[float] = []
+    identical = True
     with run(off.model, off.optimizer, directory=directory, min_nbytes=1 << 20, streamed_step=True,
              chunk_nbytes=64 << 20) as engine:
-        train(off, off_s, off_peak)
+        with engine.paused():
+            a.run()
+        b.run()
+        identical &= same_parameters(ref, off)
+        with engine.paused():
+            ref_peak = a.peak()
+        off_peak = b.peak()
+        identical &= same_parameters(ref, off)
+        budget = ref_peak // 2
+        print(f"peaks: no offload {ref_peak / 2**30:.2f} GiB, offload {off_peak / 2**30:.2f} GiB", file=sys.stderr)
+        written0, read0 = engine.bytes_written, engine.bytes_read
+        for i in range(args.pairs):
+            for which in ("AB" if i % 2 == 0 else "BA"):
+                if which == "A":
+                    with engine.paused():
+                        ref_s.append(a.timed())
+                else:
+                    off_s.append(b.timed())
+            identical &= same_parameters(ref, off)
+            print(f"pair {i + 1}: no offload {ref_s[-1]:.2f} s, offload {off_s[-1]:.2f} s, "
+                  f"ratio {ref_s[-1] / off_s[-1]:.3f}", file=sys.stderr, flush=True)
+        written = (engine.bytes_written - written0) / args.pairs
+        read = (engine.bytes_read - read0) / args.pairs
         direct = engine.store.direct and not engine.store.direct_refused
     os.rmdir(directory)
-    print(f"offload: steps {off_s} s, peak {off_peak[0] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-
-    same_params = all(torch.equal(a, b) for a, b in zip(ref.model.parameters(), off.model.parameters()))
-    same_states = all(
+    identical &= all(
         torch.equal(x[k], y[k])
         for x, y in zip(ref.optimizer.state.values(), off.optimizer.state.values())
         for k in x
         if isinstance(x[k], torch.Tensor)
     )
+    steps = 2 + args.pairs
     fs = subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
-    ratio = statistics.median(ref_s) / statistics.median(off_s)
+    ratios = [a / b for a, b in zip(ref_s, off_s)]
+    ratio = statistics.median(ratios)
     params = sum(p.numel() for p in ref.model.parameters())
     row = (
         f"| {args.model} ({params / 1e6:.0f}M) | {args.batch}x{args.seq} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
-        f"| {ref_peak[0] / 2**30:.2f} GiB | {budget / 2**30:.2f} GiB | {off_peak[0] / 2**30:.2f} GiB "
-        f"| {'yes' if off_peak[0] <= budget else 'NO'} | {'yes' if same_params and same_states else 'NO'} "
-        f"| {', '.join(f'{s:.2f}' for s in ref_s)} | {', '.join(f'{s:.2f}' for s in off_s)} | **{ratio:.2f}** "
-        f"| {engine.bytes_written / 2**30:.1f} / {engine.bytes_read / 2**30:.1f} GiB |"
+        f"| {ref_peak / 2**30:.2f} GiB | {budget / 2**30:.2f} GiB | {off_peak / 2**30:.2f} GiB "
+        f"| {'yes' if off_peak <= budget else 'NO'} | {'yes' if identical else 'NO'} ({steps} steps) "
+        f"| {statistics.median(ref_s):.2f} ({min(ref_s):.2f}-{max(ref_s):.2f}) "
+        f"| {statistics.median(off_s):.2f} ({min(off_s):.2f}-{max(off_s):.2f}) "
+        f"| **{ratio:.2f}** | {min(ratios):.2f}-{max(ratios):.2f} "
+        f"| {written / 2**30:.1f} / {read / 2**30:.1f} GiB |"
     )
     print(row, file=sys.stderr)
-    cmd = f".venv/bin/python benchmarks/bench_offload_runtime.py --model {args.model} --batch {args.batch} --seq {args.seq} --dir {args.dir}"
+    print("pair ratios: " + ", ".join(f"{r:.3f}" for r in ratios), file=sys.stderr)
+    if args.no_write:
+        return
+    cmd = (f".venv/bin/python benchmarks/bench_offload_runtime.py --model {args.model} --batch {args.batch} "
+           f"--seq {args.seq} --pairs {args.pairs} --dir {args.dir}")
     section = "\n".join([
         "<!-- bench:offload_runtime -->",
         "## Offload runtime, real CPU training here (issue 8)",
         "",
-        f"Reproduce: `{cmd}` (one run; 2 shared CPU cores, so step times move with the machine's load).",
+        f"Reproduce: `{cmd}` (one run; 2 shared CPU cores).",
         "",
-        "fp32, AdamW (per-parameter kernels); 3 steps without offloading, then 3 steps with "
-        "`memplan.offload.run(..., streamed_step=True)` (activations, gradients and optimizer states "
-        "to files, the optimizer step streamed in 64 MiB chunks), in one process. Peaks: resident parameters, "
-        "gradients and states + the running sum of the profiler's allocation records over step 2 of each run "
-        "(I/O bounce buffers for O_DIRECT are mmap'd, not tensors, and not counted); budget = 50% of the no-offload peak. Step times: "
-        "steps 1 and 3 (step 2 runs under the profiler); ratio = median no-offload / median offload "
-        "(target >= 0.85). Bit-identical: every parameter and optimizer state after step 3.",
+        "fp32, AdamW (per-parameter kernels). A = no offloading, B = `memplan.offload.run(..., streamed_step=True)` "
+        "(activations, gradients and optimizer states to files, the optimizer step streamed in 64 MiB chunks). "
+        "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
+        "one profiled step each (peak), then timed pairs in alternating order (AB, BA, ...). "
+        "Peaks: resident parameters, gradients and states + the running sum of the profiler's allocation records "
+        "over the profiled step (I/O bounce buffers for O_DIRECT are mmap'd, not tensors, and not counted); "
+        "budget = 50% of the no-offload peak. Step times: median (min-max) over the pairs; "
+        "time ratio = median over pairs of A's step time / B's (target >= 0.85), with the range of the pair ratios. "
+        "Bit-identical: every parameter after every step and every optimizer state at the end.",
+        "",
+        f"Pair ratios of this run: {', '.join(f'{r:.3f}' for r in ratios)}.",
         "",
         "| model | batch x seq | files | no-offload peak | budget (50%) | offload peak | within budget "
-        "| bit-identical | no-offload step s | offload step s | time ratio | written / read per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bit-identical | no-offload step s | offload step s | time ratio (median of pairs) | pair ratio range "
+        "| written / read per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         row,
         "<!-- /bench:offload_runtime -->",
     ])
