@@ -147,20 +147,20 @@ class LinkTimeline:
     def earliest_start(self, t0: float, duration_s: float) -> float:
         """Earliest start >= t0 of a free slot of `duration_s`."""
         starts, ends = self._arrays()
-        k = int(np.searchsorted(ends, t0, side="right"))  # first interval ending after t0
+        k = int(ends.searchsorted(t0, side="right"))  # first interval ending after t0
         t = t0
         if k < starts.size and starts[k] <= t0:
             t = float(ends[k])
             k += 1
         gap_starts = np.concatenate([[t], ends[k:]])
         gap_ends = np.concatenate([starts[k:], [math.inf]])
-        j = int(np.argmax(gap_ends - gap_starts >= duration_s))
+        j = int((gap_ends - gap_starts >= duration_s).argmax())
         return float(gap_starts[j])
 
     def latest_start(self, deadline_s: float, duration_s: float) -> float:
         """Latest start of a free slot of `duration_s` that ends by `deadline_s`."""
         starts, ends = self._arrays()
-        k = int(np.searchsorted(starts, deadline_s, side="left")) - 1  # last interval starting before
+        k = int(starts.searchsorted(deadline_s, side="left")) - 1  # last interval starting before
         t = deadline_s
         if k >= 0 and ends[k] > deadline_s:
             t = float(starts[k])
@@ -169,7 +169,7 @@ class LinkTimeline:
         rev_ends = ends[k::-1] if k >= 0 else ends[:0]
         gap_ends = np.concatenate([[t], rev_starts])
         gap_starts = np.concatenate([rev_ends, [-math.inf]])
-        j = int(np.argmax(gap_ends - gap_starts >= duration_s))
+        j = int((gap_ends - gap_starts >= duration_s).argmax())
         return float(gap_ends[j] - duration_s)
 
     def reserve(self, start_s: float, end_s: float) -> None:
@@ -207,10 +207,19 @@ class _Option:
     prefetch_start_s: float | None
     benefit: float
     cost_s: float
+    score: float = field(init=False)
 
-    @property
-    def score(self) -> float:
-        return self.benefit / self.cost_s if self.cost_s > 0 else math.inf
+    def __post_init__(self) -> None:
+        self.score = _quantized(self.benefit / self.cost_s) if self.cost_s > 0 else math.inf
+
+
+def _quantized(x: float) -> float:
+    """`x` rounded to 32 significant bits. Identical layers give candidates whose scores are equal
+    in exact arithmetic but differ in the last bits, depending on summation order (and so on the
+    numerical library and its threads); rounded, they tie, and the heap breaks ties by interval
+    order, so the plan does not depend on rounding noise."""
+    mantissa, exponent = math.frexp(x)
+    return math.ldexp(round(mantissa * (1 << 32)), exponent - 32)
 
 
 class _PlannerState:
@@ -223,6 +232,7 @@ class _PlannerState:
         self.budget = float(budget_bytes)
         self.usage = lt.op_bytes.astype(np.float64).copy()
         self.durations = lt.op_durations_s
+        self._scratch = np.empty(n)
         self._refresh_excess()
         step = lt.step_s
         self.step_s = step
@@ -232,6 +242,7 @@ class _PlannerState:
         self.links = {name: LinkTimeline(step, bw[name]) for name in bw}
         self.capacity = {"ssd": float(hardware.nvme.capacity_bytes), "host": float(hardware.host_capacity_bytes)}
         self.tier_usage = {"ssd": np.zeros(n), "host": np.zeros(n)}
+        self.tier_peak = {"ssd": 0.0, "host": 0.0}  # max of tier_usage: most candidates fit under it
         self.chosen: dict[int, Transfer] = {}  # inactive interval -> its transfer
 
     def ranges(self, a: int, b: int) -> list[tuple[int, int]]:
@@ -254,13 +265,18 @@ class _PlannerState:
         """Byte-seconds above budget removed by freeing `nbytes` over global ops [a, b)."""
         total = 0.0
         for lo, hi in self.ranges(a, b):
-            i0, i1 = np.searchsorted(self.over_ops, [lo, hi])
+            i0, i1 = self.over_ops.searchsorted((lo, hi)).tolist()
             if i1 > i0:
-                total += float(np.minimum(self.over_excess[i0:i1], nbytes) @ self.over_durations[i0:i1])
+                # Not `@`: OpenBLAS splits a long dot product over its threads, and on a busy
+                # machine that made each call ~100x slower (most of the 70B planning time).
+                scratch = self._scratch[: i1 - i0]
+                np.minimum(self.over_excess[i0:i1], nbytes, out=scratch)
+                scratch *= self.over_durations[i0:i1]
+                total += float(scratch.sum())
         return total
 
     def tier_fits(self, tier: str, a: int, b: int, nbytes: int) -> bool:
-        if math.isinf(self.capacity[tier]):
+        if self.tier_peak[tier] + nbytes <= self.capacity[tier]:
             return True
         return all(
             self.tier_usage[tier][lo:hi].max(initial=0.0) + nbytes <= self.capacity[tier]
@@ -286,12 +302,12 @@ class _PlannerState:
             return_op = before
         else:
             off_start = write.earliest_start(t_free, w_s)
-            done_op = int(np.searchsorted(self.start_global, off_start + w_s, side="left"))
+            done_op = int(self.start_global.searchsorted(off_start + w_s, side="left"))
             if returns:
                 pre_start = read.latest_start(t_need, r_s)
                 if pre_start < off_start + w_s:
                     return None
-                return_op = int(np.searchsorted(self.start_global, pre_start, side="right")) - 1
+                return_op = int(self.start_global.searchsorted(pre_start, side="right")) - 1
             else:
                 pre_start, return_op = None, before
         if return_op <= done_op or done_op <= after or return_op > before:
@@ -340,6 +356,7 @@ class _PlannerState:
             spans = [(opt.done_op, opt.return_op)]
             for lo, hi in self.ranges(after + 1, before):
                 self.tier_usage[opt.tier][lo:hi] += nbytes
+            self.tier_peak[opt.tier] = float(self.tier_usage[opt.tier].max())
         else:
             spans = [(opt.done_op, previous.done_op), (previous.return_op, opt.return_op)]
         for a, z in spans:
@@ -376,7 +393,7 @@ def _greedy(state: _PlannerState, candidates: np.ndarray, urgent: bool) -> list[
             heap.append((-opt.score, k))
     heapq.heapify(heap)
     done = set()
-    while heap and state.excess.any():
+    while heap and state.over_ops.size:
         _, k = heapq.heappop(heap)
         if k in done:
             continue
