@@ -9,10 +9,10 @@ tensors and adds only what a CPU trace cannot see):
    (`memplan.estimation.layers`);
 2. per distinct rank of the parallel layout, trace that rank's step itself with FSDP2 /
    DTensor TP applied on a fake process group (`memplan.parallel.traced`), or, where
-   that is not possible (DDP, ZeRO-1/2, PP, TP of non-Llama families) or not asked
-   for (`parallel_tracing=False`), reshape the single-device trace by the modelled
-   rules (`memplan.parallel.rank_trace`); a cpu job traced on the fake group also gets
-   gloo's all-gather staging buffers;
+   that is not possible (DDP, ZeRO-1/2, PP) or not asked for (`parallel_tracing=False`),
+   reshape the single-device trace by the modelled rules (`memplan.parallel.rank_trace`);
+   TP that cannot be traced is refused (`UserError`) unless `parallel_tracing=False`;
+   a cpu job traced on the fake group also gets gloo's all-gather staging buffers;
 3. add the GPU-only terms (`memplan.estimation.gpu_terms`: SDPA kernel workspaces,
    cuBLAS workspace) when the target is cuda;
 4. replay through the allocator simulator (512-B rounding, caching / expandable

@@ -33,10 +33,11 @@ the rules to every buffer of a trace instead of to totals):
 
 These rules are the fast path: the estimate traces FSDP2 and DTensor TP for real on a
 fake process group where it can (`memplan.parallel.traced`) and uses the rules for DDP,
-ZeRO-1/2, PP, TP of non-Llama families, and `memplan fit`'s search. Against real gloo
-runs (docs/estimation.md): the DDP rule is exact on every rank; the modelled ZeRO-3 rule
-is 2% low on a tiny Llama; the TP rule assumes sequence parallel, which the real runs
-do not use, so it is not comparable with them.
+ZeRO-1/2, PP, and `memplan fit`'s search. Against real gloo runs (docs/estimation.md):
+the DDP rule is exact on every rank; the modelled ZeRO-3 rule is 2% low on a tiny Llama;
+the TP rule assumes sequence and loss parallel, which the real (and traced) TP does not
+apply: it was 31% low on Qwen2.5 TP 2, so `estimate` refuses TP it cannot trace and only
+`fit` uses this rule.
 """
 
 from __future__ import annotations
