@@ -2,8 +2,8 @@
 
 Issue 8's "real run": a GPT-2-medium (registry `gpt2-medium`, 355M parameters, fp32,
 AdamW with per-parameter kernels) trains without offloading (A) and with
-`memplan.offload.run(..., streamed_step=True)` (B): saved activations, gradients and
-optimizer states go to files in a directory on this machine's disk (O_DIRECT where the
+`memplan.offload.run(..., step_in_backward=True)` (B; or `streamed_step=True` with
+`--mode streamed`): saved activations and optimizer states (and gradients, when streamed) go to files in a directory on this machine's disk (O_DIRECT where the
 file system allows it). Both set-ups are built side by side in this one process (same
 seed, same initial weights) and their steps are **interleaved**, so that the machine's
 load, which moves by the minute on this shared 2-core host, hits both alike:
@@ -21,7 +21,7 @@ it would alone.
 
 Writes the `offload_runtime` section of BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/bench_offload_runtime.py [--model gpt2-medium] [--batch 1] [--seq 128] [--pairs 6] [--dir /var/tmp]
+    .venv/bin/python benchmarks/bench_offload_runtime.py [--model gpt2-medium] [--batch 1] [--seq 128] [--pairs 6] [--dir /var/tmp] [--mode in-backward|streamed]
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--dir", default="/var/tmp")
+    parser.add_argument("--mode", choices=["in-backward", "streamed"], default="in-backward",
+                        help="in-backward: each update runs in backward (step_in_backward); streamed: the "
+                        "optimizer step streams gradients and states chunk by chunk (streamed_step)")
     parser.add_argument("--no-write", action="store_true", help="print the row, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     setup = TrainingSetup(batch=args.batch, seq=args.seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
@@ -93,8 +96,9 @@ def main() -> None:
     ref_s: list[float] = []
     off_s: list[float] = []
     identical = True
-    with run(off.model, off.optimizer, directory=directory, min_nbytes=1 << 20, streamed_step=True,
-             chunk_nbytes=64 << 20) as engine:
+    mode = {"step_in_backward": True} if args.mode == "in-backward" else {"streamed_step": True}
+    with run(off.model, off.optimizer, directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
+             **mode) as engine:
         with engine.paused():
             a.run()
         b.run()
@@ -120,11 +124,11 @@ def main() -> None:
         read = (engine.bytes_read - read0) / args.pairs
         direct = engine.store.direct and not engine.store.direct_refused
     os.rmdir(directory)
-    identical &= all(
-        torch.equal(x[k], y[k])
-        for x, y in zip(ref.optimizer.state.values(), off.optimizer.state.values())
-        for k in x
-        if isinstance(x[k], torch.Tensor)
+    identical &= all(  # by parameter: with the step in backward, states are created in another order
+        torch.equal(ref.optimizer.state[p][k], off.optimizer.state[q][k])
+        for p, q in zip(ref.model.parameters(), off.model.parameters())
+        for k in ref.optimizer.state[p]
+        if isinstance(ref.optimizer.state[p][k], torch.Tensor)
     )
     steps = 2 + args.pairs
     fs = subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
@@ -132,7 +136,7 @@ def main() -> None:
     ratio = statistics.median(ratios)
     params = sum(p.numel() for p in ref.model.parameters())
     row = (
-        f"| {args.model} ({params / 1e6:.0f}M) | {args.batch}x{args.seq} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
+        f"| {args.model} ({params / 1e6:.0f}M) | {args.batch}x{args.seq} | {args.mode} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
         f"| {ref_peak / 2**30:.2f} GiB | {budget / 2**30:.2f} GiB | {off_peak / 2**30:.2f} GiB "
         f"| {'yes' if off_peak <= budget else 'NO'} | {'yes' if identical else 'NO'} ({steps} steps) "
         f"| {statistics.median(ref_s):.2f} ({min(ref_s):.2f}-{max(ref_s):.2f}) "
@@ -145,15 +149,18 @@ def main() -> None:
     if args.no_write:
         return
     cmd = (f".venv/bin/python benchmarks/bench_offload_runtime.py --model {args.model} --batch {args.batch} "
-           f"--seq {args.seq} --pairs {args.pairs} --dir {args.dir}")
+           f"--seq {args.seq} --pairs {args.pairs} --dir {args.dir} --mode {args.mode}")
     section = "\n".join([
         "<!-- bench:offload_runtime -->",
         "## Offload runtime, real CPU training here (issue 8)",
         "",
         f"Reproduce: `{cmd}` (one run; 2 shared CPU cores).",
         "",
-        "fp32, AdamW (per-parameter kernels). A = no offloading, B = `memplan.offload.run(..., streamed_step=True)` "
-        "(activations, gradients and optimizer states to files, the optimizer step streamed in 64 MiB chunks). "
+        "fp32, AdamW (per-parameter kernels). A = no offloading, B = `memplan.offload.run(...)`: activations and "
+        "optimizer states to files, and either each parameter's update run in backward as soon as its gradient "
+        "is ready (`step_in_backward=True`, mode in-backward: gradients never leave, states prefetched 64 MiB "
+        "ahead in backward's order) or gradients to files too and the optimizer step streamed in 64 MiB chunks "
+        "(`streamed_step=True`, mode streamed). "
         "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
         "one profiled step each (peak), then timed pairs in alternating order (AB, BA, ...). "
         "Peaks: resident parameters, gradients and states + the running sum of the profiler's allocation records "
@@ -164,10 +171,10 @@ def main() -> None:
         "",
         f"Pair ratios of this run: {', '.join(f'{r:.3f}' for r in ratios)}.",
         "",
-        "| model | batch x seq | files | no-offload peak | budget (50%) | offload peak | within budget "
+        "| model | batch x seq | offload mode | files | no-offload peak | budget (50%) | offload peak | within budget "
         "| bit-identical | no-offload step s | offload step s | time ratio (median of pairs) | pair ratio range "
         "| written / read per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         row,
         "<!-- /bench:offload_runtime -->",
     ])

@@ -196,3 +196,58 @@ def test_streamed_step_halves_the_measured_peak_and_keeps_parameters_bit_identic
     for x, y in zip(ref.optimizer.state.values(), off.optimizer.state.values()):
         assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_step_in_backward_halves_the_measured_peak_and_keeps_parameters_bit_identical(tmp_path):
+    from memplan.offload.measure import step_peak_bytes
+
+    ref = mid_step()
+    ref.run()
+    ref_peak = step_peak_bytes(ref)
+    ref.run()
+    off = mid_step()
+    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, step_in_backward=True,
+             chunk_nbytes=1 << 20, checksum=True) as engine:
+        off.run()
+        off_peak = step_peak_bytes(off)
+        off.run()
+    assert engine.bytes_written > 0 and not engine.degraded
+    assert not any(key.startswith("grad.") for key in engine.table)  # gradients never leave
+    assert off_peak <= ref_peak // 2, (off_peak, ref_peak)
+    for (name, a), (_, b) in zip(ref.model.named_parameters(), off.model.named_parameters()):
+        assert torch.equal(a, b), name
+        x, y = ref.optimizer.state[a], off.optimizer.state[b]  # states are created in backward's order
+        assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"]), name
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_step_in_backward_refuses_gradient_accumulation(tmp_path):
+    from memplan.models import forward_loss
+
+    step = mid_step()
+    with pytest.raises(OffloadError, match="one backward per optimizer step"):
+        with run(step.model, step.optimizer, directory=tmp_path, min_nbytes=64 << 10, step_in_backward=True):
+            for _ in range(2):
+                forward_loss(step.model, step.batches[0]).backward()
+
+
+def test_paused_engine_leaves_another_models_saved_tensors_alone(tmp_path):
+    ref, off = tiny_step(), tiny_step()
+    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=1024, optimizer_states=False) as engine:
+        with engine.paused():
+            ref.run()
+        assert engine.bytes_written == 0
+        off.run()
+        assert engine.bytes_written > 0
+
+
+def test_a_tensor_larger_than_the_bounce_buffer_round_trips_through_o_direct(tmp_path):
+    from memplan.offload.runtime import _bytes_of
+
+    store = FileStore(tmp_path, bounce_nbytes=8192)
+    t = torch.arange(5000, dtype=torch.float32)  # 20000 B: three pieces, the last one partial
+    path = store.write("x", _bytes_of(t))
+    out = torch.empty_like(t)
+    store.read(path, _bytes_of(out))
+    assert torch.equal(t, out)
+    store.close()

@@ -501,6 +501,103 @@ class _StreamedOptimizer:
             h.remove()
 
 
+class _StepInBackward(_StreamedOptimizer):
+    """The optimizer update of each parameter runs in backward, as soon as its gradient is accumulated.
+
+    Gradients then never leave (each is consumed and dropped right away, as torchtune's
+    "optimizer in backward" does), and the update overlaps the rest of backward instead of
+    running as a phase of its own. Optimizer states are prefetched in reverse parameter order
+    (the order backward produces gradients), at most `chunk_nbytes` ahead, and written out
+    again after their update. Per-parameter optimizers (AdamW with `foreach=False`) compute
+    exactly what one whole step would. Requires one backward per optimizer step (no gradient
+    accumulation, no clipping over all gradients): a second gradient for a parameter already
+    updated in this step is an error. `optimizer.step()` updates whatever backward did not
+    reach and waits for the writes.
+    """
+
+    def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 min_nbytes: int, chunk_nbytes: int) -> None:
+        super().__init__(engine, model, optimizer, min_nbytes, chunk_nbytes)
+        groups = optimizer.param_groups
+        self.group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        self.order = [p for g in reversed(groups) for p in reversed(g["params"])]
+        self.updated: set[int] = set()
+        self.fetching: dict[int, tuple[torch.Tensor, list[Future]]] = {}
+        self.cursor = 0
+
+    def _prefetch_ahead(self) -> None:
+        ahead = sum(2 * p.numel() * p.element_size() for p, _ in self.fetching.values())
+        while self.cursor < len(self.order) and ahead < self.chunk_nbytes:
+            p = self.order[self.cursor]
+            self.cursor += 1
+            if id(p) in self.updated:
+                continue
+            futures = self._fetch([p])
+            if futures:
+                self.fetching[id(p)] = (p, futures)
+                ahead += 2 * p.numel() * p.element_size()
+
+    def _update(self, p: torch.Tensor) -> None:
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = []
+            groups[self.group_of[id(p)]]["params"] = [p]
+            self.original_step()
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._reap()
+        if id(p) in self.updated:
+            raise OffloadError(
+                "a second gradient for a parameter already updated in this step: step_in_backward needs one "
+                "backward per optimizer step (no gradient accumulation)"
+            )
+        _, futures = self.fetching.pop(id(p), (p, []))
+        for f in futures + self._fetch([p]):  # not prefetched (backward out of order): fetch it now
+            f.result()
+        self._update(p)
+        p.grad = None
+        self.updated.add(id(p))
+        for key, t in self._tensors_of(p):
+            self._send(key, t)
+        self._prefetch_ahead()
+
+    def _settle(self) -> None:
+        """Wait for every write, release what was written, and for every prefetch still in flight."""
+        for key in list(self.sending):
+            self.engine.wait(key)
+        self._reap()
+        for p, futures in self.fetching.values():
+            for f in futures:
+                f.result()
+            for key, t in self._tensors_of(p):  # fetched for a parameter that got no gradient
+                self._send(key, t)
+        self.fetching.clear()
+        for key in list(self.sending):
+            self.engine.wait(key)
+        self._reap()
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise OffloadError("the streamed optimizer step does not take a closure")
+        for p in self.order:
+            if p.grad is not None and id(p) not in self.updated:
+                self._on_grad(p)
+        self._settle()
+        self.updated.clear()
+        self.cursor = 0
+        self._prefetch_ahead()  # the first states the next backward needs
+        return None
+
+    def restore(self) -> None:
+        self._settle()
+        super().restore()
+
+
 class _ActivationOffloader:
     """saved_tensors_hooks: large saved tensors go out at pack and come back at unpack."""
 
@@ -563,6 +660,7 @@ def run(
     workers: int = 2,
     fault: Any = None,
     streamed_step: bool = False,
+    step_in_backward: bool = False,
     chunk_nbytes: int = 64 << 20,
 ) -> Iterator[OffloadEngine]:
     """Offload activations and optimizer states of `model`'s training to files under `directory`.
@@ -570,7 +668,10 @@ def run(
     `plan` (an `OffloadPlan`) restricts what moves to the categories it offloads; with
     None, every large activation and optimizer state moves. With `streamed_step`, gradients
     move too and the optimizer step streams states chunk by chunk (`_StreamedOptimizer`):
-    the device then never holds every gradient and state at once. Yields the engine (its
+    the device then never holds every gradient and state at once. With `step_in_backward`,
+    each parameter's update runs in backward as soon as its gradient is ready
+    (`_StepInBackward`): gradients never leave and the update overlaps backward; it needs one
+    backward per optimizer step. Yields the engine (its
     location table, bytes moved and degraded tensors are there to inspect).
     """
     if plan is not None:
@@ -580,7 +681,9 @@ def run(
     engine = OffloadEngine(FileStore(directory, direct=direct), workers=workers, checksum=checksum,
                            host_fallback=host_fallback, fault=fault)
     states: Any = None
-    if optimizer_states and streamed_step:
+    if optimizer_states and step_in_backward:
+        states = _StepInBackward(engine, model, optimizer, min_nbytes, chunk_nbytes)
+    elif optimizer_states and streamed_step:
         states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes)
     elif optimizer_states:
         states = _StateOffloader(engine, model, optimizer, min_nbytes, False)
