@@ -71,10 +71,72 @@ def test_native_engine_follows_the_python_search_on_a_tight_instance():
     assert c_stats["nodes"] == py_stats["nodes"] > 200
 
 
-def test_pack_uses_the_native_engine_and_proves_a_350_buffer_tight_instance_within_5_s():
+def test_pack_uses_the_compiled_portfolio_and_proves_a_350_buffer_tight_instance_within_5_s():
     problem, _ = tight_instance(350, seed=3)
     optimum = problem.capacity
     problem.capacity = None
     solution = pack(problem, time_limit_s=5)
-    assert solution.stats["engine"] == "native"
+    assert str(solution.stats["engine"]).startswith("portfolio")
     assert solution.status == "optimal" and solution.height == optimum
+
+
+# facts.md §4: minimalloc's README example, optimum 12 (offsets 8, 8, 4, 4, 0).
+README_EXAMPLE = [(0, 3, 4, 1), (3, 9, 4, 1), (0, 9, 4, 1), (9, 21, 4, 1), (0, 21, 4, 1)]
+
+
+@pytest.mark.parametrize("engine", ["offset-order", "portfolio"])
+def test_the_offset_order_search_and_the_portfolio_pack_minimallocs_example_in_12_and_prove_11_infeasible(engine):
+    lower, upper, nbytes, align = _columns(README_EXAMPLE)
+    deadline = time.monotonic() + 30
+    status, offsets, _ = solve_exact(lower, upper, nbytes, align, 12, deadline=deadline, engine=engine)
+    assert status == FOUND
+    assert check_offsets(lower, upper, nbytes, offsets, capacity=12) == 12
+    assert solve_exact(lower, upper, nbytes, align, 11, deadline=deadline, engine=engine)[0] == NOT_FOUND
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems, st.integers(0, 40))
+def test_the_offset_order_search_answers_as_the_skyline_search_does(buffers, slack):
+    # Two different complete searches must agree on feasibility; every packing found
+    # passes the validator.
+    lower, upper, nbytes, align = _columns(buffers)
+    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
+    capacity = live + slack // 4
+    deadline = time.monotonic() + 3600
+    budget = dict(deadline=deadline, max_nodes=200_000)
+    skyline, _, _ = solve_exact(lower, upper, nbytes, align, capacity, engine="native", **budget)
+    offset_order, offsets, _ = solve_exact(lower, upper, nbytes, align, capacity, engine="offset-order", **budget)
+    if TIMEOUT in (skyline, offset_order):
+        return  # one search ran out of its node budget: nothing to compare
+    assert offset_order == skyline
+    if offset_order == FOUND:
+        check_offsets(lower, upper, nbytes, offsets, alignment=align, capacity=capacity)
+
+
+def test_the_portfolio_proves_tight_generated_instances_optimal():
+    for n, seed in [(300, 0), (350, 2), (400, 4)]:
+        problem, construction = tight_instance(n, seed=seed)
+        status, offsets, stats = solve_exact(
+            problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
+            deadline=time.monotonic() + 30, engine="portfolio",
+        )
+        assert status == FOUND and str(stats["engine"]).startswith("portfolio: ")
+        check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
+
+
+@pytest.mark.parametrize("engine", ["python", "native", "offset-order"])
+def test_twins_that_differ_only_in_alignment_are_both_tried(engine):
+    # Capacity 2: the 2-aligned buffer must take offset 0 and the other offset 1; trying
+    # one of the "identical" pair only (the aligned one second) proved it infeasible.
+    lower, upper, nbytes, align = _columns([(0, 1, 1, 1), (0, 1, 1, 2)])
+    status, offsets, _ = solve_exact(lower, upper, nbytes, align, 2, deadline=time.monotonic() + 30, engine=engine)
+    assert status == FOUND and offsets.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("engine", ["python", "native", "offset-order"])
+def test_an_aligned_buffer_may_float_above_a_gap_its_alignment_leaves(engine):
+    # Capacity 3: the two 2-aligned buffers take offsets 0 and 2, leaving 1 empty; the
+    # skyline search used to raise the section only onto another buffer's top.
+    lower, upper, nbytes, align = _columns([(0, 1, 3, 1), (2, 3, 1, 2), (2, 3, 1, 2)])
+    status, offsets, _ = solve_exact(lower, upper, nbytes, align, 3, deadline=time.monotonic() + 30, engine=engine)
+    assert status == FOUND and sorted(offsets.tolist()[1:]) == [0, 2]

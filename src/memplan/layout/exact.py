@@ -15,7 +15,7 @@ skyline branching rule that suits an interpreted language:
   packing is reached this way, so an exhausted search proves infeasibility.
 - **Cross-section inference.** A section's unplaced bytes must fit between its skyline
   and the capacity; a move that breaks this in any section it touched is pruned.
-- **Dominance.** Identical candidates (same lifetime, same size) are tried once;
+- **Dominance.** Identical candidates (same lifetime, size and alignment) are tried once;
   waste is only tried after every buffer that could fill the spot.
 - **Decomposition.** Time points where no buffer is live split the problem into
   parts solved one after another (a failure in one part does not re-search another).
@@ -24,8 +24,11 @@ skyline branching rule that suits an interpreted language:
   with its pre-orderings, so one unlucky order does not stall the search.
 
 The same search is compiled from `csrc/offset_search.cpp` (`memplan.layout.native`),
-node for node, with seeded random tie-break restarts added; `solve_exact` uses it when
-it can be built and this module otherwise (this module is the reference).
+node for node, with seeded random tie-break restarts added. The same file holds a
+second complete search with minimalloc's own branching (buffers at their lowest
+viable offset, in offset order), and `solve_exact` runs the two compiled searches
+side by side on two threads when it can build them (this module otherwise; this
+module is the reference of the skyline search).
 
 It answers a decision question; `memplan.layout.pack` turns it into minimisation.
 Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignments.
@@ -204,12 +207,12 @@ class _Search:
         """Try each candidate at offset h (identical ones once); NOT_FOUND if none works."""
         skyline, size, capacity = self.skyline, self.size, self.capacity
         candidates.sort(key=self.key.__getitem__)
-        tried: set[tuple[int, int, int]] = set()
+        tried: set[tuple[int, int, int, int]] = set()
         for b in candidates:
             lo, hi = self.s_lo[b], self.s_hi[b]
-            signature = (lo, hi, size[b])
+            signature = (lo, hi, size[b], self.align[b])
             if signature in tried:
-                continue  # an identical buffer was tried here already
+                continue  # an interchangeable buffer (alignment included) was tried here already
             tried.add(signature)
             top = h + size[b]
             if top > capacity:
@@ -278,13 +281,16 @@ class _Search:
             lo, hi = self.s_lo[b], self.s_hi[b]
             others = np.concatenate([skyline[lo:s], skyline[s + 1 : hi]])
             level = int(others.max()) if others.shape[0] else 0
-            if level <= h:
+            a = self.align[b]
+            if level <= h and h % a:
+                # It cannot sit at h for its alignment: it floats at the next aligned offset.
+                level = h + 1
+            elif level <= h:
                 # It would rest on an unplaced buffer of another section: at least that high.
                 sizes = [self.size[o] for o in self._unplaced_beside(b, s)]
                 if not sizes:
                     continue
                 level = h + min(sizes)
-            a = self.align[b]
             level = -(-level // a) * a
             if best is None or level < best:
                 best = level
@@ -317,6 +323,13 @@ class _Search:
 # ordered restart often finishes where a static order stalls).
 RANDOM_RESTARTS = ("/1", "/2", "/3")
 
+# Pre-orders of the offset-order search (minimalloc's defaults): keys taken largest
+# first — W lifetime width, A area (bytes x width), T the largest unplaced total of
+# the buffer's sections.
+OFFSET_ORDER_HEURISTICS = ("WAT", "TAW", "TWA")
+
+ENGINES = ("auto", "portfolio", "native", "offset-order", "python")
+
 
 def solve_exact(
     lower: np.ndarray,
@@ -332,28 +345,47 @@ def solve_exact(
 ) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
     """(FOUND | NOT_FOUND | TIMEOUT, offsets or None, search counts) for one capacity.
 
-    `max_nodes`: a budget of search nodes besides the deadline; past it the search
-    stops with TIMEOUT at the same node in both engines, whatever the machine's speed.
+    `engine`:
+    - "python": this module's skyline search, the reference;
+    - "native": the same skyline search compiled from `csrc/offset_search.cpp`, node
+      for node, with `RANDOM_RESTARTS` added to the orders;
+    - "offset-order": the compiled offset-order search (minimalloc's branching: each
+      buffer at its lowest viable offset, in non-decreasing offset order);
+    - "portfolio": both compiled searches at once, one thread each; the first definite
+      answer wins (the skyline search is the stronger on random guillotine cuts, the
+      offset-order search on minimalloc's challenging benchmarks);
+    - "auto": the portfolio when the extension can be built, else "python".
 
-    `engine`: "native" (the compiled search of `csrc/offset_search.cpp`, node for
-    node this search, with `RANDOM_RESTARTS` added to the orders), "python" (this
-    module, the reference), or "auto" (native when it can be built, else python).
+    `max_nodes`: a budget of search nodes besides the deadline; past it the search
+    stops with TIMEOUT at the same node in the python and native engines, whatever
+    the machine's speed.
     """
     n = int(np.asarray(nbytes).shape[0])
     lower = np.asarray(lower, dtype=np.int64)
     upper = np.asarray(upper, dtype=np.int64)
     nbytes = np.asarray(nbytes, dtype=np.int64)
     align = np.broadcast_to(np.asarray(alignment, dtype=np.int64), (n,))
-    if engine not in ("auto", "native", "python"):
-        raise ValueError(f"engine {engine!r}: expected auto, native or python")
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
     node_cap = (1 << 62) if max_nodes is None else int(max_nodes)
-    if engine == "native" or (engine == "auto" and native.available()):
-        orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
-        status, offsets, nodes, backtracks = native.extension().solve(
-            lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity),
-            max(0.0, deadline - time.monotonic()), orders, node_cap,
-        )
-        stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": "native"}
+    if engine == "auto":
+        engine = "portfolio" if native.available() else "python"
+    if engine != "python":
+        skyline_orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
+        args = (lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity),
+                max(0.0, deadline - time.monotonic()))
+        ext = native.extension()
+        name = engine
+        if engine == "native":
+            status, offsets, nodes, backtracks = ext.solve(*args, skyline_orders, node_cap)
+        elif engine == "offset-order":
+            status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
+        else:
+            status, offsets, nodes, backtracks, which = ext.solve_portfolio(
+                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap
+            )
+            name = ("portfolio", "portfolio: skyline", "portfolio: offset-order")[which + 1]
+        stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": name}
         if status == FOUND:
             return FOUND, np.asarray(offsets, dtype=np.int64), stats
         return status, None, stats

@@ -1,15 +1,24 @@
-"""The exact offset search's compiled engine: `csrc/offset_search.cpp`, built once.
+"""The exact offset search's compiled engines: `csrc/offset_search.cpp`, built once.
 
-The C++ file reimplements minimalloc's search (Moffitt, ASPLOS 2023) — canonical
-placements in offset order, dominance, section inference with monotonic and
-unallocated floors, hatless pruning, static and dynamic decomposition, pre-orders
-tried in turn — about a thousand times faster per node than the Python search in
-`exact.py`, which stays the reference. It is compiled with
-`torch.utils.cpp_extension.load` (ninja, cached under `TORCH_EXTENSIONS_DIR`, keyed
-by the source's hash), as `memplan.runtime.build` compiles the planned allocator.
+The C++ file holds two complete searches for the decision form (does a packing
+within this capacity exist?):
 
-`available()` says whether the engine can be used (a compiler and ninja present, and
-the build succeeded); callers fall back to the Python search when it cannot.
+- the skyline search of `exact.py`, node for node (exact.py stays its reference and
+  the tests compare the two), about a hundred times faster per node;
+- an offset-order search written from minimalloc's description (Moffitt, ASPLOS
+  2023): buffers placed at their lowest viable offset in non-decreasing (offset,
+  pre-order) order, dominance, section inference with monotonic and unallocated
+  floors, dynamic decomposition, pre-orders WAT/TAW/TWA round robin;
+
+and `solve_portfolio`, which runs both at once on two threads and keeps the first
+definite answer: neither search dominates the other (the skyline search is the
+stronger on random guillotine cuts, the offset-order search on minimalloc's own
+challenging benchmarks). The file is compiled with `torch.utils.cpp_extension.load`
+(ninja, cached under `TORCH_EXTENSIONS_DIR`, keyed by the source's hash), as
+`memplan.runtime.build` compiles the planned allocator.
+
+`available()` says whether the engines can be used (a compiler and ninja present, and
+the build succeeded); callers fall back to the Python search when they cannot.
 `extension()` raises a UserError saying what is missing.
 """
 
@@ -32,7 +41,7 @@ EXTENSION = "memplan_offset_search"
 
 @cache
 def extension() -> ModuleType:
-    """The compiled search (`solve(lower, upper, nbytes, align, capacity, time_limit_s, heuristics)`)."""
+    """The compiled searches (`solve`, `solve_offset_order`, `solve_portfolio`)."""
     missing = missing_build_tools()
     if missing:
         raise UserError("memplan's exact offset search compiles a small C++ extension and needs " + " and ".join(missing))

@@ -14,7 +14,7 @@
 //     next level a buffer could rest at;
 //   - cross-section inference: in every section touched by a move, the unplaced
 //     bytes must fit above the lowest level any unplaced buffer there can reach;
-//   - dominance: identical candidates tried once;
+//   - dominance: identical candidates (lifetime, size, alignment) tried once;
 //   - decomposition where no buffer crosses a section boundary, statically and when
 //     the last buffer crossing one is placed;
 //   - candidate orders tried in turn under a doubling node budget.
@@ -25,12 +25,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -157,7 +159,9 @@ class Search {
     ++nodes_;
     if (nodes_ > node_limit_) return kAborted;
     if (nodes_ > max_nodes_) return kTimeout;
-    if ((nodes_ & 255) == 0 && std::chrono::steady_clock::now() > deadline_) return kTimeout;
+    if ((nodes_ & 255) == 0 && (std::chrono::steady_clock::now() > deadline_ ||
+                                (stop_ != nullptr && stop_->load(std::memory_order_relaxed))))
+      return kTimeout;
     int64_t lowest = kDone;
     for (int k = s_start; k < s_end; ++k)
       if (total_[k] > 0) lowest = std::min(lowest, skyline_[k]);
@@ -226,10 +230,12 @@ class Search {
 
   int branch(std::vector<int>& candidates, int64_t h, int s_start, int s_end) {
     std::sort(candidates.begin(), candidates.end(), [this](int a, int b) { return rank_[a] < rank_[b]; });
-    std::vector<std::tuple<int, int, int64_t>> tried;
+    std::vector<std::tuple<int, int, int64_t, int64_t>> tried;
     for (int b : candidates) {
       const int lo = s_lo_[b], hi = s_hi_[b];
-      const std::tuple<int, int, int64_t> signature{lo, hi, size_[b]};
+      // Same lifetime, size and alignment: interchangeable (alignment matters: an
+      // aligned buffer can take offsets an unaligned twin leaves to it).
+      const std::tuple<int, int, int64_t, int64_t> signature{lo, hi, size_[b], align_[b]};
       if (std::find(tried.begin(), tried.end(), signature) != tried.end()) continue;
       tried.push_back(signature);
       const int64_t top = h + size_[b];
@@ -322,7 +328,11 @@ class Search {
         any = true;
       }
       if (!any) level = 0;
-      if (level <= h) {
+      const int64_t a = align_[b];
+      if (level <= h && h % a != 0) {
+        // It cannot sit at h for its alignment: it floats at the next aligned offset.
+        level = h + 1;
+      } else if (level <= h) {
         // It would rest on an unplaced buffer of another section: at least that high.
         int64_t smallest = kDone;
         for (int o : overlaps_[b]) {
@@ -332,7 +342,6 @@ class Search {
         if (smallest == kDone) continue;
         level = h + smallest;
       }
-      const int64_t a = align_[b];
       level = (level + a - 1) / a * a;
       best = std::min(best, level);
     }
@@ -350,6 +359,278 @@ class Search {
   std::vector<char> placed_;
   int64_t max_nodes_ = kDone;  // a deterministic budget: past it the search gives up as on a timeout
   int64_t node_limit_ = kDone, nodes_ = 0, backtracks_ = 0;
+
+ public:
+  const std::atomic<bool>* stop_ = nullptr;  // set by a portfolio partner that has answered
+};
+
+// ---------------------------------------------------------------------------------
+// The offset-order search: minimalloc's own branching (Moffitt, ASPLOS 2023), written
+// from the paper's description. Buffers are placed one at a time at their lowest
+// viable offset (the highest top of the placed buffers they overlap), in
+// non-decreasing (offset, pre-order rank): a canonical order, so every packing is
+// reached once. Pruned by dominance (no buffer goes at or above the lowest top any
+// unplaced buffer could reach: that buffer would fit under it) and by section
+// inference with a monotonic floor (every later buffer goes at or above the current
+// offset, so in each section max(offset, floor) + unplaced bytes <= capacity, where a
+// section's floor is the top of what is placed there, raised to the lowest offset any
+// of its unplaced buffers can take). Decomposes when the last unplaced buffer crossing
+// a section boundary is placed. Pre-orders tried round robin under a doubling node
+// budget. exact.py's `_OffsetOrderSearch` is the reference, node for node.
+class OffsetOrderSearch {
+ public:
+  OffsetOrderSearch(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
+                    const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align,
+                    int64_t capacity, double time_limit_s, int64_t max_nodes)
+      : n_(static_cast<int>(nbytes.size())), lower_(lower), upper_(upper), size_(nbytes), align_(align),
+        capacity_(capacity), max_nodes_(max_nodes) {
+    deadline_ = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(std::max(0.0, time_limit_s)));
+    std::vector<int64_t> points(lower);
+    points.insert(points.end(), upper.begin(), upper.end());
+    std::sort(points.begin(), points.end());
+    points.erase(std::unique(points.begin(), points.end()), points.end());
+    num_sections_ = std::max<int>(static_cast<int>(points.size()) - 1, 0);
+    s_lo_.resize(n_);
+    s_hi_.resize(n_);
+    covering_.assign(num_sections_, {});
+    total_.assign(num_sections_, 0);
+    floor_.assign(num_sections_, 0);
+    cuts_.assign(num_sections_, 0);
+    for (int b = 0; b < n_; ++b) {
+      s_lo_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), lower[b]) - points.begin());
+      s_hi_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), upper[b]) - points.begin());
+      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) {
+        covering_[s].push_back(b);
+        total_[s] += size_[b];
+      }
+      for (int s = s_lo_[b]; s + 1 < s_hi_[b]; ++s) ++cuts_[s];
+    }
+    overlaps_.assign(n_, {});  // other buffers live at the same time
+    for (int b = 0; b < n_; ++b)
+      for (int o = 0; o < n_; ++o)
+        if (o != b && s_lo_[o] < s_hi_[b] && s_lo_[b] < s_hi_[o]) overlaps_[b].push_back(o);
+    offset_.assign(n_, -1);
+    solution_.assign(n_, -1);
+    min_offset_.assign(n_, 0);
+    stamp_.assign(num_sections_, 0);
+  }
+
+  int solve(const std::vector<std::string>& heuristics) {
+    for (int b = 0; b < n_; ++b)
+      if (size_[b] > capacity_) return kNotFound;
+    for (int s = 0; s < num_sections_; ++s)
+      if (total_[s] > capacity_) return kNotFound;
+    std::vector<Part> parts;
+    int start = 0;
+    for (int k = 0; k < num_sections_; ++k) {
+      if (k == num_sections_ - 1 || cuts_[k] == 0) {
+        Part part{start, k + 1, {}};
+        for (int b = 0; b < n_; ++b)
+          if (s_lo_[b] >= start && s_lo_[b] < k + 1) part.buffers.push_back(b);
+        if (!part.buffers.empty()) parts.push_back(std::move(part));
+        start = k + 1;
+      }
+    }
+    if (heuristics.size() == 1) {
+      current_heuristic_ = heuristics[0];
+      for (const Part& part : parts) {
+        int status = sub_solve(part);
+        if (status != kFound) return status;
+      }
+      return kFound;
+    }
+    int64_t limit = n_;
+    while (true) {
+      limit *= 2;
+      for (const std::string& h : heuristics) {
+        node_budget_ = limit;
+        current_heuristic_ = h;
+        int status = kFound;
+        for (const Part& part : parts) {
+          status = sub_solve(part);
+          if (status != kFound) break;
+        }
+        if (status != kAborted) return status;
+      }
+    }
+  }
+
+  const std::vector<int64_t>& offsets() const { return solution_; }
+  int64_t nodes() const { return nodes_; }
+  int64_t backtracks() const { return backtracks_; }
+
+ private:
+  struct Part {
+    int lo, hi;  // sections [lo, hi)
+    std::vector<int> buffers;
+  };
+
+  int64_t key(char c, int b, int64_t total) const {
+    const int64_t width = upper_[b] - lower_[b];
+    switch (c) {
+      case 'W': return width;
+      case 'A': return size_[b] * width;
+      case 'T': return total;
+      case 'C': return s_hi_[b] - s_lo_[b];
+      case 'Z': return size_[b];
+      default: return 0;
+    }
+  }
+
+  int sub_solve(const Part& part) {
+    const std::string& heuristic = current_heuristic_;
+    const int m = static_cast<int>(part.buffers.size());
+    std::vector<int64_t> totals(m, 0);
+    for (int i = 0; i < m; ++i) {
+      const int b = part.buffers[i];
+      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) totals[i] = std::max(totals[i], total_[s]);
+    }
+    std::vector<int> idx(m);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](int x, int y) {
+      const int a = part.buffers[x], b = part.buffers[y];
+      for (char c : heuristic) {
+        const int64_t ka = key(c, a, totals[x]), kb = key(c, b, totals[y]);
+        if (ka != kb) return ka > kb;
+      }
+      return a < b;
+    });
+    std::vector<int> preorder(m);
+    for (int i = 0; i < m; ++i) preorder[i] = part.buffers[idx[i]];
+    std::vector<int> ranks(m);
+    std::iota(ranks.begin(), ranks.end(), 0);
+    return search(part, preorder, ranks, 0, 0);
+  }
+
+  int search(const Part& part, const std::vector<int>& preorder, const std::vector<int>& parent,
+             int64_t min_offset, int min_rank) {
+    if (node_budget_ <= 0) return kAborted;
+    --node_budget_;
+    ++nodes_;
+    if (nodes_ > max_nodes_) return kTimeout;
+    if ((nodes_ & 255) == 0 && (std::chrono::steady_clock::now() > deadline_ ||
+                                (stop_ != nullptr && stop_->load(std::memory_order_relaxed))))
+      return kTimeout;
+    // The unplaced buffers of the part by (lowest viable offset, pre-order rank).
+    std::vector<std::pair<int64_t, int>> order;
+    order.reserve(parent.size());
+    for (int r : parent)
+      if (offset_[preorder[r]] < 0) order.emplace_back(min_offset_[preorder[r]], r);
+    if (order.empty()) {
+      for (int b : part.buffers) solution_[b] = offset_[b];
+      return kFound;
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<int> ranks(order.size());
+    int64_t min_top = kDone;
+    for (size_t i = 0; i < order.size(); ++i) {
+      ranks[i] = order[i].second;
+      min_top = std::min(min_top, order[i].first + size_[preorder[order[i].second]]);
+    }
+    // Every section must hold its unplaced bytes above the offset placed now (monotonic
+    // floor): no candidate above capacity - (largest unplaced total) can pass the check.
+    int64_t largest_total = 0;
+    for (int s = part.lo; s < part.hi; ++s) largest_total = std::max(largest_total, total_[s]);
+    for (const auto& [off, r] : order) {
+      if (off + largest_total > capacity_) break;  // so does every later candidate
+      if (off < min_offset || (off == min_offset && r < min_rank)) continue;  // not canonical
+      if (off >= min_top) continue;  // dominated: an unplaced buffer fits below
+      const int b = preorder[r];
+      const int64_t top = off + size_[b];
+      offset_[b] = off;
+      // Raise the lowest viable offset of every unplaced buffer it overlaps.
+      const size_t offset_mark = offset_log_.size();
+      ++epoch_;
+      affected_.clear();
+      for (int o : overlaps_[b]) {
+        if (offset_[o] >= 0 || min_offset_[o] >= top) continue;
+        offset_log_.emplace_back(o, min_offset_[o]);
+        const int64_t a = align_[o];
+        min_offset_[o] = (top + a - 1) / a * a;
+        for (int s = s_lo_[o]; s < s_hi_[o]; ++s)
+          if (stamp_[s] != epoch_) {
+            stamp_[s] = epoch_;
+            affected_.push_back(s);
+          }
+      }
+      // Section floors and unplaced totals.
+      const size_t floor_mark = floor_log_.size();
+      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) {
+        floor_log_.emplace_back(s, floor_[s]);
+        floor_[s] = top;
+        total_[s] -= size_[b];
+      }
+      for (int s : affected_) {
+        int64_t lowest = kDone;
+        for (int o : covering_[s])
+          if (offset_[o] < 0) lowest = std::min(lowest, min_offset_[o]);
+        if (lowest != kDone && floor_[s] < lowest) {
+          floor_log_.emplace_back(s, floor_[s]);
+          floor_[s] = lowest;
+        }
+      }
+      bool ok = true;
+      for (int s = part.lo; s < part.hi && ok; ++s)
+        ok = std::max(off, floor_[s]) + total_[s] <= capacity_;
+      int status = kNotFound;
+      if (ok) status = decompose(part, preorder, ranks, off, r, b);
+      for (size_t i = floor_log_.size(); i > floor_mark; --i) floor_[floor_log_[i - 1].first] = floor_log_[i - 1].second;
+      floor_log_.resize(floor_mark);
+      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) total_[s] += size_[b];
+      for (size_t i = offset_log_.size(); i > offset_mark; --i)
+        min_offset_[offset_log_[i - 1].first] = offset_log_[i - 1].second;
+      offset_log_.resize(offset_mark);
+      offset_[b] = -1;
+      if (status != kNotFound) return status;
+    }
+    ++backtracks_;
+    return kNotFound;
+  }
+
+  int decompose(const Part& part, const std::vector<int>& preorder, const std::vector<int>& ranks,
+                int64_t off, int r, int b) {
+    solution_[b] = offset_[b];
+    std::vector<int> cut_at = {part.lo};
+    for (int s = s_lo_[b]; s + 1 < s_hi_[b]; ++s)
+      if (--cuts_[s] == 0) cut_at.push_back(s + 1);
+    int status = kFound;
+    if (cut_at.size() == 1) {
+      status = search(part, preorder, ranks, off, r);
+    } else {
+      cut_at.push_back(part.hi);
+      for (size_t c = 1; c < cut_at.size(); ++c) {
+        Part sub{cut_at[c - 1], cut_at[c], {}};
+        for (int o : part.buffers)
+          if (offset_[o] < 0 && s_lo_[o] < sub.hi && sub.lo < s_hi_[o]) sub.buffers.push_back(o);
+        if (sub.buffers.empty()) continue;
+        status = sub_solve(sub);
+        if (status != kFound) break;
+      }
+    }
+    for (int s = s_lo_[b]; s + 1 < s_hi_[b]; ++s) ++cuts_[s];
+    return status;
+  }
+
+  std::string current_heuristic_;
+  int n_;
+  std::vector<int64_t> lower_, upper_, size_, align_;
+  int64_t capacity_;
+  int64_t max_nodes_;
+  std::chrono::steady_clock::time_point deadline_;
+  int num_sections_ = 0;
+  std::vector<int> s_lo_, s_hi_, cuts_;
+  std::vector<std::vector<int>> covering_, overlaps_;
+  std::vector<int64_t> total_, floor_, offset_, solution_, min_offset_;
+  std::vector<std::pair<int, int64_t>> offset_log_, floor_log_;
+  std::vector<int> affected_;
+  std::vector<uint64_t> stamp_;
+  uint64_t epoch_ = 0;
+  int64_t node_budget_ = kDone, nodes_ = 0, backtracks_ = 0;
+
+ public:
+  const std::atomic<bool>* stop_ = nullptr;  // set by a portfolio partner that has answered
 };
 
 std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve(
@@ -370,9 +651,67 @@ std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve(
   return std::make_tuple(status, offsets, nodes, backtracks);
 }
 
+std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve_offset_order(
+    const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
+    const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align, int64_t capacity,
+    double time_limit_s, const std::vector<std::string>& heuristics, int64_t max_nodes) {
+  int status;
+  std::vector<int64_t> offsets;
+  int64_t nodes, backtracks;
+  {
+    pybind11::gil_scoped_release release;
+    OffsetOrderSearch search(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
+    status = search.solve(heuristics);
+    if (status == kFound) offsets = search.offsets();
+    nodes = search.nodes();
+    backtracks = search.backtracks();
+  }
+  return std::make_tuple(status, offsets, nodes, backtracks);
+}
+
+// Both searches at once, one thread each; the first definite answer (found, or
+// proven infeasible) stops the other. Returns (status, offsets, nodes, backtracks,
+// engine): engine 0 the skyline search, 1 the offset-order search, -1 neither.
+std::tuple<int, std::vector<int64_t>, int64_t, int64_t, int> solve_portfolio(
+    const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
+    const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align, int64_t capacity,
+    double time_limit_s, const std::vector<std::string>& skyline_orders,
+    const std::vector<std::string>& offset_orders, int64_t max_nodes) {
+  int status[2] = {kTimeout, kTimeout};
+  std::vector<int64_t> offsets;
+  int64_t nodes = 0, backtracks = 0;
+  int engine = -1;
+  {
+    pybind11::gil_scoped_release release;
+    std::atomic<bool> stop(false);
+    Search skyline(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
+    OffsetOrderSearch offset_order(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
+    skyline.stop_ = &stop;
+    offset_order.stop_ = &stop;
+    std::thread partner([&] {
+      status[1] = offset_order.solve(offset_orders);
+      if (status[1] == kFound || status[1] == kNotFound) stop.store(true);
+    });
+    status[0] = skyline.solve(skyline_orders);
+    if (status[0] == kFound || status[0] == kNotFound) stop.store(true);
+    partner.join();
+    for (int e = 0; e < 2 && engine < 0; ++e)
+      if (status[e] == kFound || status[e] == kNotFound) engine = e;
+    nodes = skyline.nodes() + offset_order.nodes();
+    backtracks = skyline.backtracks() + offset_order.backtracks();
+    if (engine == 0 && status[0] == kFound) offsets = skyline.offsets();
+    if (engine == 1 && status[1] == kFound) offsets = offset_order.offsets();
+  }
+  return std::make_tuple(engine >= 0 ? status[engine] : kTimeout, offsets, nodes, backtracks, engine);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "memplan's exact offset search (the skyline search of exact.py) in C++";
   m.def("solve", &solve, "(status, offsets, nodes, backtracks) for one capacity");
+  m.def("solve_offset_order", &solve_offset_order,
+        "minimalloc's offset-order search: (status, offsets, nodes, backtracks) for one capacity");
+  m.def("solve_portfolio", &solve_portfolio,
+        "both searches in two threads: (status, offsets, nodes, backtracks, engine)");
 }
