@@ -10,7 +10,7 @@ the modelled rules otherwise (modelled); TP it cannot trace is refused (exit 2),
 says so next to the real run's outcome. Tiny configs (`memplan.models.tiny_config`),
 batch 2, sequence 32, AdamW foreach. Writes the `bench:parallel_groundtruth` table.
 
-    .venv/bin/python benchmarks/bench_parallel_groundtruth.py
+    .venv/bin/python benchmarks/bench_parallel_groundtruth.py --repeats 3
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def main() -> None:
         rows.append(row)
     text = (
         "### Parallel layouts: estimate vs real gloo runs, every rank (CPU ground truth)\n\n"
-        "Command: `.venv/bin/python benchmarks/bench_parallel_groundtruth.py`\n\n"
+        "Command: `.venv/bin/python benchmarks/bench_parallel_groundtruth.py"
+        + (f" --repeats {args.repeats}" if args.repeats != 1 else "") + "`\n\n"
         "Real: peak of torch.profiler's memory timeline over one step (after a warm-up step) on each rank of a "
         "multi-process gloo run (torch.multiprocessing spawn; DDP, FSDP2 `fully_shard`, DTensor TP with the "
         "Llama plan, FSDP2 + TP on a 2-D mesh). Estimate: `estimate(..., device=\"cpu\", allocator=\"none\")`; "
