@@ -251,3 +251,20 @@ def test_a_tensor_larger_than_the_bounce_buffer_round_trips_through_o_direct(tmp
     store.read(path, _bytes_of(out))
     assert torch.equal(t, out)
     store.close()
+
+
+def test_step_in_backward_keeps_the_states_of_resident_nbytes_out_of_the_files(tmp_path):
+    ref = mid_step()  # each build seeds the RNG: build and train one after the other
+    for _ in range(2):
+        ref.run()
+    off = mid_step()
+    last = list(off.model.named_parameters())[-1][0]  # the first parameter in backward's order
+    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=1024, step_in_backward=True,
+             resident_nbytes=8 << 20) as engine:
+        for _ in range(2):
+            off.run()
+        written = set(engine.table)
+    assert f"state.{last}.exp_avg" not in written
+    assert any(key.startswith("state.") for key in written)  # the rest still leave
+    for a, b in zip(ref.model.parameters(), off.model.parameters()):
+        assert torch.equal(a, b)

@@ -513,14 +513,26 @@ class _StepInBackward(_StreamedOptimizer):
     accumulation, no clipping over all gradients): a second gradient for a parameter already
     updated in this step is an error. `optimizer.step()` updates whatever backward did not
     reach and waits for the writes.
+
+    `resident_nbytes`: the states of the first parameters in backward's order, up to about
+    that many bytes (two moments per parameter assumed), never leave: where the budget has
+    room, every byte kept is a byte neither written nor read back each step.
     """
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 min_nbytes: int, chunk_nbytes: int) -> None:
+                 min_nbytes: int, chunk_nbytes: int, resident_nbytes: int = 0) -> None:
         super().__init__(engine, model, optimizer, min_nbytes, chunk_nbytes)
         groups = optimizer.param_groups
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.order = [p for g in reversed(groups) for p in reversed(g["params"])]
+        self.kept: set[int] = set()
+        kept_nbytes = 0
+        for p in self.order:
+            state_nbytes = 2 * p.numel() * p.element_size()
+            if kept_nbytes + state_nbytes > resident_nbytes:
+                break
+            self.kept.add(id(p))
+            kept_nbytes += state_nbytes
         self.updated: set[int] = set()
         self.fetching: dict[int, tuple[torch.Tensor, list[Future]]] = {}
         self.cursor = 0
@@ -562,8 +574,9 @@ class _StepInBackward(_StreamedOptimizer):
         self._update(p)
         p.grad = None
         self.updated.add(id(p))
-        for key, t in self._tensors_of(p):
-            self._send(key, t)
+        if id(p) not in self.kept:
+            for key, t in self._tensors_of(p):
+                self._send(key, t)
         self._prefetch_ahead()
 
     def _settle(self) -> None:
@@ -662,6 +675,7 @@ def run(
     streamed_step: bool = False,
     step_in_backward: bool = False,
     chunk_nbytes: int = 64 << 20,
+    resident_nbytes: int = 0,
 ) -> Iterator[OffloadEngine]:
     """Offload activations and optimizer states of `model`'s training to files under `directory`.
 
@@ -671,7 +685,8 @@ def run(
     the device then never holds every gradient and state at once. With `step_in_backward`,
     each parameter's update runs in backward as soon as its gradient is ready
     (`_StepInBackward`): gradients never leave and the update overlaps backward; it needs one
-    backward per optimizer step. Yields the engine (its
+    backward per optimizer step; `resident_nbytes` of states then stay (see `_StepInBackward`).
+    Yields the engine (its
     location table, bytes moved and degraded tensors are there to inspect).
     """
     if plan is not None:
@@ -682,7 +697,7 @@ def run(
                            host_fallback=host_fallback, fault=fault)
     states: Any = None
     if optimizer_states and step_in_backward:
-        states = _StepInBackward(engine, model, optimizer, min_nbytes, chunk_nbytes)
+        states = _StepInBackward(engine, model, optimizer, min_nbytes, chunk_nbytes, resident_nbytes)
     elif optimizer_states and streamed_step:
         states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes)
     elif optimizer_states:
