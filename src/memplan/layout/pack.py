@@ -84,10 +84,10 @@ def pack(
     method = "greedy"
     proven_lb = lower_bound
 
-    def attempt(cap: int) -> int:
+    def attempt(cap: int, until: float = deadline) -> int:
         nonlocal best, best_height, method, proven_lb
         stats["exact_calls"] += 1
-        status, found, counts = solve_exact(lower, upper, nbytes, align, cap, deadline=deadline)
+        status, found, counts = solve_exact(lower, upper, nbytes, align, cap, deadline=min(until, deadline))
         stats["nodes"] += counts["nodes"]
         stats["backtracks"] += counts["backtracks"]
         stats["engine"] = counts["engine"]
@@ -102,14 +102,26 @@ def pack(
 
     if minimize:
         ceiling = best_height - 1 if capacity is None else min(best_height - 1, capacity)
-        target = proven_lb  # the lower bound first: on tight instances it is the answer
-        while proven_lb <= ceiling and time.monotonic() < deadline:
-            status = attempt(target)
+        # Binary search between what is proven infeasible and what is found. The lower
+        # bound goes first with most of the time (on tight instances it is the answer);
+        # a capacity whose search runs out of its share of time is left behind, and
+        # the search goes on above it with half of what remains.
+        floor = proven_lb  # the least capacity still worth trying
+        target = proven_lb
+        share = 0.6
+        while floor <= ceiling and time.monotonic() < deadline:
+            until = time.monotonic() + share * (deadline - time.monotonic())
+            share = 0.5
+            status = attempt(target, until)
             if status == FOUND:
                 ceiling = best_height - 1
-            elif status != NOT_FOUND or has_gaps:
-                break  # out of time, or a search that proves nothing
-            target = (proven_lb + ceiling) // 2
+            elif status == NOT_FOUND and not has_gaps:
+                floor = max(floor, proven_lb)
+            elif status == NOT_FOUND:
+                break  # with gaps the search is not complete: it proves nothing
+            else:
+                floor = target + 1  # out of its time: try above it
+            target = (floor + ceiling) // 2
         status_name = "optimal" if best_height <= proven_lb else "feasible"
         if capacity is not None and best_height > capacity:
             status_name = "infeasible" if proven_lb > capacity else "unknown"
