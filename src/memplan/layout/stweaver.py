@@ -67,7 +67,7 @@ _FIXED_ORDER = [CATEGORY["parameter"], CATEGORY["gradient"], CATEGORY["optimizer
 # The exact search keeps, per buffer, the list of buffers live at the same time:
 # quadratic memory on long traces, so it is tried only on rests up to this size.
 EXACT_MAX_ITEMS = 8000
-EXACT_LIMIT_S = 10.0
+EXACT_LIMIT_S = 5.0
 
 
 def plan(
