@@ -171,7 +171,9 @@ def main() -> None:
         "over the profiled step (I/O bounce buffers for O_DIRECT are mmap'd, not tensors, and not counted); "
         "budget = 50% of the no-offload peak. Step times: median (min-max) over the pairs; "
         "time ratio = median over pairs of A's step time / B's (target >= 0.85), with the range of the pair ratios. "
-        "Bit-identical: every parameter after every step and every optimizer state at the end.",
+        "Bit-identical: every parameter after every step and every optimizer state at the end. "
+        "Load: other jobs on these 2 cores slow compute, not the disk (O_DIRECT here: 1.0-1.6 GB/s read, "
+        "1.5-2.6 GB/s write), so a loaded pair flatters offloading; unloaded, a no-offload step takes ~3 s.",
         "",
         f"Pair ratios of this run: {', '.join(f'{r:.3f}' for r in ratios)}.",
         "",
