@@ -34,12 +34,52 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int kFound = 0, kNotFound = 1, kAborted = 2, kTimeout = 3;
 constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
+
+// Sections (maximal time intervals with a constant live set) of a problem: each
+// buffer's section range, the buffers covering each section, the bytes live in it,
+// and how many buffers cross each section boundary. Both searches start from it.
+struct Sweep {
+  int num_sections = 0;
+  std::vector<int> s_lo, s_hi, cuts;
+  std::vector<std::vector<int>> covering;
+  std::vector<int64_t> total;
+
+  Sweep(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper, const std::vector<int64_t>& nbytes) {
+    const int n = static_cast<int>(nbytes.size());
+    std::vector<int64_t> points(lower);
+    points.insert(points.end(), upper.begin(), upper.end());
+    std::sort(points.begin(), points.end());
+    points.erase(std::unique(points.begin(), points.end()), points.end());
+    num_sections = std::max<int>(static_cast<int>(points.size()) - 1, 0);
+    s_lo.resize(n);
+    s_hi.resize(n);
+    covering.assign(num_sections, {});
+    total.assign(num_sections, 0);
+    cuts.assign(num_sections, 0);
+    for (int b = 0; b < n; ++b) {
+      s_lo[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), lower[b]) - points.begin());
+      s_hi[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), upper[b]) - points.begin());
+      for (int s = s_lo[b]; s < s_hi[b]; ++s) {
+        covering[s].push_back(b);
+        total[s] += nbytes[b];
+      }
+      for (int s = s_lo[b]; s + 1 < s_hi[b]; ++s) ++cuts[s];
+    }
+  }
+};
+
+std::chrono::steady_clock::time_point deadline_after(double time_limit_s) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+             std::chrono::duration<double>(std::max(0.0, time_limit_s)));
+}
 
 class Search {
  public:
@@ -48,31 +88,17 @@ class Search {
          int64_t capacity, double time_limit_s, int64_t max_nodes)
       : n_(static_cast<int>(nbytes.size())), size_(nbytes), align_(align), capacity_(capacity),
         max_nodes_(max_nodes) {
-    deadline_ = std::chrono::steady_clock::now() +
-                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                    std::chrono::duration<double>(std::max(0.0, time_limit_s)));
-    std::vector<int64_t> points(lower);
-    points.insert(points.end(), upper.begin(), upper.end());
-    std::sort(points.begin(), points.end());
-    points.erase(std::unique(points.begin(), points.end()), points.end());
-    num_sections_ = std::max<int>(static_cast<int>(points.size()) - 1, 0);
-    s_lo_.resize(n_);
-    s_hi_.resize(n_);
-    covering_.assign(num_sections_, {});
-    starting_.assign(num_sections_, {});
-    total_.assign(num_sections_, 0);
+    deadline_ = deadline_after(time_limit_s);
+    Sweep sweep(lower, upper, nbytes);
+    num_sections_ = sweep.num_sections;
+    s_lo_ = std::move(sweep.s_lo);
+    s_hi_ = std::move(sweep.s_hi);
+    cuts_ = std::move(sweep.cuts);
+    covering_ = std::move(sweep.covering);
+    total_ = std::move(sweep.total);
     skyline_.assign(num_sections_, 0);
-    cuts_.assign(num_sections_, 0);
-    for (int b = 0; b < n_; ++b) {
-      s_lo_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), lower[b]) - points.begin());
-      s_hi_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), upper[b]) - points.begin());
-      starting_[s_lo_[b]].push_back(b);
-      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) {
-        covering_[s].push_back(b);
-        total_[s] += size_[b];
-      }
-      for (int s = s_lo_[b]; s + 1 < s_hi_[b]; ++s) ++cuts_[s];
-    }
+    starting_.assign(num_sections_, {});
+    for (int b = 0; b < n_; ++b) starting_[s_lo_[b]].push_back(b);
     overlaps_.assign(n_, {});  // includes the buffer itself
     for (int b = 0; b < n_; ++b)
       for (int o = 0; o < n_; ++o)
@@ -384,29 +410,15 @@ class OffsetOrderSearch {
                     int64_t capacity, double time_limit_s, int64_t max_nodes)
       : n_(static_cast<int>(nbytes.size())), lower_(lower), upper_(upper), size_(nbytes), align_(align),
         capacity_(capacity), max_nodes_(max_nodes) {
-    deadline_ = std::chrono::steady_clock::now() +
-                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                    std::chrono::duration<double>(std::max(0.0, time_limit_s)));
-    std::vector<int64_t> points(lower);
-    points.insert(points.end(), upper.begin(), upper.end());
-    std::sort(points.begin(), points.end());
-    points.erase(std::unique(points.begin(), points.end()), points.end());
-    num_sections_ = std::max<int>(static_cast<int>(points.size()) - 1, 0);
-    s_lo_.resize(n_);
-    s_hi_.resize(n_);
-    covering_.assign(num_sections_, {});
-    total_.assign(num_sections_, 0);
+    deadline_ = deadline_after(time_limit_s);
+    Sweep sweep(lower, upper, nbytes);
+    num_sections_ = sweep.num_sections;
+    s_lo_ = std::move(sweep.s_lo);
+    s_hi_ = std::move(sweep.s_hi);
+    cuts_ = std::move(sweep.cuts);
+    covering_ = std::move(sweep.covering);
+    total_ = std::move(sweep.total);
     floor_.assign(num_sections_, 0);
-    cuts_.assign(num_sections_, 0);
-    for (int b = 0; b < n_; ++b) {
-      s_lo_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), lower[b]) - points.begin());
-      s_hi_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), upper[b]) - points.begin());
-      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) {
-        covering_[s].push_back(b);
-        total_[s] += size_[b];
-      }
-      for (int s = s_lo_[b]; s + 1 < s_hi_[b]; ++s) ++cuts_[s];
-    }
     overlaps_.assign(n_, {});  // other buffers live at the same time
     for (int b = 0; b < n_; ++b)
       for (int o = 0; o < n_; ++o)
