@@ -46,3 +46,16 @@ def test_extrapolated_peak_reserved_is_within_five_percent_or_two_segments_of_th
 def test_shallow_models_are_traced_at_full_depth():
     result = estimate(models.tiny_config("gpt2"), models.TrainingSetup(seq=32), gpu="t4")
     assert result.method == "full"
+
+
+def test_extrapolated_pipeline_tensor_parallel_stages_match_their_full_depth_traces():
+    # 6 blocks per stage: traced at 3 and 4 blocks per stage, extrapolated to 6
+    config = with_layers(models.tiny_config("llama-2-7b"), 12)
+    setup = models.TrainingSetup(seq=64, dtype="bf16")
+    layout = Layout(pp=2, tp=2, microbatches=3)
+    fast = estimate(config, setup, layout, gpu="a100-80gb")
+    full = estimate(config, setup, layout, gpu="a100-80gb", extrapolate=False)
+    assert fast.method == "extrapolated" and full.method == "full" and fast.parallel == "traced"
+    for quick, whole in zip(fast.per_rank, full.per_rank):
+        assert quick.peak_allocated_bytes == pytest.approx(whole.peak_allocated_bytes, rel=1e-3), quick.rank
+        assert quick.peak_phase == whole.peak_phase

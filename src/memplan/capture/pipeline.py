@@ -79,9 +79,12 @@ def pipeline_stage_step(
     batch: int,
     seq: int,
     device: str = "cpu",
+    setup: Any = None,
 ) -> Callable[[], None]:
     """The training step of `stage` (0-based): its 1F1B forwards and backwards, then
-    the optimizer step over its own parameters."""
+    the optimizer step over its own parameters. `setup` (optional) supplies the
+    autocast dtype of the forward, as `memplan.capture.step` applies it."""
+    from memplan.models import autocast
     mine, _ = stage_modules(model, stages, stage)
     inner = model.model
     first, last = stage == 0, stage == stages - 1
@@ -111,7 +114,8 @@ def pipeline_stage_step(
         for op, m in one_f_one_b(stages, stage, microbatches):
             set_microbatch(m)
             if op == "F":
-                outputs[m] = forward(m)
+                with autocast(setup, "cpu") if setup is not None else contextlib.nullcontext():
+                    outputs[m] = forward(m)
             else:
                 out = outputs.pop(m)
                 if last:
@@ -148,20 +152,43 @@ def capture_pipeline_stage(
         if not fake:
             torch.manual_seed(setup.seed)
         model = models.build_model(config, setup, device="cpu")
-        seq = models.sequence_length(setup, model)
-        _, owned = stage_modules(model, stages, stage)
-        owned_params = {id(p) for mod in owned for p in mod.parameters()}
-        for p in model.parameters():  # the other stages' weights live on other GPUs
-            if id(p) not in owned_params:
-                p.requires_grad_(False)
-        stage_model = torch.nn.ModuleList(owned)
-        optimizer = models.build_optimizer(stage_model, setup, device="cuda")
-        step = pipeline_stage_step(
-            model, optimizer, stages=stages, stage=stage, microbatches=microbatches,
-            batch=setup.batch, seq=seq,
-        )
+        stage_model, optimizer, step = build_pipeline_stage(model, setup, stages=stages, stage=stage,
+                                                            microbatches=microbatches)
         meta = {"model": model_spec if isinstance(model_spec, str) else type(model).__name__,
                 "setup": setup.to_dict(), "pipeline": {"stages": stages, "stage": stage,
                 "microbatches": microbatches, "schedule": "1f1b"}, "fake": fake}
         return capture(step, model=stage_model, optimizer=optimizer, iterations=iterations,
                        warmup=warmup, meta=meta)
+
+
+def build_pipeline_stage(
+    model: torch.nn.Module,
+    setup: Any,
+    *,
+    stages: int,
+    stage: int,
+    microbatches: int,
+    distribute: Callable[[list[torch.nn.Module]], None] | None = None,
+    target_device: str = "cuda",
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """(the stage's modules, its optimizer, its 1F1B step) for `stage` of a built `model`.
+
+    The other stages' weights live on other GPUs: they stop requiring gradients and the
+    optimizer never sees them. `distribute(owned)`, when given, applies a parallel layout
+    to the stage's modules (`memplan.parallel.apply.apply_stage_layout`) before the
+    optimizer is built over the resulting parameters."""
+    from memplan import models
+
+    seq = models.sequence_length(setup, model)
+    _, owned = stage_modules(model, stages, stage)
+    owned_params = {id(p) for mod in owned for p in mod.parameters()}
+    for p in model.parameters():
+        if id(p) not in owned_params:
+            p.requires_grad_(False)
+    if distribute is not None:
+        distribute(owned)
+    stage_model = torch.nn.ModuleList(owned)
+    optimizer = models.build_optimizer(stage_model, setup, device=target_device)
+    step = pipeline_stage_step(model, optimizer, stages=stages, stage=stage, microbatches=microbatches,
+                               batch=setup.batch, seq=seq, setup=setup)
+    return stage_model, optimizer, step

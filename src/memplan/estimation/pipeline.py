@@ -9,8 +9,12 @@ tensors and adds only what a CPU trace cannot see):
    (`memplan.estimation.layers`);
 2. per distinct rank of the parallel layout, trace that rank's step itself with FSDP2 /
    DTensor TP applied on a fake process group (`memplan.parallel.traced`), or, where
-   that is not possible (DDP, ZeRO-1/2, PP) or not asked for (`parallel_tracing=False`),
-   reshape the single-device trace by the modelled rules (`memplan.parallel.rank_trace`);
+   that is not possible (DDP, ZeRO-1/2, PP without TP) or not asked for
+   (`parallel_tracing=False`), reshape the single-device trace by the modelled rules
+   (`memplan.parallel.rank_trace`); PP x TP traces the first rank of each distinct
+   pipeline stage (first, a middle one, last), its 1F1B step with the stage's modules
+   under the TP plan (`memplan.parallel.traced.capture_stage_rank`), at 3 and 4 blocks
+   per stage for deep models;
    TP that cannot be traced is refused (`UserError`) unless `parallel_tracing=False`;
    a cpu job traced on the fake group also gets gloo's all-gather staging buffers;
 3. add the GPU-only terms (`memplan.estimation.gpu_terms`: SDPA kernel workspaces,
@@ -418,13 +422,21 @@ def _cached_capture(config: Any, depth: int | None, setup: Any, device: str,
     parallel step traced on a fake process group (`memplan.parallel.traced`)."""
     import json
 
-    target = layers.with_layers(config, depth) if depth is not None else config
+    pipelined = layout is not None and layout.pp > 1
+    if pipelined and depth is not None:  # `depth` blocks per stage: every stage's blocks are built
+        target = layers.with_layers(config, depth * layout.pp)
+    else:
+        target = layers.with_layers(config, depth) if depth is not None else config
     key = (json.dumps(target.to_dict(), sort_keys=True, default=str), json.dumps(setup.to_dict(), sort_keys=True),
            device, json.dumps(layout.to_dict(), sort_keys=True) if layout is not None else None, rank)
     if cache is not None and key in cache:
         return cache[key]
-    step = capture_step(target, setup, device) if layout is None else capture_parallel_step(target, setup, layout,
-                                                                                              rank, device)
+    if layout is None:
+        step = capture_step(target, setup, device)
+    elif pipelined:
+        step = capture_pipeline_rank(target, setup, layout, rank // (layout.dp * layout.tp), device)
+    else:
+        step = capture_parallel_step(target, setup, layout, rank, device)
     if cache is not None:
         cache[key] = step
     return step
@@ -436,6 +448,19 @@ def capture_parallel_step(config: Any, setup: Any, layout: Any, rank: int, devic
     from memplan.parallel.traced import capture_rank
 
     trace, meta = capture_rank(config, setup, layout, rank, device)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = getattr(config, "head_dim", None) or (int(getattr(config, "hidden_size", heads)) // heads)
+    return StepTrace(trace, meta["blocks_path"], int(meta["parameters"]), heads, int(head_dim),
+                     sequence_length(setup, config), int(meta["layers"]))
+
+
+def capture_pipeline_rank(config: Any, setup: Any, layout: Any, stage: int, device: str) -> StepTrace:
+    """The first rank of pipeline `stage` of `layout`: its 1F1B step with DTensor TP on a
+    fake process group (`memplan.parallel.traced.capture_stage_rank`)."""
+    from memplan.models import sequence_length
+    from memplan.parallel.traced import capture_stage_rank
+
+    trace, meta = capture_stage_rank(config, setup, layout, stage, device)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
     head_dim = getattr(config, "head_dim", None) or (int(getattr(config, "hidden_size", heads)) // heads)
     return StepTrace(trace, meta["blocks_path"], int(meta["parameters"]), heads, int(head_dim),

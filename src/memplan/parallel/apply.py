@@ -23,6 +23,10 @@ the layout is applied from outside):
 - **FSDP2** (ZeRO-3): `fully_shard` on every transformer block, then on the root,
   `reshard_after_forward=True`, over the "dp" dimension (HSDP: a ("replicate", "shard")
   mesh of the data-parallel ranks).
+- **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
+  get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
+  dimension of a ("pp", "dp", "tp") mesh (`pipeline_mesh`); one data-parallel rank per
+  stage, 1F1B schedule. PP without TP stays modelled (`memplan.parallel.transform`).
 - **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
   with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`).
 
@@ -47,8 +51,12 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     """Why `layout` cannot be traced on a fake process group (None: it can)."""
     if layout.world_size == 1:
         return "one device: nothing to apply"
-    if layout.pp > 1:
-        return "pipeline parallelism is modelled, not traced"
+    if layout.pp > 1 and layout.tp == 1:
+        return "pipeline parallelism without TP is modelled, not traced"
+    if layout.pp > 1 and layout.schedule != "1f1b":
+        return "only the 1F1B pipeline schedule is traced (the interleaved one is modelled)"
+    if layout.pp > 1 and layout.dp > 1:
+        return "PP x TP is traced with one data-parallel rank per stage; with more it is modelled"
     if layout.zero in (1, 2) and layout.dp > 1:
         return "ZeRO-1/2 (DeepSpeed semantics) are modelled, not traced"
     if layout.zero == 0 and layout.dp > 1:
@@ -72,8 +80,11 @@ def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = No
     if layout.tp == 1 or traceable(layout, config, setup) is None:
         return None
     head = f"cannot estimate --tp {layout.tp}: "
-    if layout.pp > 1:
-        return head + "TP is traced alone or with --zero 3, not with pipeline parallelism (--pp)"
+    if layout.pp > 1 and layout.schedule != "1f1b":
+        return head + "TP with pipeline parallelism is traced under --schedule 1f1b only"
+    if layout.pp > 1 and layout.dp > 1:
+        return head + (f"TP with pipeline parallelism is traced with one data-parallel rank per stage "
+                       f"(--world-size {layout.tp * layout.pp}), not {layout.dp}")
     if layout.dp > 1 and layout.zero == 0:
         return head + "DDP does not take DTensor (TP) parameters: combine --tp with --zero 3 (FSDP2)"
     if layout.dp > 1 and layout.zero in (1, 2):
@@ -160,10 +171,11 @@ class ReplicateParallel:
         distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
 
 
-def _replicate_the_rest(model: nn.Module, mesh: Any) -> None:
+def _replicate_the_rest(model: nn.Module, mesh: Any, modules: list[nn.Module] | None = None) -> None:
     from torch.distributed.tensor import DTensor
 
-    owners = [m for m in model.modules()
+    candidates = model.modules() if modules is None else (m for top in modules for m in top.modules())
+    owners = [m for m in candidates
               if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
     for module in owners:
         ReplicateParallel().apply(module, mesh)
@@ -206,3 +218,37 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a DTensor (itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def pipeline_mesh(layout: Any, device: str = "cpu") -> Any:
+    """The device mesh of a pipeline-parallel job: ("pp", "dp", "tp"), pp outermost (torchtitan's order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: list[nn.Module],
+                       mesh: Any) -> None:
+    """Apply `layout`'s TP to the modules of one pipeline stage (`owned`: its blocks, plus
+    the embedding on the first stage, the final norm and LM head on the last), in place.
+
+    The plan is `tensor_parallel_plan` cut to the stage's modules, so each block of the
+    stage is distributed exactly as in the non-pipelined TP step; the other stages'
+    modules stay plain tensors (they live on other GPUs and never run here). `mesh` has a
+    "tp" dimension (`pipeline_mesh`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if layout.tp == 1:
+        return
+    if any(hasattr(m, "lora_A") for top in owned for m in top.modules()):
+        raise UserError("the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones")
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(m)] for m in owned]
+    plan = {name: style for name, style in tensor_parallel_plan(model, blocks_path).items()
+            if any(name == p or name.startswith(p + ".") for p in prefixes)}
+    tied = tied_embeddings(model)
+    parallelize_module(model, mesh["tp"], plan)
+    if tied and any(m is model.get_input_embeddings() for m in owned) and \
+            any(m is model.get_output_embeddings() for m in owned):
+        _retie_embeddings(model)
+    _replicate_the_rest(model, mesh["tp"], owned)

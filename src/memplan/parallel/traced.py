@@ -202,6 +202,66 @@ def capture_rank(config: Any, setup: Any, layout: Any, rank: int, device: str = 
     return trace, step.meta
 
 
+def capture_stage_rank(config: Any, setup: Any, layout: Any, stage: int, device: str = "cpu") -> tuple[Trace, dict]:
+    """The trace of the first rank of pipeline `stage` of `layout` and the step's meta.
+
+    The stage's 1F1B step (`memplan.capture.pipeline`: embeddings on the first stage,
+    the final norm, LM head and loss on the last) runs on the fake process group of
+    `layout.world_size` ranks, with `layout`'s TP applied to the stage's modules over
+    the "tp" dimension of a ("pp", "dp", "tp") mesh, the same DTensor plan as the
+    non-pipelined TP step (`memplan.parallel.apply.apply_stage_layout`). `config` holds
+    every stage's blocks; each stage takes an equal share. The point-to-point sends and
+    receives between stages are not run: a received activation or gradient is a fresh
+    buffer, as a receive buffer would be.
+
+    The fake group is joined as global rank 0 for every stage: the first rank of stage s
+    (global rank s * dp * tp) has the same TP and DP coordinates (0, 0), hence the same
+    shards, and DTensor caches sharding strategies keyed by mesh *value*, which leaves out
+    the calling rank, so a second stage traced in the same process as another global rank
+    would reach into the first one's (destroyed) process groups."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memplan import models
+    from memplan.capture.pipeline import build_pipeline_stage
+    from memplan.errors import UserError
+    from memplan.models.build import transformer_blocks
+    from memplan.parallel.apply import apply_stage_layout, pipeline_mesh
+
+    if dist.is_initialized():
+        raise UserError("a process group is already initialised in this process: trace ranks in a fresh one")
+    rank = stage * layout.dp * layout.tp
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+    try:
+        mesh = pipeline_mesh(layout)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = models.build_model(config, setup, device="cpu")
+            blocks = transformer_blocks(model)
+            blocks_path = next(name for name, mod in model.named_modules() if mod is blocks)
+
+            def distribute(owned: list[torch.nn.Module]) -> None:
+                with unset_fake_temporarily():  # see memplan.parallel.groundtruth.build_parallel_step
+                    apply_stage_layout(model, layout, blocks_path, owned, mesh)
+
+            stage_model, optimizer, step = build_pipeline_stage(
+                model, setup, stages=layout.pp, stage=stage, microbatches=layout.microbatches,
+                distribute=distribute, target_device=device)
+            meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": device,
+                    "parameters": models.count_parameters(config), "blocks_path": blocks_path,
+                    "layers": len(blocks) // layout.pp, "fake": True, "rank": rank, "layout": layout.to_dict(),
+                    "pipeline": {"stages": layout.pp, "stage": stage, "microbatches": layout.microbatches,
+                                 "schedule": "1f1b"}}
+            trace = capture(step, model=stage_model, optimizer=optimizer, iterations=1, warmup=1, meta=meta,
+                            recorder=DistributedRecorder())
+    finally:
+        dist.destroy_process_group()
+        _forget_previous_meshes()
+    if device == "cuda":
+        trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]
+    return trace, meta
+
+
 def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
     """gloo's per-all-gather staging buffers (module docstring), for a cpu job on gloo."""
     first = trace.ops["first_event"]
