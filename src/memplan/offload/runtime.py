@@ -100,10 +100,13 @@ def _aligned(nbytes: int) -> int:
 class FileStore:
     """One preallocated file per tensor key, O_DIRECT where allowed, in a per-process directory.
 
-    O_DIRECT needs page-aligned memory and tensors are only 64-byte aligned, so direct I/O
-    goes through a bounce buffer of `bounce_nbytes` per I/O thread, allocated once and
-    reused, a tensor moving in pieces of that size. (A fresh `mmap` per transfer costs a
-    page fault per 4 KiB: it held the first version of this store to under 0.6 GB/s.)
+    O_DIRECT needs page-aligned memory and lengths. A buffer that has both (the states the
+    streamed optimizers refill with `_refill_page_aligned`) moves directly; the others
+    (tensors are only 64-byte aligned) go through a bounce buffer of `bounce_nbytes` per I/O
+    thread, allocated once and reused, a tensor moving in pieces of that size. (A fresh
+    `mmap` per transfer costs a page fault per 4 KiB: it held the first version of this store
+    to under 0.6 GB/s. The bounce copy itself is ~1 s of CPU per 4 GB moved, taken from
+    the compute on a 2-core machine.)
     """
 
     def __init__(self, directory: str | os.PathLike, *, direct: bool = True, bounce_nbytes: int = 8 << 20) -> None:
@@ -141,7 +144,11 @@ class FileStore:
         fd, direct = self._open(path, write=True)
         try:
             os.posix_fallocate(fd, 0, size)  # preallocate: a full disk fails here, before any data moves
-            if direct:
+            if direct and _page_aligned(data):  # no bounce copy
+                written = os.pwrite(fd, data, 0)
+                if written != nbytes:
+                    raise OSError(f"short write to {path}: {written} of {nbytes} bytes")
+            elif direct:
                 buf = self._bounce()
                 view = memoryview(buf)
                 try:
@@ -165,7 +172,11 @@ class FileStore:
         nbytes = out.nbytes
         fd, direct = self._open(Path(path), write=False)
         try:
-            if direct:
+            if direct and _page_aligned(out):  # no bounce copy
+                got = os.preadv(fd, [out], 0)
+                if got < nbytes:
+                    raise OSError(f"short read from {path}: {got} of {nbytes} bytes")
+            elif direct:
                 buf = self._bounce()
                 view = memoryview(buf)
                 try:
@@ -190,6 +201,24 @@ class FileStore:
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _refill_page_aligned(t: torch.Tensor, nbytes: int) -> None:
+    """Give `t`, whose storage was released, fresh storage of `nbytes` whose data starts on a page.
+
+    O_DIRECT can then move it with no copy through a bounce buffer (the CPU allocator aligns to
+    64 bytes only). The storage comes from the same allocator, 2 pages larger, so the profiler
+    and the budget see every byte of it."""
+    raw = torch.empty(nbytes + 2 * ALIGN, dtype=torch.uint8)
+    offset_bytes = (-raw.data_ptr()) % ALIGN  # a multiple of 64: whole elements of any dtype
+    t.set_(raw.untyped_storage(), offset_bytes // t.element_size(), t.shape, t.stride())
+
+
+def _page_aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can use this buffer as it is: page-aligned start and length."""
+    if view.nbytes == 0 or view.nbytes % ALIGN or view.readonly:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -418,7 +447,7 @@ class _StreamedOptimizer:
         for key in [k for k in self.sending if self.engine.pending.get(k) is None or self.engine.pending[k].done()]:
             t = self.sending.pop(key)
             self.engine.wait(key)
-            self.away[key] = (t, t.untyped_storage().nbytes())
+            self.away[key] = (t, t.numel() * t.element_size())
             t.untyped_storage().resize_(0)
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -442,7 +471,7 @@ class _StreamedOptimizer:
                 entry = self.away.pop(key, None)
                 if entry is not None:
                     t, nbytes = entry
-                    t.untyped_storage().resize_(nbytes)
+                    _refill_page_aligned(t, nbytes)
                     futures.append(self.engine.prefetch_into(key, t))
         return futures
 
@@ -514,32 +543,45 @@ class _StepInBackward(_StreamedOptimizer):
     updated in this step is an error. `optimizer.step()` updates whatever backward did not
     reach and waits for the writes.
 
-    `resident_nbytes`: the states of the first parameters in backward's order, up to about
-    that many bytes (two moments per parameter assumed), never leave: where the budget has
-    room, every byte kept is a byte neither written nor read back each step.
+    `resident_nbytes`: the states of the largest parameters (ties: backward's order), up to
+    about that many bytes (two moments per parameter assumed), never leave: where the budget
+    has room, every byte kept is a byte neither written nor read back each step. Largest first
+    because the update of the largest parameter is where such a step peaks (its gradient, both
+    its states and the optimizer's temporaries coexist; for GPT-2 the tied embedding, at the
+    very end of backward): states that must be in memory at the peak anyway cost nothing there
+    when kept, and their reads and writes, the longest of the step, would stall the end of
+    backward.
+
+    `forward_prefetch_nbytes`: how far ahead states are read after the optimizer step, i.e.
+    during the next forward, where the disk is otherwise idle and memory is below backward's
+    peak (default `chunk_nbytes`). Backward then consumes them first, and refills to
+    `chunk_nbytes` ahead only once fewer than that are in flight, so the extra bytes are held
+    only from the forward to the first updates of backward.
     """
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 min_nbytes: int, chunk_nbytes: int, resident_nbytes: int = 0) -> None:
+                 min_nbytes: int, chunk_nbytes: int, resident_nbytes: int = 0,
+                 forward_prefetch_nbytes: int | None = None) -> None:
         super().__init__(engine, model, optimizer, min_nbytes, chunk_nbytes)
         groups = optimizer.param_groups
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.order = [p for g in reversed(groups) for p in reversed(g["params"])]
+        self.forward_prefetch_nbytes = chunk_nbytes if forward_prefetch_nbytes is None else forward_prefetch_nbytes
         self.kept: set[int] = set()
         kept_nbytes = 0
-        for p in self.order:
+        for p in sorted(self.order, key=lambda q: -q.numel() * q.element_size()):  # stable: backward's order on ties
             state_nbytes = 2 * p.numel() * p.element_size()
-            if kept_nbytes + state_nbytes > resident_nbytes:
-                break
-            self.kept.add(id(p))
-            kept_nbytes += state_nbytes
+            if kept_nbytes + state_nbytes <= resident_nbytes:
+                self.kept.add(id(p))
+                kept_nbytes += state_nbytes
         self.updated: set[int] = set()
         self.fetching: dict[int, tuple[torch.Tensor, list[Future]]] = {}
         self.cursor = 0
 
-    def _prefetch_ahead(self) -> None:
+    def _prefetch_ahead(self, limit_nbytes: int | None = None) -> None:
+        limit_nbytes = self.chunk_nbytes if limit_nbytes is None else limit_nbytes
         ahead = sum(2 * p.numel() * p.element_size() for p, _ in self.fetching.values())
-        while self.cursor < len(self.order) and ahead < self.chunk_nbytes:
+        while self.cursor < len(self.order) and ahead < limit_nbytes:
             p = self.order[self.cursor]
             self.cursor += 1
             if id(p) in self.updated:
@@ -603,7 +645,7 @@ class _StepInBackward(_StreamedOptimizer):
         self._settle()
         self.updated.clear()
         self.cursor = 0
-        self._prefetch_ahead()  # the first states the next backward needs
+        self._prefetch_ahead(self.forward_prefetch_nbytes)  # read during the next forward
         return None
 
     def restore(self) -> None:
@@ -676,6 +718,7 @@ def run(
     step_in_backward: bool = False,
     chunk_nbytes: int = 64 << 20,
     resident_nbytes: int = 0,
+    forward_prefetch_nbytes: int | None = None,
 ) -> Iterator[OffloadEngine]:
     """Offload activations and optimizer states of `model`'s training to files under `directory`.
 
@@ -685,7 +728,8 @@ def run(
     the device then never holds every gradient and state at once. With `step_in_backward`,
     each parameter's update runs in backward as soon as its gradient is ready
     (`_StepInBackward`): gradients never leave and the update overlaps backward; it needs one
-    backward per optimizer step; `resident_nbytes` of states then stay (see `_StepInBackward`).
+    backward per optimizer step; `resident_nbytes` of states then stay, and
+    `forward_prefetch_nbytes` of states are read during the forward (see `_StepInBackward`).
     Yields the engine (its
     location table, bytes moved and degraded tensors are there to inspect).
     """
@@ -697,7 +741,8 @@ def run(
                            host_fallback=host_fallback, fault=fault)
     states: Any = None
     if optimizer_states and step_in_backward:
-        states = _StepInBackward(engine, model, optimizer, min_nbytes, chunk_nbytes, resident_nbytes)
+        states = _StepInBackward(engine, model, optimizer, min_nbytes, chunk_nbytes, resident_nbytes,
+                                 forward_prefetch_nbytes)
     elif optimizer_states and streamed_step:
         states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes)
     elif optimizer_states:
