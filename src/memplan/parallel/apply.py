@@ -25,7 +25,7 @@ the layout is applied from outside):
   mesh of the data-parallel ranks).
 - **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
   get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
-  dimension of a ("pp", "dp", "tp") mesh (`pipeline_mesh`); one data-parallel rank per
+  dimension of a ("pp", "pp_dp", "pp_tp") mesh (`pipeline_mesh`); one data-parallel rank per
   stage, 1F1B schedule. PP without TP stays modelled (`memplan.parallel.transform`).
 - **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
   with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`).
@@ -45,6 +45,7 @@ from memplan.errors import UserError
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
+STAGE_TP = "pp_tp"  # the TP dimension of a pipelined job's mesh (`pipeline_mesh`)
 
 
 def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
@@ -221,10 +222,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_mesh(layout: Any, device: str = "cpu") -> Any:
-    """The device mesh of a pipeline-parallel job: ("pp", "dp", "tp"), pp outermost (torchtitan's order)."""
+    """The device mesh of a pipeline-parallel job: ("pp", "pp_dp", "pp_tp"), pp outermost
+    (torchtitan's order). Its TP dimension is named apart from the non-pipelined mesh's
+    "tp": DTensor caches sharding decisions keyed by mesh *value* (ranks, layout, names),
+    and a cached decision holds the mesh, with its process-group names, of the first
+    trace; a pipelined trace after a non-pipelined one in the same process would
+    otherwise be handed the earlier, destroyed group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(device, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "pp_dp", STAGE_TP))
 
 
 def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: list[nn.Module],
@@ -234,8 +240,8 @@ def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: l
 
     The plan is `tensor_parallel_plan` cut to the stage's modules, so each block of the
     stage is distributed exactly as in the non-pipelined TP step; the other stages'
-    modules stay plain tensors (they live on other GPUs and never run here). `mesh` has a
-    "tp" dimension (`pipeline_mesh`)."""
+    modules stay plain tensors (they live on other GPUs and never run here). `mesh` is
+    `pipeline_mesh`'s."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if layout.tp == 1:
@@ -247,8 +253,8 @@ def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: l
     plan = {name: style for name, style in tensor_parallel_plan(model, blocks_path).items()
             if any(name == p or name.startswith(p + ".") for p in prefixes)}
     tied = tied_embeddings(model)
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(model, mesh[STAGE_TP], plan)
     if tied and any(m is model.get_input_embeddings() for m in owned) and \
             any(m is model.get_output_embeddings() for m in owned):
         _retie_embeddings(model)
-    _replicate_the_rest(model, mesh["tp"], owned)
+    _replicate_the_rest(model, mesh[STAGE_TP], owned)

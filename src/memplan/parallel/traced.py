@@ -208,7 +208,7 @@ def capture_stage_rank(config: Any, setup: Any, layout: Any, stage: int, device:
     The stage's 1F1B step (`memplan.capture.pipeline`: embeddings on the first stage,
     the final norm, LM head and loss on the last) runs on the fake process group of
     `layout.world_size` ranks, with `layout`'s TP applied to the stage's modules over
-    the "tp" dimension of a ("pp", "dp", "tp") mesh, the same DTensor plan as the
+    the TP dimension of a ("pp", "pp_dp", "pp_tp") mesh, the same DTensor plan as the
     non-pipelined TP step (`memplan.parallel.apply.apply_stage_layout`). `config` holds
     every stage's blocks; each stage takes an equal share. The point-to-point sends and
     receives between stages are not run: a received activation or gradient is a fresh
