@@ -86,6 +86,8 @@ def main() -> None:
                         "optimizer step streams gradients and states chunk by chunk (streamed_step)")
     parser.add_argument("--resident-mib", type=int, default=0,
                         help="in-backward: MiB of optimizer states that stay in memory (budget permitting)")
+    parser.add_argument("--forward-prefetch-mib", type=int, default=64,
+                        help="in-backward: MiB of states read ahead during the forward (forward_prefetch_nbytes)")
     parser.add_argument("--no-write", action="store_true", help="print the row, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     setup = TrainingSetup(batch=args.batch, seq=args.seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
@@ -98,7 +100,8 @@ def main() -> None:
     ref_s: list[float] = []
     off_s: list[float] = []
     identical = True
-    mode = ({"step_in_backward": True, "resident_nbytes": args.resident_mib << 20} if args.mode == "in-backward"
+    mode = ({"step_in_backward": True, "resident_nbytes": args.resident_mib << 20,
+             "forward_prefetch_nbytes": args.forward_prefetch_mib << 20} if args.mode == "in-backward"
             else {"streamed_step": True})
     with run(off.model, off.optimizer, directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
              **mode) as engine:
@@ -140,7 +143,7 @@ def main() -> None:
     params = sum(p.numel() for p in ref.model.parameters())
     row = (
         f"| {args.model} ({params / 1e6:.0f}M) | {args.batch}x{args.seq} "
-        f"| {args.mode}{f', {args.resident_mib} MiB of states kept' if args.resident_mib and args.mode == 'in-backward' else ''} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
+        f"| {args.mode}{f', {args.resident_mib} MiB of states kept (largest first), {args.forward_prefetch_mib} MiB read in forward' if args.mode == 'in-backward' else ''} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
         f"| {ref_peak / 2**30:.2f} GiB | {budget / 2**30:.2f} GiB | {off_peak / 2**30:.2f} GiB "
         f"| {'yes' if off_peak <= budget else 'NO'} | {'yes' if identical else 'NO'} ({steps} steps) "
         f"| {statistics.median(ref_s):.2f} ({min(ref_s):.2f}-{max(ref_s):.2f}) "
@@ -153,7 +156,8 @@ def main() -> None:
     if args.no_write:
         return
     cmd = (f".venv/bin/python benchmarks/bench_offload_runtime.py --model {args.model} --batch {args.batch} "
-           f"--seq {args.seq} --pairs {args.pairs} --dir {args.dir} --mode {args.mode} --resident-mib {args.resident_mib}")
+           f"--seq {args.seq} --pairs {args.pairs} --dir {args.dir} --mode {args.mode} --resident-mib {args.resident_mib} "
+           f"--forward-prefetch-mib {args.forward_prefetch_mib}")
     section = "\n".join([
         "<!-- bench:offload_runtime -->",
         "## Offload runtime, real CPU training here (issue 8)",
@@ -163,7 +167,9 @@ def main() -> None:
         "fp32, AdamW (per-parameter kernels). A = no offloading, B = `memplan.offload.run(...)`: activations and "
         "optimizer states to files, and either each parameter's update run in backward as soon as its gradient "
         "is ready (`step_in_backward=True`, mode in-backward: gradients never leave, states prefetched 64 MiB "
-        "ahead in backward's order) or gradients to files too and the optimizer step streamed in 64 MiB chunks "
+        "ahead in backward's order, `--forward-prefetch-mib` of them already during the forward; the states of the "
+        "largest parameters, `--resident-mib` of them, stay; refilled states are page-aligned, so O_DIRECT moves "
+        "them with no bounce copy) or gradients to files too and the optimizer step streamed in 64 MiB chunks "
         "(`streamed_step=True`, mode streamed). "
         "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
         "one profiled step each (peak), then timed pairs in alternating order (AB, BA, ...). "
