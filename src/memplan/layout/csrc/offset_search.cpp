@@ -645,7 +645,9 @@ class OffsetOrderSearch {
   const std::atomic<bool>* stop_ = nullptr;  // set by a portfolio partner that has answered
 };
 
-std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve(
+// One search without the GIL: (status, offsets when found, nodes, backtracks).
+template <typename S>
+std::tuple<int, std::vector<int64_t>, int64_t, int64_t> run_search(
     const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
     const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align, int64_t capacity,
     double time_limit_s, const std::vector<std::string>& heuristics, int64_t max_nodes) {
@@ -654,25 +656,7 @@ std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve(
   int64_t nodes, backtracks;
   {
     pybind11::gil_scoped_release release;
-    Search search(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
-    status = search.solve(heuristics);
-    if (status == kFound) offsets = search.offsets();
-    nodes = search.nodes();
-    backtracks = search.backtracks();
-  }
-  return std::make_tuple(status, offsets, nodes, backtracks);
-}
-
-std::tuple<int, std::vector<int64_t>, int64_t, int64_t> solve_offset_order(
-    const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
-    const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align, int64_t capacity,
-    double time_limit_s, const std::vector<std::string>& heuristics, int64_t max_nodes) {
-  int status;
-  std::vector<int64_t> offsets;
-  int64_t nodes, backtracks;
-  {
-    pybind11::gil_scoped_release release;
-    OffsetOrderSearch search(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
+    S search(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
     status = search.solve(heuristics);
     if (status == kFound) offsets = search.offsets();
     nodes = search.nodes();
@@ -721,8 +705,8 @@ std::tuple<int, std::vector<int64_t>, int64_t, int64_t, int> solve_portfolio(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "memplan's exact offset search (the skyline search of exact.py) in C++";
-  m.def("solve", &solve, "(status, offsets, nodes, backtracks) for one capacity");
-  m.def("solve_offset_order", &solve_offset_order,
+  m.def("solve", &run_search<Search>, "(status, offsets, nodes, backtracks) for one capacity");
+  m.def("solve_offset_order", &run_search<OffsetOrderSearch>,
         "minimalloc's offset-order search: (status, offsets, nodes, backtracks) for one capacity");
   m.def("solve_portfolio", &solve_portfolio,
         "both searches in two threads: (status, offsets, nodes, backtracks, engine)");
