@@ -144,11 +144,11 @@ class FileStore:
         fd, direct = self._open(path, write=True)
         try:
             os.posix_fallocate(fd, 0, size)  # preallocate: a full disk fails here, before any data moves
-            if direct and _page_aligned(data):  # no bounce copy
+            if not direct or _page_aligned(data):  # buffered, or O_DIRECT with no bounce copy
                 written = os.pwrite(fd, data, 0)
                 if written != nbytes:
                     raise OSError(f"short write to {path}: {written} of {nbytes} bytes")
-            elif direct:
+            else:
                 buf = self._bounce()
                 view = memoryview(buf)
                 try:
@@ -160,10 +160,6 @@ class FileStore:
                             raise OSError(f"short write to {path}: {offset + written} of {size} bytes")
                 finally:
                     view.release()
-            else:
-                written = os.pwrite(fd, data, 0)
-                if written != nbytes:
-                    raise OSError(f"short write to {path}: {written} of {nbytes} bytes")
         finally:
             os.close(fd)
         return str(path)
@@ -172,11 +168,11 @@ class FileStore:
         nbytes = out.nbytes
         fd, direct = self._open(Path(path), write=False)
         try:
-            if direct and _page_aligned(out):  # no bounce copy
+            if not direct or _page_aligned(out):  # buffered, or O_DIRECT with no bounce copy
                 got = os.preadv(fd, [out], 0)
                 if got < nbytes:
                     raise OSError(f"short read from {path}: {got} of {nbytes} bytes")
-            elif direct:
+            else:
                 buf = self._bounce()
                 view = memoryview(buf)
                 try:
@@ -188,10 +184,6 @@ class FileStore:
                         out[offset : offset + piece] = view[:piece]
                 finally:
                     view.release()
-            else:
-                got = os.preadv(fd, [out], 0)
-                if got < nbytes:
-                    raise OSError(f"short read from {path}: {got} of {nbytes} bytes")
         finally:
             os.close(fd)
 
