@@ -20,6 +20,9 @@
 //   - candidate orders tried in turn under a doubling node budget.
 // exact.py stays the reference (the tests compare the two); every result of either
 // is checked by memplan/layout/validate.py before it is returned.
+//
+// The file also holds OffsetOrderSearch (minimalloc's own branching, below) and
+// solve_portfolio, which runs both searches on two threads.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -44,35 +47,36 @@ constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
 
 // Sections (maximal time intervals with a constant live set) of a problem: each
 // buffer's section range, the buffers covering each section, the bytes live in it,
-// and how many buffers cross each section boundary. Both searches start from it.
-struct Sweep {
-  int num_sections = 0;
-  std::vector<int> s_lo, s_hi, cuts;
-  std::vector<std::vector<int>> covering;
-  std::vector<int64_t> total;
-
-  Sweep(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper, const std::vector<int64_t>& nbytes) {
+// and how many buffers cross each section boundary. Both searches derive from it.
+class Sections {
+ protected:
+  Sections(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper, const std::vector<int64_t>& nbytes) {
     const int n = static_cast<int>(nbytes.size());
     std::vector<int64_t> points(lower);
     points.insert(points.end(), upper.begin(), upper.end());
     std::sort(points.begin(), points.end());
     points.erase(std::unique(points.begin(), points.end()), points.end());
-    num_sections = std::max<int>(static_cast<int>(points.size()) - 1, 0);
-    s_lo.resize(n);
-    s_hi.resize(n);
-    covering.assign(num_sections, {});
-    total.assign(num_sections, 0);
-    cuts.assign(num_sections, 0);
+    num_sections_ = std::max<int>(static_cast<int>(points.size()) - 1, 0);
+    s_lo_.resize(n);
+    s_hi_.resize(n);
+    covering_.assign(num_sections_, {});
+    total_.assign(num_sections_, 0);
+    cuts_.assign(num_sections_, 0);
     for (int b = 0; b < n; ++b) {
-      s_lo[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), lower[b]) - points.begin());
-      s_hi[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), upper[b]) - points.begin());
-      for (int s = s_lo[b]; s < s_hi[b]; ++s) {
-        covering[s].push_back(b);
-        total[s] += nbytes[b];
+      s_lo_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), lower[b]) - points.begin());
+      s_hi_[b] = static_cast<int>(std::lower_bound(points.begin(), points.end(), upper[b]) - points.begin());
+      for (int s = s_lo_[b]; s < s_hi_[b]; ++s) {
+        covering_[s].push_back(b);
+        total_[s] += nbytes[b];
       }
-      for (int s = s_lo[b]; s + 1 < s_hi[b]; ++s) ++cuts[s];
+      for (int s = s_lo_[b]; s + 1 < s_hi_[b]; ++s) ++cuts_[s];
     }
   }
+
+  int num_sections_ = 0;
+  std::vector<int> s_lo_, s_hi_, cuts_;  // per buffer: its sections [s_lo, s_hi); per boundary: buffers crossing it
+  std::vector<std::vector<int>> covering_;  // per section: the buffers live in it
+  std::vector<int64_t> total_;  // per section: unplaced bytes live in it
 };
 
 std::chrono::steady_clock::time_point deadline_after(double time_limit_s) {
@@ -81,21 +85,14 @@ std::chrono::steady_clock::time_point deadline_after(double time_limit_s) {
              std::chrono::duration<double>(std::max(0.0, time_limit_s)));
 }
 
-class Search {
+class Search : private Sections {
  public:
   Search(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
          const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align,
          int64_t capacity, double time_limit_s, int64_t max_nodes)
-      : n_(static_cast<int>(nbytes.size())), size_(nbytes), align_(align), capacity_(capacity),
-        max_nodes_(max_nodes) {
+      : Sections(lower, upper, nbytes), n_(static_cast<int>(nbytes.size())), size_(nbytes), align_(align),
+        capacity_(capacity), max_nodes_(max_nodes) {
     deadline_ = deadline_after(time_limit_s);
-    Sweep sweep(lower, upper, nbytes);
-    num_sections_ = sweep.num_sections;
-    s_lo_ = std::move(sweep.s_lo);
-    s_hi_ = std::move(sweep.s_hi);
-    cuts_ = std::move(sweep.cuts);
-    covering_ = std::move(sweep.covering);
-    total_ = std::move(sweep.total);
     skyline_.assign(num_sections_, 0);
     starting_.assign(num_sections_, {});
     for (int b = 0; b < n_; ++b) starting_[s_lo_[b]].push_back(b);
@@ -378,10 +375,9 @@ class Search {
   std::vector<int64_t> size_, align_;
   int64_t capacity_;
   std::chrono::steady_clock::time_point deadline_;
-  int num_sections_ = 0;
-  std::vector<int> s_lo_, s_hi_, cuts_, rank_;
-  std::vector<std::vector<int>> covering_, starting_, overlaps_;
-  std::vector<int64_t> total_, skyline_, rest_, offset_;
+  std::vector<int> rank_;
+  std::vector<std::vector<int>> starting_, overlaps_;
+  std::vector<int64_t> skyline_, rest_, offset_;
   std::vector<char> placed_;
   int64_t max_nodes_ = kDone;  // a deterministic budget: past it the search gives up as on a timeout
   int64_t node_limit_ = kDone, nodes_ = 0, backtracks_ = 0;
@@ -402,22 +398,16 @@ class Search {
 // section's floor is the top of what is placed there, raised to the lowest offset any
 // of its unplaced buffers can take). Decomposes when the last unplaced buffer crossing
 // a section boundary is placed. Pre-orders tried round robin under a doubling node
-// budget. exact.py's `_OffsetOrderSearch` is the reference, node for node.
-class OffsetOrderSearch {
+// budget. It has no Python twin: the tests check it against the skyline search
+// (same feasibility answers on random problems) and validate every packing it finds.
+class OffsetOrderSearch : private Sections {
  public:
   OffsetOrderSearch(const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
                     const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align,
                     int64_t capacity, double time_limit_s, int64_t max_nodes)
-      : n_(static_cast<int>(nbytes.size())), lower_(lower), upper_(upper), size_(nbytes), align_(align),
-        capacity_(capacity), max_nodes_(max_nodes) {
+      : Sections(lower, upper, nbytes), n_(static_cast<int>(nbytes.size())), lower_(lower), upper_(upper),
+        size_(nbytes), align_(align), capacity_(capacity), max_nodes_(max_nodes) {
     deadline_ = deadline_after(time_limit_s);
-    Sweep sweep(lower, upper, nbytes);
-    num_sections_ = sweep.num_sections;
-    s_lo_ = std::move(sweep.s_lo);
-    s_hi_ = std::move(sweep.s_hi);
-    cuts_ = std::move(sweep.cuts);
-    covering_ = std::move(sweep.covering);
-    total_ = std::move(sweep.total);
     floor_.assign(num_sections_, 0);
     overlaps_.assign(n_, {});  // other buffers live at the same time
     for (int b = 0; b < n_; ++b)
@@ -631,10 +621,8 @@ class OffsetOrderSearch {
   int64_t capacity_;
   int64_t max_nodes_;
   std::chrono::steady_clock::time_point deadline_;
-  int num_sections_ = 0;
-  std::vector<int> s_lo_, s_hi_, cuts_;
-  std::vector<std::vector<int>> covering_, overlaps_;
-  std::vector<int64_t> total_, floor_, offset_, solution_, min_offset_;
+  std::vector<std::vector<int>> overlaps_;
+  std::vector<int64_t> floor_, offset_, solution_, min_offset_;
   std::vector<std::pair<int, int64_t>> offset_log_, floor_log_;
   std::vector<int> affected_;
   std::vector<uint64_t> stamp_;
