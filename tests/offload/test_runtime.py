@@ -176,7 +176,9 @@ def mid_step():
     return build_training_step(config, models.TrainingSetup(batch=1, seq=32), device="cpu")
 
 
-def test_streamed_step_halves_the_measured_peak_and_keeps_parameters_bit_identical(tmp_path):
+def two_steps_each(tmp_path, **mode):
+    """Two steps of mid_step() without and with offloading (`mode`); the second step of
+    each is profiled: (reference, its peak, offloaded, its peak, the engine)."""
     from memplan.offload.measure import step_peak_bytes
 
     ref = mid_step()
@@ -184,11 +186,16 @@ def test_streamed_step_halves_the_measured_peak_and_keeps_parameters_bit_identic
     ref_peak = step_peak_bytes(ref)
     ref.run()
     off = mid_step()
-    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, streamed_step=True,
-             chunk_nbytes=1 << 20, checksum=True) as engine:
+    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, chunk_nbytes=1 << 20,
+             checksum=True, **mode) as engine:
         off.run()
         off_peak = step_peak_bytes(off)
         off.run()
+    return ref, ref_peak, off, off_peak, engine
+
+
+def test_streamed_step_halves_the_measured_peak_and_keeps_parameters_bit_identical(tmp_path):
+    ref, ref_peak, off, off_peak, engine = two_steps_each(tmp_path, streamed_step=True)
     assert engine.bytes_written > 0 and not engine.degraded
     assert off_peak <= ref_peak // 2, (off_peak, ref_peak)
     for (name, a), (_, b) in zip(ref.model.named_parameters(), off.model.named_parameters()):
@@ -199,18 +206,7 @@ def test_streamed_step_halves_the_measured_peak_and_keeps_parameters_bit_identic
 
 
 def test_step_in_backward_halves_the_measured_peak_and_keeps_parameters_bit_identical(tmp_path):
-    from memplan.offload.measure import step_peak_bytes
-
-    ref = mid_step()
-    ref.run()
-    ref_peak = step_peak_bytes(ref)
-    ref.run()
-    off = mid_step()
-    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, step_in_backward=True,
-             chunk_nbytes=1 << 20, checksum=True) as engine:
-        off.run()
-        off_peak = step_peak_bytes(off)
-        off.run()
+    ref, ref_peak, off, off_peak, engine = two_steps_each(tmp_path, step_in_backward=True)
     assert engine.bytes_written > 0 and not engine.degraded
     assert not any(key.startswith("grad.") for key in engine.table)  # gradients never leave
     assert off_peak <= ref_peak // 2, (off_peak, ref_peak)
