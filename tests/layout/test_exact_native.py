@@ -24,12 +24,17 @@ def _columns(buffers):
     return tuple(np.array(c, dtype=np.int64) for c in zip(*buffers))
 
 
+def _at_live_peak_plus(buffers, slack):
+    """(lower, upper, nbytes, align, capacity): the live peak plus slack // 4."""
+    lower, upper, nbytes, align = _columns(buffers)
+    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
+    return lower, upper, nbytes, align, live + slack // 4
+
+
 @settings(max_examples=60, deadline=None)
 @given(problems, st.integers(0, 40))
 def test_native_and_python_engines_agree_on_status_and_nodes(buffers, slack):
-    lower, upper, nbytes, align = _columns(buffers)
-    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
-    capacity = live + slack // 4
+    lower, upper, nbytes, align, capacity = _at_live_peak_plus(buffers, slack)
     # A node budget, not a clock, bounds the search: a few of these small infeasible
     # instances take half a million nodes to prove, and both engines must stop at the
     # same node however loaded the machine is.
@@ -99,9 +104,7 @@ def test_the_offset_order_search_and_the_portfolio_pack_minimallocs_example_in_1
 def test_the_offset_order_search_answers_as_the_skyline_search_does(buffers, slack):
     # Two different complete searches must agree on feasibility; every packing found
     # passes the validator.
-    lower, upper, nbytes, align = _columns(buffers)
-    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
-    capacity = live + slack // 4
+    lower, upper, nbytes, align, capacity = _at_live_peak_plus(buffers, slack)
     deadline = time.monotonic() + 3600
     budget = dict(deadline=deadline, max_nodes=200_000)
     skyline, _, _ = solve_exact(lower, upper, nbytes, align, capacity, engine="native", **budget)
