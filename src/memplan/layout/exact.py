@@ -14,7 +14,10 @@ skyline branching rule that suits an interpreted language:
   skyline rises to the next level at which a buffer could rest. Every normalised
   packing is reached this way, so an exhausted search proves infeasibility.
 - **Cross-section inference.** A section's unplaced bytes must fit between its skyline
-  and the capacity; a move that breaks this in any section it touched is pruned.
+  and the capacity, and above the lowest level any of its unplaced buffers can rest
+  at; and, a staircase, for every level L the bytes of the buffers that cannot rest
+  below L must fit between L and the capacity. A move that breaks either in any
+  section it touched is pruned.
 - **Dominance.** Identical candidates (same lifetime, size and alignment) are tried once;
   waste is only tried after every buffer that could fill the spot.
 - **Decomposition.** Time points where no buffer is live split the problem into
@@ -27,8 +30,9 @@ The same search is compiled from `csrc/offset_search.cpp` (`memplan.layout.nativ
 node for node, with seeded random tie-break restarts added. The same file holds a
 second complete search with minimalloc's own branching (buffers at their lowest
 viable offset, in offset order), and `solve_exact` runs the two compiled searches
-side by side on two threads when it can build them (this module otherwise; this
-module is the reference of the skyline search).
+side by side on two threads when it can build them, with OR-Tools CP-SAT
+(`memplan.layout.cpsat`) on a third (this module otherwise; this module is the
+reference of the skyline search).
 
 It answers a decision question; `memplan.layout.pack` turns it into minimisation.
 Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignments.
@@ -37,11 +41,13 @@ Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignment
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from typing import Any
 
 import numpy as np
 
-from memplan.layout import native
+from memplan.layout import cpsat, native
 
 FOUND, NOT_FOUND, ABORTED, TIMEOUT = 0, 1, 2, 3
 
@@ -67,6 +73,7 @@ class _Search:
         self.max_nodes = max_nodes
         self.n = n = int(lower.shape[0])
         self.size = nbytes.tolist()
+        self.size_array = np.asarray(nbytes, np.int64)
         self.align = align.tolist()
         self.capacity = capacity
         self.deadline = deadline
@@ -242,12 +249,30 @@ class _Search:
 
     def _floors_fit(self, changed: np.ndarray) -> bool:
         """In every section of the buffers whose rest level rose, some unplaced buffer
-        must still be able to sit low enough for the section's unplaced bytes to fit."""
+        must still be able to sit low enough for the section's unplaced bytes to fit,
+        and the bytes that can only rest at or above any level must fit above it."""
         a = min(self.s_lo[b] for b in changed.tolist())
         z = max(self.s_hi[b] for b in changed.tolist())
-        lowest = np.where(self.members[a:z], self.rest[None, :], _DONE).min(axis=1)
+        rest_in = np.where(self.members[a:z], self.rest[None, :], _DONE)
+        lowest = rest_in.min(axis=1)
         total = self.total[a:z]
-        return not bool(((total > 0) & (lowest + total > self.capacity)).any())
+        capacity = self.capacity
+        if bool(((total > 0) & (lowest + total > capacity)).any()):
+            return False
+        # Staircase: for every level L, the unplaced bytes that cannot sit below L must
+        # fit in [L, capacity). Only buffers resting above their section's skyline set
+        # a level that the check above has not covered.
+        raised = (rest_in != _DONE) & (rest_in > self.skyline[a:z, None]) & (total[:, None] > 0)
+        size = self.size_array
+        for row in np.flatnonzero(raised.any(axis=1)).tolist():
+            members = np.flatnonzero(raised[row])
+            levels = rest_in[row, members]
+            order = np.argsort(levels, kind="stable")
+            levels, sizes = levels[order], size[members][order]
+            above = np.cumsum(sizes[::-1])[::-1]  # bytes resting at or above each level
+            if bool((levels + above > capacity).any()):
+                return False
+        return True
 
     def _place_rest(self, s_start: int, s_end: int, lo: int, hi: int) -> int:
         """Search on after a buffer over sections [lo, hi) was placed, splitting the range
@@ -328,7 +353,63 @@ RANDOM_RESTARTS = ("/1", "/2", "/3")
 # the buffer's sections.
 OFFSET_ORDER_HEURISTICS = ("WAT", "TAW", "TWA")
 
+# With CP-SAT in the portfolio, the offset-order search's time: this share of the
+# attempt's limit, at least OFFSET_ORDER_MIN_S.
+OFFSET_ORDER_SHARE = 0.2
+OFFSET_ORDER_MIN_S = 0.5
+
 ENGINES = ("auto", "portfolio", "native", "offset-order", "python")
+
+
+def _portfolio_with_cpsat(
+    ext: Any,
+    args: tuple[Any, ...],
+    skyline_orders: list[str],
+    lower: np.ndarray,
+    upper: np.ndarray,
+    nbytes: np.ndarray,
+    align: np.ndarray,
+    capacity: int,
+) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
+    """The two compiled searches (two threads, in C++) and CP-SAT (a third) at once;
+    the first definite answer stops the others."""
+    time_limit = args[-1]
+    model = cpsat.Decision(lower, upper, nbytes, align, capacity)
+    token = ext.StopToken()
+    done: list[tuple[str, int]] = []  # (engine, status) in the order they answered
+    lock = threading.Lock()
+
+    def run_cpsat() -> None:
+        status = model.solve(time_limit)
+        with lock:
+            done.append(("cp-sat", status))
+        if status in (FOUND, NOT_FOUND):
+            token.set()
+
+    worker = threading.Thread(target=run_cpsat, name="memplan-cpsat", daemon=True)
+    worker.start()
+    # The offset-order search answers minimalloc-like problems in a fraction of a
+    # second or rarely at all: past its share it stops and leaves its core (this
+    # machine class has two) to the skyline search and CP-SAT.
+    offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_limit)
+    status, offsets, nodes, backtracks, which = ext.solve_portfolio(
+        *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, offset_order_limit
+    )
+    with lock:
+        done.append((("", "skyline", "offset-order")[which + 1], status))
+    while worker.is_alive():
+        model.stop()
+        worker.join(0.01)
+    stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "cpsat_branches": model.branches}
+    for engine, answer in done:
+        if engine and answer in (FOUND, NOT_FOUND):
+            stats["engine"] = f"portfolio: {engine}"
+            if answer == NOT_FOUND:
+                return NOT_FOUND, None, stats
+            found = model.offsets if engine == "cp-sat" else np.asarray(offsets, dtype=np.int64)
+            return FOUND, found, stats
+    stats["engine"] = "portfolio"
+    return TIMEOUT, None, stats
 
 
 def solve_exact(
@@ -351,9 +432,11 @@ def solve_exact(
       for node, with `RANDOM_RESTARTS` added to the orders;
     - "offset-order": the compiled offset-order search (minimalloc's branching: each
       buffer at its lowest viable offset, in non-decreasing offset order);
-    - "portfolio": both compiled searches at once, one thread each; the first definite
-      answer wins (the skyline search is the stronger on random guillotine cuts, the
-      offset-order search on minimalloc's challenging benchmarks);
+    - "portfolio": both compiled searches at once, one thread each, and CP-SAT
+      (`memplan.layout.cpsat`) on a third when OR-Tools is installed and no
+      `max_nodes` is given; the first definite answer wins (the offset-order search is
+      the strongest on minimalloc's challenging benchmarks, the skyline search and
+      CP-SAT each solve tight guillotine cuts the others cannot);
     - "auto": the portfolio when the extension can be built, else "python".
 
     `max_nodes`: a budget of search nodes besides the deadline; past it the search
@@ -380,9 +463,11 @@ def solve_exact(
             status, offsets, nodes, backtracks = ext.solve(*args, skyline_orders, node_cap)
         elif engine == "offset-order":
             status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
+        elif max_nodes is None and cpsat.available():
+            return _portfolio_with_cpsat(ext, args, skyline_orders, lower, upper, nbytes, align, int(capacity))
         else:
             status, offsets, nodes, backtracks, which = ext.solve_portfolio(
-                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap
+                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, args[-1]
             )
             name = ("portfolio", "portfolio: skyline", "portfolio: offset-order")[which + 1]
         stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": name}

@@ -108,7 +108,7 @@ def pack(
         # the search goes on above it with half of what remains.
         floor = proven_lb  # the least capacity still worth trying
         target = proven_lb
-        share = 0.6
+        share = 0.8
         while floor <= ceiling and time.monotonic() < deadline:
             until = time.monotonic() + share * (deadline - time.monotonic())
             share = 0.5

@@ -13,7 +13,9 @@
 //     starts there sits at its skyline, or nothing does and the skyline rises to the
 //     next level a buffer could rest at;
 //   - cross-section inference: in every section touched by a move, the unplaced
-//     bytes must fit above the lowest level any unplaced buffer there can reach;
+//     bytes must fit above the lowest level any unplaced buffer there can reach, and
+//     (a staircase) for every level L, the bytes of the buffers that cannot rest
+//     below L must fit between L and the capacity;
 //   - dominance: identical candidates (lifetime, size, alignment) tried once;
 //   - decomposition where no buffer crosses a section boundary, statically and when
 //     the last buffer crossing one is placed;
@@ -77,6 +79,14 @@ class Sections {
   std::vector<int> s_lo_, s_hi_, cuts_;  // per buffer: its sections [s_lo, s_hi); per boundary: buffers crossing it
   std::vector<std::vector<int>> covering_;  // per section: the buffers live in it
   std::vector<int64_t> total_;  // per section: unplaced bytes live in it
+};
+
+bool stopped(const std::atomic<bool>* flag) { return flag != nullptr && flag->load(std::memory_order_relaxed); }
+
+// A flag Python sets to stop a running portfolio (another engine answered first).
+struct StopToken {
+  std::atomic<bool> flag{false};
+  void set() { flag.store(true); }
 };
 
 std::chrono::steady_clock::time_point deadline_after(double time_limit_s) {
@@ -183,7 +193,7 @@ class Search : private Sections {
     if (nodes_ > node_limit_) return kAborted;
     if (nodes_ > max_nodes_) return kTimeout;
     if ((nodes_ & 255) == 0 && (std::chrono::steady_clock::now() > deadline_ ||
-                                (stop_ != nullptr && stop_->load(std::memory_order_relaxed))))
+                                stopped(stop_) || stopped(cancel_)))
       return kTimeout;
     int64_t lowest = kDone;
     for (int k = s_start; k < s_end; ++k)
@@ -305,15 +315,35 @@ class Search : private Sections {
 
   // In sections [a, z), where rest levels rose or bytes were placed, some unplaced
   // buffer must still sit low enough for the section's unplaced bytes to fit.
-  bool floors_fit(int a, int z) const {
+  bool floors_fit(int a, int z) {
     for (int k = a; k < z; ++k) {
       if (total_[k] <= 0) continue;
-      int64_t lowest = kDone;
-      for (int b : covering_[k]) lowest = std::min(lowest, rest_[b]);
+      int64_t lowest = kDone, high = 0, top = 0;
+      levels_.clear();
+      for (int b : covering_[k]) {
+        const int64_t r = rest_[b];
+        if (r == kDone) continue;
+        lowest = std::min(lowest, r);
+        if (r > skyline_[k]) {
+          levels_.emplace_back(r, size_[b]);
+          high += size_[b];
+          top = std::max(top, r);
+        }
+      }
       if (lowest == kDone || lowest + total_[k] > capacity_) return false;
+      // Staircase: for every level L, the unplaced bytes that cannot sit below L
+      // must fit in [L, capacity). Nothing to check when even the highest level plus
+      // all bytes resting above the skyline fits.
+      if (top + high <= capacity_) continue;
+      std::sort(levels_.begin(), levels_.end());
+      for (size_t i = 0; i < levels_.size(); ++i) {
+        if ((i == 0 || levels_[i].first != levels_[i - 1].first) && levels_[i].first + high > capacity_) return false;
+        high -= levels_[i].second;
+      }
     }
     return true;
   }
+  std::vector<std::pair<int64_t, int64_t>> levels_;
 
   // Search on after a buffer over sections [lo, hi) was placed, splitting the range
   // where no unplaced buffer crosses a boundary any more: the parts are independent.
@@ -384,6 +414,7 @@ class Search : private Sections {
 
  public:
   const std::atomic<bool>* stop_ = nullptr;  // set by a portfolio partner that has answered
+  const std::atomic<bool>* cancel_ = nullptr;  // set from Python (a StopToken): another engine has answered
 };
 
 // ---------------------------------------------------------------------------------
@@ -513,7 +544,7 @@ class OffsetOrderSearch : private Sections {
     ++nodes_;
     if (nodes_ > max_nodes_) return kTimeout;
     if ((nodes_ & 255) == 0 && (std::chrono::steady_clock::now() > deadline_ ||
-                                (stop_ != nullptr && stop_->load(std::memory_order_relaxed))))
+                                stopped(stop_) || stopped(cancel_)))
       return kTimeout;
     // The unplaced buffers of the part by (lowest viable offset, pre-order rank).
     std::vector<std::pair<int64_t, int>> order;
@@ -631,6 +662,7 @@ class OffsetOrderSearch : private Sections {
 
  public:
   const std::atomic<bool>* stop_ = nullptr;  // set by a portfolio partner that has answered
+  const std::atomic<bool>* cancel_ = nullptr;  // set from Python (a StopToken): another engine has answered
 };
 
 // One search without the GIL: (status, offsets when found, nodes, backtracks).
@@ -654,13 +686,16 @@ std::tuple<int, std::vector<int64_t>, int64_t, int64_t> run_search(
 }
 
 // Both searches at once, one thread each; the first definite answer (found, or
-// proven infeasible) stops the other. Returns (status, offsets, nodes, backtracks,
+// proven infeasible) stops the other, and so does `token` (None or a StopToken)
+// when Python sets it. The offset-order search stops at its own (shorter) time
+// limit when told, leaving its core to the others. Returns (status, offsets, nodes, backtracks,
 // engine): engine 0 the skyline search, 1 the offset-order search, -1 neither.
 std::tuple<int, std::vector<int64_t>, int64_t, int64_t, int> solve_portfolio(
     const std::vector<int64_t>& lower, const std::vector<int64_t>& upper,
     const std::vector<int64_t>& nbytes, const std::vector<int64_t>& align, int64_t capacity,
     double time_limit_s, const std::vector<std::string>& skyline_orders,
-    const std::vector<std::string>& offset_orders, int64_t max_nodes) {
+    const std::vector<std::string>& offset_orders, int64_t max_nodes, StopToken* token,
+    double offset_order_time_limit_s) {
   int status[2] = {kTimeout, kTimeout};
   std::vector<int64_t> offsets;
   int64_t nodes = 0, backtracks = 0;
@@ -669,9 +704,11 @@ std::tuple<int, std::vector<int64_t>, int64_t, int64_t, int> solve_portfolio(
     pybind11::gil_scoped_release release;
     std::atomic<bool> stop(false);
     Search skyline(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
-    OffsetOrderSearch offset_order(lower, upper, nbytes, align, capacity, time_limit_s, max_nodes);
+    OffsetOrderSearch offset_order(lower, upper, nbytes, align, capacity,
+                                   std::min(time_limit_s, offset_order_time_limit_s), max_nodes);
     skyline.stop_ = &stop;
     offset_order.stop_ = &stop;
+    if (token != nullptr) skyline.cancel_ = offset_order.cancel_ = &token->flag;
     std::thread partner([&] {
       status[1] = offset_order.solve(offset_orders);
       if (status[1] == kFound || status[1] == kNotFound) stop.store(true);
@@ -696,6 +733,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("solve", &run_search<Search>, "(status, offsets, nodes, backtracks) for one capacity");
   m.def("solve_offset_order", &run_search<OffsetOrderSearch>,
         "minimalloc's offset-order search: (status, offsets, nodes, backtracks) for one capacity");
+  pybind11::class_<StopToken>(m, "StopToken")
+      .def(pybind11::init<>())
+      .def("set", &StopToken::set, "stop the portfolio this token was given to");
   m.def("solve_portfolio", &solve_portfolio,
-        "both searches in two threads: (status, offsets, nodes, backtracks, engine)");
+        "both searches in two threads: (status, offsets, nodes, backtracks, engine); the last "
+        "argument, a StopToken or None, stops them when set");
 }

@@ -1,0 +1,115 @@
+"""CP-SAT, the exact portfolio's third engine: its answers, and how the portfolio stops."""
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.layout import check_offsets, cpsat, native
+from memplan.layout.exact import FOUND, NOT_FOUND, OFFSET_ORDER_HEURISTICS, TIMEOUT, solve_exact
+from memplan.layout.generate import tight_instance
+
+pytestmark = pytest.mark.skipif(not cpsat.available(), reason="OR-Tools is not installed")
+needs_native = pytest.mark.skipif(bool(native.missing_build_tools()), reason="no C++ compiler or ninja")
+
+# facts.md §4: minimalloc's README example, optimum 12.
+README_EXAMPLE = [(0, 3, 4, 1), (3, 9, 4, 1), (0, 9, 4, 1), (9, 21, 4, 1), (0, 21, 4, 1)]
+
+
+def _columns(buffers):
+    return tuple(np.array(c, dtype=np.int64) for c in zip(*buffers))
+
+
+def test_cpsat_packs_minimallocs_example_in_12_and_proves_11_infeasible():
+    lower, upper, nbytes, align = _columns(README_EXAMPLE)
+    model = cpsat.Decision(lower, upper, nbytes, align, 12)
+    assert model.solve(30) == FOUND
+    assert check_offsets(lower, upper, nbytes, model.offsets, capacity=12) == 12
+    assert cpsat.Decision(lower, upper, nbytes, align, 11).solve(30) == NOT_FOUND
+
+
+def test_cpsat_places_aligned_buffers_at_multiples_of_their_alignment():
+    # Sizes 3 with alignment 8: two buffers live together need offsets 0 and 8.
+    lower, upper, nbytes, align = _columns([(0, 2, 3, 8), (1, 3, 3, 8)])
+    model = cpsat.Decision(lower, upper, nbytes, align, 11)
+    assert model.solve(30) == FOUND
+    assert sorted(model.offsets.tolist()) == [0, 8]
+    assert cpsat.Decision(lower, upper, nbytes, align, 10).solve(30) == NOT_FOUND
+
+
+def test_cpsat_works_in_units_of_the_common_divisor_and_returns_bytes():
+    problem, _ = tight_instance(60, seed=1)  # sizes in 1 KiB quanta
+    model = cpsat.Decision(problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity)
+    assert model.unit == 1024
+    assert model.solve(30) == FOUND
+    check_offsets(problem.lower, problem.upper, problem.nbytes, model.offsets, capacity=problem.capacity)
+
+
+def test_a_stopped_cpsat_model_does_not_start():
+    lower, upper, nbytes, align = _columns(README_EXAMPLE)
+    model = cpsat.Decision(lower, upper, nbytes, align, 12)
+    model.stop()
+    assert model.solve(30) == TIMEOUT and model.offsets is None
+
+
+problems = st.lists(
+    st.tuples(st.integers(0, 20), st.integers(1, 10), st.integers(1, 32), st.sampled_from([1, 1, 2, 8])),
+    min_size=1,
+    max_size=12,
+).map(lambda rows: [(lo, lo + length, size, a) for lo, length, size, a in rows])
+
+
+@needs_native
+@settings(max_examples=50, deadline=None)
+@given(problems, st.integers(0, 40))
+def test_cpsat_answers_as_the_skyline_search_does(buffers, slack):
+    # Two unrelated complete methods must agree on feasibility at the live peak plus slack.
+    lower, upper, nbytes, align = _columns(buffers)
+    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
+    capacity = live + slack // 4
+    skyline, _, _ = solve_exact(lower, upper, nbytes, align, capacity, deadline=time.monotonic() + 3600,
+                                engine="native", max_nodes=200_000)
+    if skyline == TIMEOUT:
+        return
+    model = cpsat.Decision(lower, upper, nbytes, align, capacity)
+    status = model.solve(60)
+    assert status == skyline
+    if status == FOUND:
+        check_offsets(lower, upper, nbytes, model.offsets, alignment=align, capacity=capacity)
+
+
+@needs_native
+def test_a_set_stop_token_stops_the_compiled_portfolio_at_once():
+    problem, _ = tight_instance(450, seed=6)  # neither compiled search solves it in 5 s
+    ext = native.extension()
+    token = ext.StopToken()
+    token.set()
+    start = time.monotonic()
+    status, offsets, nodes, _, engine = ext.solve_portfolio(
+        problem.lower.tolist(), problem.upper.tolist(), problem.nbytes.tolist(), problem.alignment.tolist(),
+        int(problem.capacity), 60.0, ["WZ"], list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, 60.0,
+    )
+    assert (status, offsets, engine) == (TIMEOUT, [], -1)
+    assert nodes <= 2 * 256 and time.monotonic() - start < 5
+
+
+@needs_native
+def test_the_portfolio_takes_cpsats_packing_where_the_compiled_searches_stall():
+    # 450 buffers cut from a rectangle: CP-SAT packs it in about a second on one core;
+    # neither compiled search does in 15 s.
+    problem, _ = tight_instance(450, seed=8)
+    status, offsets, stats = solve_exact(
+        problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
+        deadline=time.monotonic() + 60, engine="portfolio",
+    )
+    assert status == FOUND and stats["engine"] == "portfolio: cp-sat"
+    check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
+
+
+def test_the_common_unit_keeps_alignments_that_divide_it_and_shrinks_for_others():
+    assert cpsat.common_unit([3072, 6144], [1, 1024]) == 3072  # 1024 divides 3072: any multiple is aligned
+    assert cpsat.common_unit([3072, 6144], [4096]) == 1024  # 4096 does not: gcd(3072, 4096)
+    assert cpsat.common_unit([12, 24], [8]) == 4
+    assert cpsat.common_unit([5, 7], [1]) == 1
