@@ -79,14 +79,16 @@ def _fake() -> bool:
     return is_fake_mode_active()
 
 
-def run_case(spec: str, batch: int, seq: int | None, time_limit_s: float) -> dict:
+def run_case(spec: str, batch: int, seq: int | None, time_limit_s: float, optimizer: str = "adamw") -> dict:
+    """Trace `spec`'s whole training step (fake tensors, a CUDA job's defaults) and
+    optimise its order; the row's peaks, lower bound and times."""
     from memplan import models
     from memplan.order import capture_model_step
     from memplan.order.solve import optimize_order
 
     start = time.perf_counter()
     model = models.load_config(spec)
-    setup = models.TrainingSetup(batch=batch, seq=seq)
+    setup = models.TrainingSetup(batch=batch, seq=seq, optimizer=optimizer)
     graph = capture_model_step(model, setup, device="cuda")
     result = optimize_order(graph, time_limit_s=time_limit_s)
     total = time.perf_counter() - start
