@@ -16,10 +16,17 @@ with `weights=None`; roberta-base (transformers, masked-LM loss) at seq 512, the
 facts.md). Batch-norm buffers (running mean/var, batch counter) are persistent state,
 updated in place by the forward pass, as in eager PyTorch.
 
-torchvision is a benchmark-only dependency (`pip install torchvision==0.28.0`).
+torchvision is a benchmark-only dependency (`pip install torchvision==0.28.0`). With a
+CPU-only torch, PyPI's torchvision wheel (built for CUDA) must NOT go into the project's
+virtualenv: its compiled extension does not load, and transformers, which imports
+torchvision when it is installed, then fails to import its models in every process.
+Install it into a directory of its own and put that on PYTHONPATH for this script only:
+
+    .venv/bin/pip install --no-deps --target /tmp/roam_tv/site torchvision==0.28.0
+    PYTHONPATH=/tmp/roam_tv/site .venv/bin/python benchmarks/bench_reorder_roam.py
 Writes the `<!-- bench:reorder_roam -->` section of BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/bench_reorder_roam.py [--time-limit 60] [--only alexnet]
+    [PYTHONPATH=DIR] .venv/bin/python benchmarks/bench_reorder_roam.py [--time-limit 60] [--only alexnet]
 """
 
 from __future__ import annotations
@@ -284,7 +291,8 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
     if importlib.util.find_spec("torchvision") is None:
-        print("torchvision is not installed (a benchmark-only dependency): pip install torchvision==0.28.0",
+        print("torchvision is not installed (a benchmark-only dependency): pip install torchvision==0.28.0 "
+              "(with a CPU-only torch: --no-deps --target DIR, then PYTHONPATH=DIR; see the module docstring)",
               file=sys.stderr)
         return 2
     import logging
@@ -308,7 +316,9 @@ def main() -> int:
     if rows:
         print(summary_line(rows), flush=True)
     print(f"all runs: {time.perf_counter() - start:.0f} s", flush=True)
-    command = ".venv/bin/python benchmarks/bench_reorder_roam.py" + (
+    tv_dir = Path(importlib.util.find_spec("torchvision").origin).parents[1]
+    prefix = f"PYTHONPATH={tv_dir} " if str(tv_dir) in os.environ.get("PYTHONPATH", "").split(os.pathsep) else ""
+    command = prefix + ".venv/bin/python benchmarks/bench_reorder_roam.py" + (
         f" --time-limit {args.time_limit:g}" if args.time_limit != 60.0 else "")
     if args.only:
         command += " --only " + " ".join(args.only)
