@@ -343,10 +343,13 @@ class _Search:
         return out
 
 
-# Restarts the compiled engine adds after the static orders: the same search with
-# ties broken in a seeded random order (the run time is heavy-tailed; a differently
-# ordered restart often finishes where a static order stalls).
-RANDOM_RESTARTS = ("/1", "/2", "/3")
+# What the compiled engine adds after the static orders: "*", Luby restarts (run r
+# stops after 2n x luby(r) nodes) with a fresh random candidate order each run. On
+# tight packings one order's run time is heavy-tailed (a few hundred nodes, or more
+# than a hundred thousand), which many short runs exploit; the budgets keep growing,
+# so an infeasible capacity is still proven. The Python reference keeps the doubling
+# round robin over its static orders.
+RANDOM_RESTARTS = ("*",)
 
 # Pre-orders of the offset-order search (minimalloc's defaults): keys taken largest
 # first — W lifetime width, A area (bytes x width), T the largest unplaced total of
@@ -429,7 +432,8 @@ def solve_exact(
     `engine`:
     - "python": this module's skyline search, the reference;
     - "native": the same skyline search compiled from `csrc/offset_search.cpp`, node
-      for node, with `RANDOM_RESTARTS` added to the orders;
+      for node when given one order; given several, it runs them and then Luby
+      restarts with random orders (`RANDOM_RESTARTS`);
     - "offset-order": the compiled offset-order search (minimalloc's branching: each
       buffer at its lowest viable offset, in non-decreasing offset order);
     - "portfolio": both compiled searches at once, one thread each, and CP-SAT
