@@ -109,6 +109,15 @@ def run_case(spec: str, batch: int, seq: int | None, time_limit_s: float, optimi
     return row
 
 
+def progress_line(case: str, row: dict) -> str:
+    """One case's figures, as printed while a benchmark runs."""
+    red = 1 - row["optimized"] / row["baseline"]
+    bound = _gib(row["lower_bound"]) if row["lower_bound"] is not None else "-"
+    return (f"{case}: {row['num_nodes']} nodes, program {_gib(row['baseline'])} GiB, "
+            f"inductor {_gib(row['inductor'])}, memplan {_gib(row['optimized'])} ({100 * red:.1f}%), "
+            f"lb {bound}, opt {row['optimize_s']} s, total {row['total_s']} s, start {row['start']}")
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f}"
 
@@ -188,11 +197,7 @@ def main() -> int:
         for batch in batches:
             row = run_case(spec, batch, seq, args.time_limit)
             into.append((label, batch, seq, row))
-            red = 1 - row["optimized"] / row["baseline"]
-            print(f"{label} b{batch}: {row['num_nodes']} nodes, program {_gib(row['baseline'])} GiB, "
-                  f"inductor {_gib(row['inductor'])}, memplan {_gib(row['optimized'])} ({100 * red:.1f}%), "
-                  f"lb {_gib(row['lower_bound'])}, opt {row['optimize_s']} s, total {row['total_s']} s, "
-                  f"start {row['start']}", flush=True)
+            print(progress_line(f"{label} b{batch}", row), flush=True)
     command = ".venv/bin/python benchmarks/bench_reorder.py" + (
         f" --time-limit {args.time_limit:g}" if args.time_limit != 60.0 else "")
     if args.only:

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_reorder import _summary, run_case  # noqa: E402 - after the path insert
+from bench_reorder import _summary, progress_line, run_case  # noqa: E402 - after the path insert
 
 # ROAM's figures on this set (facts.md §5): theoretical peak vs PyTorch's order
 ROAM_MEAN_REDUCTION = 0.159
@@ -276,11 +276,7 @@ def _run(label: str, spec: str, seq: int | None, batch: int, time_limit_s: float
         print(f"{label} b{batch}: FAILED {reason}", flush=True)
         return
     rows.append((label, batch, seq, row))
-    red = 1 - row["optimized"] / row["baseline"]
-    print(f"{label} b{batch} {_input(seq)}: {row['num_nodes']} nodes, program {_gib(row['baseline'])} GiB, "
-          f"inductor {_gib(row['inductor'])}, memplan {_gib(row['optimized'])} ({100 * red:.1f}%), "
-          f"lb {_gib(row['lower_bound']) if row['lower_bound'] is not None else '-'}, "
-          f"opt {row['optimize_s']} s, total {row['total_s']} s, start {row['start']}", flush=True)
+    print(progress_line(f"{label} b{batch} {_input(seq)}", row), flush=True)
 
 
 def main() -> int:
