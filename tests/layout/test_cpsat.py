@@ -2,10 +2,10 @@
 
 import time
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_cases import README_EXAMPLE, at_live_peak_plus, columns, problems
 
 from memplan.layout import check_offsets, cpsat, native
 from memplan.layout.exact import FOUND, NOT_FOUND, OFFSET_ORDER_HEURISTICS, TIMEOUT, solve_exact
@@ -14,16 +14,8 @@ from memplan.layout.generate import tight_instance
 pytestmark = pytest.mark.skipif(not cpsat.available(), reason="OR-Tools is not installed")
 needs_native = pytest.mark.skipif(bool(native.missing_build_tools()), reason="no C++ compiler or ninja")
 
-# facts.md §4: minimalloc's README example, optimum 12.
-README_EXAMPLE = [(0, 3, 4, 1), (3, 9, 4, 1), (0, 9, 4, 1), (9, 21, 4, 1), (0, 21, 4, 1)]
-
-
-def _columns(buffers):
-    return tuple(np.array(c, dtype=np.int64) for c in zip(*buffers))
-
-
 def test_cpsat_packs_minimallocs_example_in_12_and_proves_11_infeasible():
-    lower, upper, nbytes, align = _columns(README_EXAMPLE)
+    lower, upper, nbytes, align = columns(README_EXAMPLE)
     model = cpsat.Decision(lower, upper, nbytes, align, 12)
     assert model.solve(30) == FOUND
     assert check_offsets(lower, upper, nbytes, model.offsets, capacity=12) == 12
@@ -32,7 +24,7 @@ def test_cpsat_packs_minimallocs_example_in_12_and_proves_11_infeasible():
 
 def test_cpsat_places_aligned_buffers_at_multiples_of_their_alignment():
     # Sizes 3 with alignment 8: two buffers live together need offsets 0 and 8.
-    lower, upper, nbytes, align = _columns([(0, 2, 3, 8), (1, 3, 3, 8)])
+    lower, upper, nbytes, align = columns([(0, 2, 3, 8), (1, 3, 3, 8)])
     model = cpsat.Decision(lower, upper, nbytes, align, 11)
     assert model.solve(30) == FOUND
     assert sorted(model.offsets.tolist()) == [0, 8]
@@ -48,27 +40,18 @@ def test_cpsat_works_in_units_of_the_common_divisor_and_returns_bytes():
 
 
 def test_a_stopped_cpsat_model_does_not_start():
-    lower, upper, nbytes, align = _columns(README_EXAMPLE)
+    lower, upper, nbytes, align = columns(README_EXAMPLE)
     model = cpsat.Decision(lower, upper, nbytes, align, 12)
     model.stop()
     assert model.solve(30) == TIMEOUT and model.offsets is None
 
 
-problems = st.lists(
-    st.tuples(st.integers(0, 20), st.integers(1, 10), st.integers(1, 32), st.sampled_from([1, 1, 2, 8])),
-    min_size=1,
-    max_size=12,
-).map(lambda rows: [(lo, lo + length, size, a) for lo, length, size, a in rows])
-
-
 @needs_native
 @settings(max_examples=50, deadline=None)
-@given(problems, st.integers(0, 40))
+@given(problems(max_size=12), st.integers(0, 40))
 def test_cpsat_answers_as_the_skyline_search_does(buffers, slack):
     # Two unrelated complete methods must agree on feasibility at the live peak plus slack.
-    lower, upper, nbytes, align = _columns(buffers)
-    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
-    capacity = live + slack // 4
+    lower, upper, nbytes, align, capacity = at_live_peak_plus(buffers, slack)
     skyline, _, _ = solve_exact(lower, upper, nbytes, align, capacity, deadline=time.monotonic() + 3600,
                                 engine="native", max_nodes=200_000)
     if skyline == TIMEOUT:

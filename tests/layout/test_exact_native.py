@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_cases import README_EXAMPLE, at_live_peak_plus, columns, problems
 
 from memplan.layout import check_offsets, native, pack
 from memplan.layout.exact import FOUND, NOT_FOUND, TIMEOUT, solve_exact
@@ -13,28 +14,10 @@ from memplan.layout.generate import tight_instance
 
 pytestmark = pytest.mark.skipif(bool(native.missing_build_tools()), reason="no C++ compiler or ninja")
 
-problems = st.lists(
-    st.tuples(st.integers(0, 20), st.integers(1, 10), st.integers(1, 32), st.sampled_from([1, 1, 2, 8])),
-    min_size=1,
-    max_size=16,
-).map(lambda rows: [(lo, lo + length, size, a) for lo, length, size, a in rows])
-
-
-def _columns(buffers):
-    return tuple(np.array(c, dtype=np.int64) for c in zip(*buffers))
-
-
-def _at_live_peak_plus(buffers, slack):
-    """(lower, upper, nbytes, align, capacity): the live peak plus slack // 4."""
-    lower, upper, nbytes, align = _columns(buffers)
-    live = max(int(nbytes[(lower <= t) & (t < upper)].sum()) for t in range(int(upper.max())))
-    return lower, upper, nbytes, align, live + slack // 4
-
-
 @settings(max_examples=60, deadline=None)
-@given(problems, st.integers(0, 40))
+@given(problems(), st.integers(0, 40))
 def test_native_and_python_engines_agree_on_status_and_nodes(buffers, slack):
-    lower, upper, nbytes, align, capacity = _at_live_peak_plus(buffers, slack)
+    lower, upper, nbytes, align, capacity = at_live_peak_plus(buffers, slack)
     # A node budget, not a clock, bounds the search: a few of these small infeasible
     # instances take half a million nodes to prove, and both engines must stop at the
     # same node however loaded the machine is.
@@ -58,7 +41,7 @@ def test_a_node_budget_stops_both_engines_at_the_same_node():
     # 12 buffers at exactly their live peak: infeasible, and proving it takes ~514,000 nodes.
     buffers = [(0, 4, 12, 1), (0, 10, 32, 1), (8, 14, 18, 1), (0, 3, 30, 1), (18, 25, 26, 1), (17, 23, 28, 8),
                (17, 24, 6, 8), (11, 19, 18, 8), (10, 11, 1, 1), (0, 6, 28, 1), (14, 20, 19, 8), (14, 19, 1, 1)]
-    lower, upper, nbytes, align = _columns(buffers)
+    lower, upper, nbytes, align = columns(buffers)
     for engine in ("python", "native"):
         status, offsets, stats = solve_exact(
             lower, upper, nbytes, align, 102, deadline=time.monotonic() + 3600, heuristics=("WZ",), engine=engine,
@@ -85,13 +68,9 @@ def test_pack_uses_the_compiled_portfolio_and_proves_a_350_buffer_tight_instance
     assert solution.status == "optimal" and solution.height == optimum
 
 
-# facts.md §4: minimalloc's README example, optimum 12 (offsets 8, 8, 4, 4, 0).
-README_EXAMPLE = [(0, 3, 4, 1), (3, 9, 4, 1), (0, 9, 4, 1), (9, 21, 4, 1), (0, 21, 4, 1)]
-
-
 @pytest.mark.parametrize("engine", ["offset-order", "portfolio"])
 def test_the_offset_order_search_and_the_portfolio_pack_minimallocs_example_in_12_and_prove_11_infeasible(engine):
-    lower, upper, nbytes, align = _columns(README_EXAMPLE)
+    lower, upper, nbytes, align = columns(README_EXAMPLE)
     deadline = time.monotonic() + 30
     status, offsets, _ = solve_exact(lower, upper, nbytes, align, 12, deadline=deadline, engine=engine)
     assert status == FOUND
@@ -100,11 +79,11 @@ def test_the_offset_order_search_and_the_portfolio_pack_minimallocs_example_in_1
 
 
 @settings(max_examples=80, deadline=None)
-@given(problems, st.integers(0, 40))
+@given(problems(), st.integers(0, 40))
 def test_the_offset_order_search_answers_as_the_skyline_search_does(buffers, slack):
     # Two different complete searches must agree on feasibility; every packing found
     # passes the validator.
-    lower, upper, nbytes, align, capacity = _at_live_peak_plus(buffers, slack)
+    lower, upper, nbytes, align, capacity = at_live_peak_plus(buffers, slack)
     deadline = time.monotonic() + 3600
     budget = dict(deadline=deadline, max_nodes=200_000)
     skyline, _, _ = solve_exact(lower, upper, nbytes, align, capacity, engine="native", **budget)
@@ -131,7 +110,7 @@ def test_the_portfolio_proves_tight_generated_instances_optimal():
 def test_twins_that_differ_only_in_alignment_are_both_tried(engine):
     # Capacity 2: the 2-aligned buffer must take offset 0 and the other offset 1; trying
     # one of the "identical" pair only (the aligned one second) proved it infeasible.
-    lower, upper, nbytes, align = _columns([(0, 1, 1, 1), (0, 1, 1, 2)])
+    lower, upper, nbytes, align = columns([(0, 1, 1, 1), (0, 1, 1, 2)])
     status, offsets, _ = solve_exact(lower, upper, nbytes, align, 2, deadline=time.monotonic() + 30, engine=engine)
     assert status == FOUND and offsets.tolist() == [1, 0]
 
@@ -140,7 +119,7 @@ def test_twins_that_differ_only_in_alignment_are_both_tried(engine):
 def test_an_aligned_buffer_may_float_above_a_gap_its_alignment_leaves(engine):
     # Capacity 3: the two 2-aligned buffers take offsets 0 and 2, leaving 1 empty; the
     # skyline search used to raise the section only onto another buffer's top.
-    lower, upper, nbytes, align = _columns([(0, 1, 3, 1), (2, 3, 1, 2), (2, 3, 1, 2)])
+    lower, upper, nbytes, align = columns([(0, 1, 3, 1), (2, 3, 1, 2), (2, 3, 1, 2)])
     status, offsets, _ = solve_exact(lower, upper, nbytes, align, 3, deadline=time.monotonic() + 30, engine=engine)
     assert status == FOUND and sorted(offsets.tolist()[1:]) == [0, 2]
 
