@@ -118,6 +118,16 @@ def progress_line(case: str, row: dict) -> str:
             f"lb {bound}, opt {row['optimize_s']} s, total {row['total_s']} s, start {row['start']}")
 
 
+def reproduce_command(script: str, time_limit_s: float, only: list[str] | None, *flags: str) -> str:
+    """The command line that reproduces a reorder benchmark's table."""
+    command = f".venv/bin/python benchmarks/{script}"
+    if time_limit_s != 60.0:
+        command += f" --time-limit {time_limit_s:g}"
+    if only:
+        command += " --only " + " ".join(only)
+    return " ".join([command, *(f for f in flags if f)])
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f}"
 
@@ -198,12 +208,7 @@ def main() -> int:
             row = run_case(spec, batch, seq, args.time_limit)
             into.append((label, batch, seq, row))
             print(progress_line(f"{label} b{batch}", row), flush=True)
-    command = ".venv/bin/python benchmarks/bench_reorder.py" + (
-        f" --time-limit {args.time_limit:g}" if args.time_limit != 60.0 else "")
-    if args.only:
-        command += " --only " + " ".join(args.only)
-    if args.no_short:
-        command += " --no-short"
+    command = reproduce_command("bench_reorder.py", args.time_limit, args.only, "--no-short" if args.no_short else "")
     if rows and not args.no_write:
         write_section(rows, short_rows, args.time_limit, command)
     return 0

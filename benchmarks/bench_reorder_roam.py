@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_reorder import _summary, progress_line, run_case  # noqa: E402 - after the path insert
+from bench_reorder import _summary, progress_line, reproduce_command, run_case  # noqa: E402 - after the path insert
 
 # ROAM's figures on this set (facts.md §5): theoretical peak vs PyTorch's order
 ROAM_MEAN_REDUCTION = 0.159
@@ -314,12 +314,8 @@ def main() -> int:
     print(f"all runs: {time.perf_counter() - start:.0f} s", flush=True)
     tv_dir = Path(importlib.util.find_spec("torchvision").origin).parents[1]
     prefix = f"PYTHONPATH={tv_dir} " if str(tv_dir) in os.environ.get("PYTHONPATH", "").split(os.pathsep) else ""
-    command = prefix + ".venv/bin/python benchmarks/bench_reorder_roam.py" + (
-        f" --time-limit {args.time_limit:g}" if args.time_limit != 60.0 else "")
-    if args.only:
-        command += " --only " + " ".join(args.only)
-    if args.no_extra:
-        command += " --no-extra"
+    command = prefix + reproduce_command("bench_reorder_roam.py", args.time_limit, args.only,
+                                         "--no-extra" if args.no_extra else "")
     if rows and not args.no_write:
         write_section(rows, extra_rows, failed, args.time_limit, command)
     return 0
