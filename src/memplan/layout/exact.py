@@ -27,7 +27,8 @@ skyline branching rule that suits an interpreted language:
   with its pre-orderings, so one unlucky order does not stall the search.
 
 The same search is compiled from `csrc/offset_search.cpp` (`memplan.layout.native`),
-node for node, with seeded random tie-break restarts added. The same file holds a
+node for node when given one order (given several, it adds Luby restarts with random
+orders after them: `RANDOM_RESTARTS`). The same file holds a
 second complete search with minimalloc's own branching (buffers at their lowest
 viable offset, in offset order), and `solve_exact` runs the two compiled searches
 side by side on two threads when it can build them, with OR-Tools CP-SAT
@@ -367,6 +368,7 @@ ENGINES = ("auto", "portfolio", "native", "offset-order", "python")
 def _portfolio_with_cpsat(
     ext: Any,
     args: tuple[Any, ...],
+    time_limit: float,
     skyline_orders: list[str],
     lower: np.ndarray,
     upper: np.ndarray,
@@ -375,8 +377,8 @@ def _portfolio_with_cpsat(
     capacity: int,
 ) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
     """The two compiled searches (two threads, in C++) and CP-SAT (a third) at once;
-    the first definite answer stops the others."""
-    time_limit = args[-1]
+    the first definite answer stops the others. `args`: the compiled searches' problem
+    arguments, ending with `time_limit`."""
     model = cpsat.Decision(lower, upper, nbytes, align, capacity)
     token = ext.StopToken()
     done: list[tuple[str, int]] = []  # (engine, status) in the order they answered
@@ -459,8 +461,8 @@ def solve_exact(
         engine = "portfolio" if native.available() else "python"
     if engine != "python":
         skyline_orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
-        args = (lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity),
-                max(0.0, deadline - time.monotonic()))
+        time_left = max(0.0, deadline - time.monotonic())
+        args = (lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity), time_left)
         ext = native.extension()
         name = engine
         if engine == "native":
@@ -468,10 +470,10 @@ def solve_exact(
         elif engine == "offset-order":
             status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
         elif max_nodes is None and cpsat.available():
-            return _portfolio_with_cpsat(ext, args, skyline_orders, lower, upper, nbytes, align, int(capacity))
+            return _portfolio_with_cpsat(ext, args, time_left, skyline_orders, lower, upper, nbytes, align, int(capacity))
         else:
             status, offsets, nodes, backtracks, which = ext.solve_portfolio(
-                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, args[-1]
+                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, time_left
             )
             name = ("portfolio", "portfolio: skyline", "portfolio: offset-order")[which + 1]
         stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": name}
