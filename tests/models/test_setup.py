@@ -15,6 +15,7 @@ from memplan.models.setup import (
     AUTOCASTS,
     CHECKPOINTINGS,
     DTYPES,
+    HEADS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
 )
@@ -98,6 +99,8 @@ setups = st.builds(
     attn=st.sampled_from(ATTENTIONS),
     allow_long_seq=st.booleans(),
     lora_targets=st.none() | st.lists(st.sampled_from(["q_proj", "v_proj", "c_attn"]), min_size=1).map(tuple),
+    head=st.sampled_from(HEADS),
+    num_labels=st.integers(1, 1000),
 )
 
 

@@ -5,7 +5,12 @@ torchtitan, where parallelism and checkpointing are applied from outside the net
 
 - the class a config's `architectures` field names when it is a language-model head
   (`*ForCausalLM`, `*LMHeadModel`, `*ForMaskedLM`), else `AutoModelForCausalLM`, else
-  `AutoModelForMaskedLM`, so every model returns a loss;
+  `AutoModelForMaskedLM`, so every model returns a loss. With `setup.head="seq-cls"`,
+  `AutoModelForSequenceClassification` with `setup.num_labels` classes instead, what an HF
+  Trainer classification fine-tune builds (HF's pooled or last-token classifier and its
+  loss: cross-entropy, or mean-squared error for one label); a config without a pad token
+  gets its end-of-sequence token (else 0) as one, as fine-tuning recipes set it, because
+  the last-token classifiers (GPT-2, Llama, ...) refuse batches above 1 without it;
 - in the setup's dtype, training mode, `use_cache=False`;
 - attention: `eager` and `sdpa` are HF's implementations. `flash` builds HF's `sdpa`
   path too — on CPU, and under fake tensors, PyTorch's SDPA dispatches to the flash
@@ -65,9 +70,22 @@ def is_fake_mode_active() -> bool:
     return torch._guards.detect_fake_mode() is not None
 
 
-def model_class(config: Any) -> Any:
-    """The Hugging Face class `build_model` builds for a config."""
+def model_class(config: Any, head: str = "lm") -> Any:
+    """The Hugging Face class `build_model` builds for a config and task head."""
     import transformers
+
+    if head == "seq-cls":
+        from transformers import AutoModelForSequenceClassification
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        )
+
+        if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+            raise UserError(f"model type '{config.model_type}' has no sequence-classification class in "
+                            "transformers: use --head lm")
+        return AutoModelForSequenceClassification
+    if head != "lm":
+        raise UserError(f"head must be one of lm, seq-cls, not '{head}'")
 
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
@@ -149,6 +167,9 @@ def build_model(spec: Any, setup: TrainingSetup, device: str = "cpu") -> nn.Modu
     init = contextlib.nullcontext() if skip_init else _seeded(setup.seed)
     with init:
         if isinstance(spec, FactorySpec):
+            if setup.head != "lm":
+                raise UserError(f"--head {setup.head} builds a Hugging Face head from a config; the factory "
+                                f"'{spec.spec}' builds its own model: leave the head at lm")
             model = _build_from_factory(spec, setup, device)
         else:
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
@@ -164,7 +185,12 @@ def build_model(spec: Any, setup: TrainingSetup, device: str = "cpu") -> nn.Modu
 def _build_from_config(config: Any, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:
     from transformers.initialization import no_init_weights
 
-    cls = model_class(config)
+    cls = model_class(config, setup.head)
+    if setup.head == "seq-cls":
+        config.num_labels = setup.num_labels
+        if getattr(config, "pad_token_id", None) is None:
+            eos = getattr(config, "eos_token_id", None)
+            config.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
     config.use_cache = False
     dtype = TORCH_DTYPES[setup.dtype]
     wanted = "eager" if setup.attn == "eager" else "sdpa"
@@ -299,8 +325,11 @@ def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
     names = [name for name, _ in model.named_modules()]
     if not any(name == t or name.endswith("." + t) for name in names for t in targets):
         raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
+    # A classification head is new, so peft trains it in full (task_type SEQ_CLS, as HF's
+    # LoRA classification recipes set it): peft keeps a trainable copy of the classifier.
+    task = {"task_type": "SEQ_CLS"} if setup.head == "seq-cls" else {}
     config = LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank, lora_dropout=0.0,
-                        target_modules=targets, bias="none")
+                        target_modules=targets, bias="none", **task)
     fake = is_fake_mode_active()
     # Under FakeTensorMode, `Module.to` on fake parameters fails (torch swaps fake
     # parameters and the swap refuses tensors with weak references), and peft moves every
@@ -384,7 +413,9 @@ def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", 
     """One micro-batch (`setup.batch` x sequence length) that makes the model return a loss.
 
     Causal LMs get `input_ids` and `labels` (the model shifts labels itself); masked LMs
-    get `labels` that ask for 15% of the tokens and ignore the rest (-100). No attention
+    get `labels` that ask for 15% of the tokens and ignore the rest (-100); a `seq-cls`
+    head gets one class index per sequence (`[batch]` int64 below `num_labels`), or one
+    float target per sequence for `num_labels=1` (regression). No attention
     mask: every token is real, so SDPA can take its causal fast path. A factory model with
     a `make_batch(setup, device, seed)` method supplies its own batch. Works inside
     `FakeTensorMode` (the values are then meaningless, the shapes are right).
@@ -400,6 +431,8 @@ def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", 
         raise UserError("cannot make a batch: the model has no config.vocab_size and no make_batch(setup, device, seed) method")
     seq = sequence_length(setup, config)
     shape = (setup.batch, seq)
+    if setup.head == "seq-cls":
+        return _classification_batch(vocab, shape, setup.num_labels, device, seed)
     if isinstance(model_or_config, nn.Module):
         masked = is_masked_lm(model_or_config)
     else:
@@ -416,6 +449,22 @@ def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", 
     if chosen is None:
         return {"input_ids": input_ids, "labels": input_ids.clone()}
     labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _classification_batch(vocab: int, shape: tuple[int, int], num_labels: int, device: str,
+                          seed: int) -> dict[str, torch.Tensor]:
+    """Token ids and one label per sequence, as an HF Trainer classification batch."""
+    batch = shape[0]
+    if is_fake_mode_active():
+        input_ids = torch.randint(0, vocab, shape, device=device)
+        labels = (torch.rand(batch, device=device) if num_labels == 1
+                  else torch.randint(0, num_labels, (batch,), device=device))
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab, shape, generator=generator).to(device)
+        labels = (torch.rand(batch, generator=generator) if num_labels == 1
+                  else torch.randint(0, num_labels, (batch,), generator=generator)).to(device)
     return {"input_ids": input_ids, "labels": labels}
 
 

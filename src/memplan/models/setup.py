@@ -11,7 +11,11 @@ the user says nothing:
 - `optimizer="adamw"` (HF Trainer's default); `optimizer_impl=None` resolves like
   PyTorch's `_default_to_fused_or_foreach`: "foreach" when the parameters live on CUDA,
   the per-parameter "loop" otherwise;
-- `checkpointing="none"`, `lora_rank=0`, `attn="sdpa"` (HF's default where available).
+- `checkpointing="none"`, `lora_rank=0`, `attn="sdpa"` (HF's default where available);
+- `head="lm"`: the model's language-model head and loss (causal or masked LM). `head="seq-cls"`
+  is what an HF Trainer classification fine-tune builds: `AutoModelForSequenceClassification`
+  with `num_labels` classes (HF's default 2), integer class labels and cross-entropy
+  (one label: regression, float targets and mean-squared error, as HF infers `problem_type`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 OPTIMIZER_IMPLS = ("foreach", "fused", "loop")
 CHECKPOINTINGS = ("none", "full", "selective")
 ATTENTIONS = ("eager", "sdpa", "flash")
+HEADS = ("lm", "seq-cls")
 
 DEFAULT_MAX_SEQ = 1024
 
@@ -40,7 +45,8 @@ class TrainingSetup:
     `grad_accum` micro-batches. `allow_long_seq` permits `seq` beyond the model's
     maximum positions (for models whose position encoding extrapolates, e.g. RoPE).
     `lora_targets` overrides the family's default LoRA target modules. `seed` makes
-    real-tensor weights and batches deterministic.
+    real-tensor weights and batches deterministic. `head` picks the task head (see the
+    module docstring); `num_labels` is the classifier's width for `head="seq-cls"`.
     """
 
     batch: int = 1
@@ -56,6 +62,8 @@ class TrainingSetup:
     allow_long_seq: bool = False
     lora_targets: tuple[str, ...] | None = None
     seed: int = 0
+    head: str = "lm"
+    num_labels: int = 2
 
     def __post_init__(self) -> None:
         self.check()
@@ -68,6 +76,7 @@ class TrainingSetup:
             ("optimizer", self.optimizer, OPTIMIZERS),
             ("checkpointing", self.checkpointing, CHECKPOINTINGS),
             ("attn", self.attn, ATTENTIONS),
+            ("head", self.head, HEADS),
         ):
             if value not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(allowed)}, not '{value}'")
@@ -79,6 +88,8 @@ class TrainingSetup:
                 raise UserError(f"{name} must be a whole number >= 1, not {value!r}")
         if self.seq is not None and (not isinstance(self.seq, int) or self.seq < 1):
             raise UserError(f"seq must be a whole number >= 1, not {self.seq!r}")
+        if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 1:
+            raise UserError(f"num_labels must be a whole number >= 1, not {self.num_labels!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise UserError(f"lora_rank must be a whole number >= 0, not {self.lora_rank!r}")
         if self.optimizer_impl == "fused" and self.optimizer == "adafactor":
@@ -126,6 +137,11 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches per optimizer step")
     group.add_argument("--attn", choices=ATTENTIONS, default="sdpa",
                        help="attention implementation (flash: memory-efficient SDPA kernels)")
+    group.add_argument("--head", choices=HEADS, default="lm",
+                       help="task head: lm (the model's language-model head, default) or seq-cls "
+                            "(AutoModelForSequenceClassification, as an HF Trainer classification fine-tune)")
+    group.add_argument("--num-labels", type=int, default=2, metavar="N",
+                       help="classes of the seq-cls head (default 2; 1 is regression)")
 
 
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
@@ -141,4 +157,7 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         lora_rank=args.lora_rank,
         grad_accum=args.grad_accum,
         attn=args.attn,
+        # subcommands that build their own parser without these flags keep the defaults
+        head=getattr(args, "head", "lm"),
+        num_labels=getattr(args, "num_labels", 2),
     )
