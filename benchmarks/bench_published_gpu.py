@@ -9,14 +9,21 @@ the reported metric with the matching figure:
 
 - `max_memory_allocated` and `active_peak` (torch.cuda's `active_bytes.all.peak`, equal
   to allocated bytes for whole-block requests) -> `peak_allocated_bytes`;
-- `max_memory_reserved` -> `peak_reserved_bytes`;
-- `nvidia_smi` -> `device_used_bytes`.
+- `max_memory_reserved`, and `reserved_after_step_p99` (a high percentile of
+  `memory_reserved()` read after each step: the reserved peak of the longest steps) ->
+  `peak_reserved_bytes`;
+- `nvidia_smi` -> `device_used_bytes`. Where the source also measured its own CUDA context
+  (`context_measured`), the table adds memplan's reserved bytes plus that context as a
+  second figure: the device profile's context is today's (CUDA 12 lazy loading), and an
+  older run's can be four times larger. The main error column keeps the profile's.
 
 Error is (memplan - published) / published. A case marked `setup_reproducible: false`
 (its activation-checkpointing policy or mixed-precision scheme has no memplan flag) stays
-in the table and the overall mean, and is left out of the second mean. The published runs use their own model code
-(LitGPT, torchtune, torchtitan), which memplan does not trace; the `notes` column says
-where the setup is guessed or the step differs from the Hugging Face step memplan traces.
+in the table and the overall mean, and is left out of the second mean. Some published runs use their own model code
+(LitGPT, torchtune, torchtitan), which memplan does not trace; the HF Trainer runs (the
+Transformers docs' bert-large series, a sequence-classification fine-tune: `head: seq-cls`)
+and PEFT's MetaMathQA runs use the Hugging Face modules memplan traces. The `notes` column
+says where the setup is guessed or the step differs from the step memplan traces.
 Writes the `bench:published_gpu` table of BENCHMARKS.md.
 
     .venv/bin/python benchmarks/bench_published_gpu.py
@@ -41,19 +48,24 @@ from memplan.parallel import Layout  # noqa: E402
 
 CASES_JSON = Path(__file__).resolve().parent / "published_gpu.json"
 COMMAND = ".venv/bin/python benchmarks/bench_published_gpu.py"
-UNIT_BYTES = {"GB": 10**9, "GiB": 2**30, "MB": 10**6, "MiB": 2**20}
+UNIT_BYTES = {"B": 1, "GB": 10**9, "GiB": 2**30, "MB": 10**6, "MiB": 2**20}
 METRIC_FIELD = {
     "max_memory_allocated": "peak_allocated_bytes",
     "active_peak": "peak_allocated_bytes",
     "max_memory_reserved": "peak_reserved_bytes",
+    "reserved_after_step_p99": "peak_reserved_bytes",
     "nvidia_smi": "device_used_bytes",
 }
 
 
+def figure_bytes(figure: dict[str, Any]) -> int:
+    """A `{"value", "unit"}` figure in bytes, in the unit the source printed it in."""
+    return int(round(figure["value"] * UNIT_BYTES[figure["unit"]]))
+
+
 def published_bytes(case: dict[str, Any]) -> int:
-    """The published figure in bytes, in the unit the source printed it in."""
-    published = case["published"]
-    return int(round(published["value"] * UNIT_BYTES[published["unit"]]))
+    """The published figure in bytes."""
+    return figure_bytes(case["published"])
 
 
 def setup_label(case: dict[str, Any]) -> str:
@@ -64,12 +76,16 @@ def setup_label(case: dict[str, Any]) -> str:
         method = f"LoRA r{s['lora_rank']} ({targets})"
     else:
         method = "full"
+    if s.get("head", "lm") == "seq-cls":
+        method += f" seq-cls ({s.get('num_labels', 2)} labels)"
     precision = s["dtype"] if s.get("autocast", "none") == "none" else f"{s['dtype']}+{s['autocast']} autocast"
     ac = {"none": "no AC", "full": "full AC", "selective": "selective AC"}[s["checkpointing"]]
     world = layout.get("world_size", 1)
     parallel = f"FSDP2 x{world}" if layout.get("zero") == 3 else f"{world} GPU"
-    return (f"{method}, {precision}, b{s['batch']} x s{s['seq']}, "
-            f"AdamW {s['optimizer_impl']}, {ac}, {parallel}")
+    accum = f" x {s['grad_accum']} accum" if s.get("grad_accum", 1) > 1 else ""
+    optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adafactor": "Adafactor"}[s.get("optimizer", "adamw")]
+    return (f"{method}, {precision}, b{s['batch']}{accum} x s{s['seq']}, "
+            f"{optimizer} {s['optimizer_impl']}, {ac}, {parallel}")
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -82,12 +98,20 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     field = METRIC_FIELD[case["metric"]]
     predicted = int(getattr(result, field))
     published = published_bytes(case)
+    with_context = None
+    if case["metric"] == "nvidia_smi" and "context_measured" in case:
+        # device used with the source's own measured context in place of the profile's
+        context_delta = figure_bytes(case["context_measured"]) - (result.device_used_bytes - result.peak_reserved_bytes)
+        with_context = int(result.device_used_bytes + context_delta)
     return {
         "id": case["id"],
         "published_bytes": published,
         "memplan_bytes": predicted,
         "field": field,
         "error_pct": 100.0 * (predicted - published) / published,
+        "with_source_context_bytes": with_context,
+        "with_source_context_error_pct": (None if with_context is None
+                                          else 100.0 * (with_context - published) / published),
         "breakdown": result.per_rank[0].breakdown,
         "peak_phase": result.per_rank[0].peak_phase,
         "parallel": result.parallel,
@@ -107,8 +131,11 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         "Published peak-memory figures of real GPU fine-tuning runs (sources, quotes and every",
         "guessed setup detail in `benchmarks/published_gpu.json`), against `memplan estimate` on the",
         "same model, setup and GPU profile. Error = (memplan - published) / published. The",
-        "published runs use LitGPT's, torchtune's and torchtitan's own model code, not the",
-        "Hugging Face modules memplan traces. Reproduce with:",
+        "LitGPT, torchtune and torchtitan runs use their own model code, not the Hugging Face",
+        "modules memplan traces; the HF Trainer (bert-large classification, V100) and PEFT",
+        "MetaMathQA (Llama-3.2-3B, L40S) runs use the Hugging Face modules. For nvidia-smi",
+        "figures whose source also measured its CUDA context, `notes` gives memplan's reserved",
+        "bytes plus that measured context (the profile's context is CUDA 12's). Reproduce with:",
         "",
         "```",
         COMMAND,
@@ -121,6 +148,10 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         published = f"{case['published']['value']} {case['published']['unit']} ({_gib(row['published_bytes'])})"
         notes = "; ".join(["guessed: " + g for g in case.get("guessed", [])]
                           + case.get("known_differences", []))
+        if row["with_source_context_bytes"] is not None:
+            notes = (f"with the source's measured context ({case['context_measured']['value']} "
+                     f"{case['context_measured']['unit']}): {_gib(row['with_source_context_bytes'])}, "
+                     f"{row['with_source_context_error_pct']:+.1f}%; " + notes)
         lines.append(
             f"| [{case['source']}]({case['url']}) | {case['model']} | {setup_label(case)} | {case['gpu']} "
             f"| {case['metric']} | {published} | {_gib(row['memplan_bytes'])} | {row['error_pct']:+.1f} | {notes} |"
@@ -132,6 +163,11 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         f"Mean absolute error {statistics.mean(errors):.1f}% over {len(rows)} cases "
         f"(median {statistics.median(errors):.1f}%); worst {worst['id']} {worst['error_pct']:+.1f}%.",
     ]
+    contexts = [abs(r["with_source_context_error_pct"]) for r in rows if r["with_source_context_error_pct"] is not None]
+    if contexts:
+        lines.append(f"The {len(contexts)} nvidia-smi cases with the source's own measured CUDA context in place of "
+                     f"the profile's: mean absolute error {statistics.mean(contexts):.1f}%, "
+                     f"median {statistics.median(contexts):.1f}%.")
     matched = [abs(r["error_pct"]) for c, r in zip(cases, rows) if c.get("setup_reproducible", True)]
     if len(matched) < len(rows):
         lines.append(f"Over the {len(matched)} cases whose setup memplan's flags can express "
