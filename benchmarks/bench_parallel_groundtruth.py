@@ -3,10 +3,11 @@ per rank against real multi-process gloo runs measured with torch.profiler on ev
 
 Each case starts `world_size` processes (torch.multiprocessing spawn, gloo backend),
 applies the layout with `memplan.parallel.apply` (DDP, FSDP2 `fully_shard`, HSDP, DTensor
-TP, FSDP2 + TP), runs one warm-up step and profiles the next on every rank
+TP, FSDP2 + TP, DDP + TP), runs one warm-up step and profiles the next on every rank
 (`memplan.parallel.groundtruth.measure_rank_peaks`). The estimate traces the parallel
 step on a fake process group where it can (column "estimate path": traced) and applies
-the modelled rules otherwise (modelled); TP it cannot trace is refused (exit 2), and the row
+the modelled rules otherwise (modelled), or traces the TP part and models DDP's buckets on
+it (traced + modelled); TP it cannot trace is refused (exit 2), and the row
 says so next to the real run's outcome. Tiny configs (`memplan.models.tiny_config`),
 batch 2, sequence 32, AdamW foreach. Writes the `bench:parallel_groundtruth` table.
 
@@ -37,6 +38,7 @@ LAYOUTS = {
     "TP 2": {"tp": 2},
     "FSDP2 x4": {"world_size": 4, "zero": 3},
     "FSDP2 2 x TP 2": {"world_size": 4, "zero": 3, "tp": 2},
+    "DDP 2 x TP 2": {"world_size": 4, "tp": 2},
     "HSDP 2 x 2": {"world_size": 4, "zero": 3, "shard_size": 2},
 }
 OPTIONS = {
@@ -48,11 +50,11 @@ OPTIONS = {
 CASES = (
     [("llama-2-7b", opt, lay) for opt in OPTIONS for lay in ("DDP x2", "FSDP2 x2", "TP 2")
      if not (opt == "LoRA r4" and lay == "TP 2")]  # the TP plan takes nn.Linear, not peft's LoRA layers
-    + [("llama-2-7b", opt, lay) for opt in ("", "ckpt") for lay in ("FSDP2 x4", "FSDP2 2 x TP 2")]
+    + [("llama-2-7b", opt, lay) for opt in ("", "ckpt") for lay in ("FSDP2 x4", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("llama-2-7b", "", "HSDP 2 x 2")]
-    + [("mistral-7b", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2", "FSDP2 2 x TP 2")]
+    + [("mistral-7b", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("qwen2.5-0.5b", "ckpt", lay) for lay in ("FSDP2 x2", "TP 2")]
-    + [("qwen2.5-0.5b", "", lay) for lay in ("TP 2", "FSDP2 2 x TP 2")]
+    + [("qwen2.5-0.5b", "", lay) for lay in ("TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("gpt2", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2")]
     + [("opt-125m", "bf16 autocast", lay) for lay in ("DDP x2", "FSDP2 x2")]
 )
@@ -108,9 +110,10 @@ def main() -> None:
         + (f" --repeats {args.repeats}" if args.repeats != 1 else "") + "`\n\n"
         "Real: peak of torch.profiler's memory timeline over one step (after a warm-up step) on each rank of a "
         "multi-process gloo run (torch.multiprocessing spawn; DDP, FSDP2 `fully_shard`, DTensor TP with the "
-        "Llama plan, FSDP2 + TP on a 2-D mesh). Estimate: `estimate(..., device=\"cpu\", allocator=\"none\")`; "
-        "*traced* = the parallel step itself traced on a fake process group, *modelled* = rules over the "
-        "single-device trace. Tiny configs, batch 2, sequence 32, AdamW foreach, "
+        "Llama plan, FSDP2 + TP and DDP + TP on a 2-D mesh). Estimate: `estimate(..., device=\"cpu\", "
+        "allocator=\"none\")`; *traced* = the parallel step itself traced on a fake process group, *modelled* = "
+        "rules over the single-device trace, *traced + modelled* = the TP step traced with DDP's parameter "
+        "transform, DDP's gradient buckets modelled on it (DDP's reducer cannot run on a fake group). Tiny configs, batch 2, sequence 32, AdamW foreach, "
         f"{args.repeats} fresh-process run(s) per case, per-rank median "
         f"({time.perf_counter() - start:.0f} s in all on 2 cores). Error = (estimate - real) / real, per rank.\n\n"
         "| model | options | layout | estimate path | real peak per rank (B) | estimate (B) | error per rank (%) |\n"

@@ -43,6 +43,7 @@ CASES = {
     ],
     4: [
         ("fsdp2+tp", PLAIN, Layout(world_size=4, zero=3, tp=2)),
+        ("ddp+tp-checkpointing", CKPT, Layout(world_size=4, tp=2)),
     ],
 }
 

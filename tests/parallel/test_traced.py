@@ -103,9 +103,8 @@ def test_tensor_parallel_of_a_tied_embedding_model_is_traced():
 @pytest.mark.parametrize(("family", "options", "layout", "reason"), [
     ("gpt2", {}, Layout(tp=2), "q/k/v and gate/up"),
     ("llama-2-7b", {"lora_rank": 4}, Layout(tp=2), "LoRA"),
-    ("llama-2-7b", {}, Layout(world_size=8, zero=3, tp=2, pp=2), "one data-parallel rank per stage"),
-    ("llama-2-7b", {}, Layout(world_size=4, tp=2), "DDP does not take DTensor"),
-    ("llama-2-7b", {}, Layout(world_size=4, zero=2, tp=2), "not with --zero 2"),
+    ("llama-2-7b", {"lora_rank": 4}, Layout(world_size=4, zero=2, tp=2), "LoRA"),
+    ("qwen2.5-0.5b", {}, Layout(world_size=4, tp=2), "tied input/output embeddings"),
 ])
 def test_estimate_refuses_tensor_parallel_it_cannot_trace(family, options, layout, reason):
     setup = models.TrainingSetup(batch=2, seq=32, **options)
@@ -128,11 +127,46 @@ def test_estimate_can_be_told_to_model_a_traceable_layout():
     assert result.parallel == "modelled"
 
 
-def test_ddp_with_tensor_parallel_is_refused_when_applied():
-    from memplan.parallel.apply import apply_layout
+def test_ddp_with_tensor_parallel_is_traced_with_local_parameters_and_modelled_buckets():
+    layout = Layout(world_size=4, tp=2)
+    trace, meta = capture_rank(LLAMA, SETUP, layout, rank=0)
+    tp_only = estimate(LLAMA, SETUP, Layout(tp=2), device="cpu", allocator="none").per_rank[0]
+    result = estimate(LLAMA, SETUP, layout, device="cpu", allocator="none")
+    assert result.parallel == "traced + modelled"
+    # DDP's parameter transform: the optimizer steps rank-local tensors, the TP shards
+    assert trace.meta["trainable_bytes"] == _parameter_bytes_at_start(trace)
+    assert trace.meta["trainable_bytes"] < tp_only.breakdown["parameters"] * 1.01 < 2 * trace.meta["trainable_bytes"]
+    # the buckets: one more copy of the rank's gradients for the whole step
+    assert result.per_rank[0].breakdown["other"] - tp_only.breakdown["other"] == trace.meta["trainable_bytes"]
 
-    with pytest.raises(UserError, match="zero 3"):
-        apply_layout(None, Layout(world_size=4, tp=2), "model.layers")
+
+def test_ddp_on_a_fake_process_group_gets_only_its_parameter_transform():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memplan.parallel.apply import apply_layout, device_mesh
+
+    layout = Layout(world_size=4, tp=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = models.build_model(LLAMA, SETUP, device="cpu")
+        trained = apply_layout(model, layout, "model.layers", device_mesh(layout), reducer=False)
+        assert trained is model
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+        from memplan.parallel.traced import _forget_previous_meshes
+
+        _forget_previous_meshes()
+
+
+def test_zero_1_with_tensor_parallel_shards_the_tp_shards_of_the_optimizer_states():
+    tp_only = estimate(LLAMA, SETUP, Layout(tp=2), device="cpu", allocator="none").per_rank[0]
+    zero1 = estimate(LLAMA, SETUP, Layout(world_size=4, zero=1, tp=2), device="cpu", allocator="none")
+    assert zero1.parallel == "traced + modelled"
+    assert zero1.per_rank[0].breakdown["optimizer_state"] == pytest.approx(tp_only.breakdown["optimizer_state"] / 2,
+                                                                           abs=64)
 
 
 PP_LLAMA = models.tiny_config("llama-2-7b", num_hidden_layers=4)
@@ -208,6 +242,35 @@ def test_tied_embeddings_under_pipeline_and_tensor_parallel_are_traced():
     assert result.parallel == "traced" and len(result.per_rank) == 2
 
 
-def test_estimate_refuses_tensor_parallel_under_the_interleaved_pipeline_schedule():
-    with pytest.raises(UserError, match="1f1b"):
-        estimate(PP_LLAMA, SETUP, Layout(tp=2, pp=2, schedule="interleaved"), device="cpu", allocator="none")
+def test_interleaved_schedule_under_tensor_parallel_scales_the_traced_1f1b_activations():
+    from dataclasses import replace
+
+    from memplan.estimation.pipeline import capture_pipeline_rank
+    from memplan.parallel.transform import data_parallel_trace
+
+    layout = Layout(tp=2, pp=2, microbatches=2, schedule="interleaved")
+    step = capture_pipeline_rank(PP_LLAMA, SETUP, replace(layout, schedule="1f1b"), 0, "cpu")
+    scaled = data_parallel_trace(step, layout, SETUP)
+    act = step.trace.buffers["category"] == CATEGORY["activation"]
+    # Korthikanti et al.: 1 + (p - 1) / (p v) with p = 2 stages, v = 2 chunks
+    assert scaled.buffers["nbytes"][act].sum() == pytest.approx(step.trace.buffers["nbytes"][act].sum() * 1.25, abs=
+                                                                int(act.sum()))
+    result = estimate(PP_LLAMA, SETUP, layout, device="cpu", allocator="none")
+    assert result.parallel == "traced + modelled"
+
+
+def test_pipeline_with_tensor_and_data_parallel_traces_one_data_parallel_rank_per_stage():
+    result = estimate(PP_LLAMA, SETUP, Layout(world_size=8, zero=3, tp=2, pp=2, microbatches=2), device="cpu",
+                      allocator="none")
+    assert result.parallel == "traced + modelled"
+    assert [(r.rank, r.ranks) for r in result.per_rank] == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7])]
+
+
+def test_zero_3_under_pipeline_parallelism_keeps_each_block_gathered_from_forward_to_backward():
+    from memplan.parallel.transform import _block_spans, _fsdp_buffers
+
+    trace, _ = capture_rank(LLAMA, SETUP, Layout(tp=2), rank=0)
+    spans = _block_spans(trace, "model.layers")
+    blocks = sorted(spans)
+    extras = _fsdp_buffers(trace, "model.layers", {b: 1000 for b in blocks}, {}, 0, 0, reshard_after_forward=False)
+    assert [(x.nbytes, x.free_before) for x in extras] == [(1000, spans[b]["backward"][1]) for b in blocks]

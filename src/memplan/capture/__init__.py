@@ -37,6 +37,19 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for state in optimizer.state.values() for t in _tensors(state)]
 
 
+def _trainable_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of the parameters the optimizers step, rank-local shards for DTensors: what
+    a data-parallel wrapper's gradient buckets hold (a gradient's storage can be larger:
+    DTensor's vocabulary-sharded embedding computes a full-vocabulary dense gradient)."""
+    seen: dict[int, int] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                seen[id(p)] = local.numel() * local.element_size()
+    return sum(seen.values())
+
+
 def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         owner = name.rpartition(".")[0] or type(model).__name__
@@ -166,6 +179,7 @@ def _capture(
             rec.microbatch = 0
             rec.reset_phase()
             step_fn(*args, **kwargs)
-    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup}
+    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup,
+            "trainable_bytes": _trainable_bytes(optimizers)}
     info.update(meta or {})
     return rec.finish(meta=info)

@@ -14,7 +14,9 @@ tensors and adds only what a CPU trace cannot see):
    (`memplan.parallel.rank_trace`); PP x TP traces the first rank of each distinct
    pipeline stage (first, a middle one, last), its 1F1B step with the stage's modules
    under the TP plan (`memplan.parallel.traced.capture_stage_rank`), at 3 and 4 blocks
-   per stage for deep models;
+   per stage for deep models; TP with what cannot be traced (DDP, ZeRO-1/2, more
+   data-parallel ranks per stage, the interleaved schedule) traces the TP part and
+   models the rest on it (`RankPlan.traced_transform`);
    TP that cannot be traced is refused (`UserError`) unless `parallel_tracing=False`;
    a cpu job traced on the fake group also gets gloo's all-gather staging buffers;
 3. add the GPU-only terms (`memplan.estimation.gpu_terms`: SDPA kernel workspaces,
@@ -335,11 +337,11 @@ def estimate(
         deep = extrapolate and stage_layers is not None and stage_layers >= MIN_BLOCKS_TO_EXTRAPOLATE
         depths = [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [stage_layers]
         traced = parallel_tracing and plan.traceable
-        steps = [_cached_capture(config, d, plan.setup, device, cache, layout if traced else None, plan.rank)
-                 for d in depths]
+        steps = [_cached_capture(config, d, plan.setup, device, cache, plan.traced_layout if traced else None,
+                                 plan.traced_rank) for d in depths]
         transform = plan.transform
         if traced:
-            transform = _gloo_view if device == "cpu" else (lambda step: step.trace)
+            transform = _traced_view(device, plan.traced_transform)
         if progress:
             sys.stderr.write(f"traced rank {plan.rank} at {', '.join(str(s.layers) for s in steps)} blocks\n")
         views = []
@@ -357,7 +359,7 @@ def estimate(
             if fig is None:  # the regions did not line up: trace the full depth instead
                 sys.stderr.write("memplan: block extrapolation not applicable here; tracing the full depth\n")
                 full = _cached_capture(config, stage_layers if plan.layers != total_layers else None, plan.setup,
-                                       device, None, layout if traced else None, plan.rank)
+                                       device, None, plan.traced_layout if traced else None, plan.traced_rank)
                 steps, views = [full], [transform(full)]
                 if device == "cuda":
                     views = [gpu_view(StepTrace(views[0], full.blocks_path, full.parameters, full.heads,
@@ -368,7 +370,8 @@ def estimate(
         if fig is None:
             fig = figures_full(views[-1], counters[-1])
         if layout.world_size > 1:
-            parallel = "traced" if traced else "modelled"
+            parallel = "modelled" if not traced else "traced" if plan.traced_transform is None else \
+                "traced + modelled"
         if plan.rank == 0:
             if len(steps) == 2:
                 parameters = int(round(float(layers.extrapolate(steps[0].parameters, steps[1].parameters,
@@ -398,6 +401,19 @@ def estimate(
         capacity_bytes=capacity, device=device, allocator=allocator, gpu=gpu, method=method, parallel=parallel,
         elapsed_s=time.perf_counter() - start, flops=flops, bytes_moved=moved, roofline_s=roofline,
     )
+
+
+def _traced_view(device: str, rest: Any) -> Any:
+    """How a traced parallel step becomes the rank's trace: gloo's staging buffers for a
+    cpu job, then the modelled rest of the layout (`RankPlan.traced_transform`), if any."""
+    def view(step: StepTrace) -> Trace:
+        trace = _gloo_view(step) if device == "cpu" else step.trace
+        if rest is None:
+            return trace
+        from dataclasses import replace
+
+        return rest(replace(step, trace=trace))
+    return view
 
 
 def _gloo_view(step: StepTrace) -> Trace:

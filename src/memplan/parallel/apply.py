@@ -26,9 +26,13 @@ the layout is applied from outside):
 - **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
   get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
   dimension of a ("pp", "pp_dp", "pp_tp") mesh (`pipeline_mesh`); one data-parallel rank per
-  stage, 1F1B schedule. PP without TP stays modelled (`memplan.parallel.transform`).
+  stage, 1F1B schedule (more data-parallel ranks, and the interleaved schedule, are
+  modelled on that trace: `traced_part`). PP without TP stays modelled
+  (`memplan.parallel.transform`).
 - **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
-  with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`).
+  with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`); with TP, over the
+  "dp" dimension of the mesh (`device_mesh=mesh["dp"]`: PyTorch's DDP + TP composition,
+  which hands DDP the rank's local TP shards).
 
 Assumes `torch.distributed` is initialised with `world_size == layout.world_size` and
 that the model is built on cpu (real or fake tensors).
@@ -70,30 +74,59 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     return None
 
 
+def traced_part(layout: Any, config: Any = None, setup: Any = None) -> Any:
+    """The part of `layout` that is traced on a fake process group: the whole layout
+    where `traceable` accepts it; else, with TP, its TP (x PP, 1F1B) part alone, one
+    data-parallel rank, whose trace the data-parallel rules and the interleaved
+    schedule's factor then reshape (`memplan.parallel.transform.data_parallel_trace`);
+    None where nothing is traced (no TP, or TP this plan cannot apply)."""
+    from dataclasses import replace
+
+    if traceable(layout, config, setup) is None:
+        return layout
+    if layout.tp == 1 or _tensor_parallel_refusal(config, setup) is not None:
+        return None
+    if layout.pp == 1 and layout.zero == 0:
+        return layout  # DDP + TP: traced with DDP's parameter transform, without its reducer
+    return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None, schedule="1f1b")
+
+
+def modelled_rest(layout: Any) -> bool:
+    """Whether `traced_part(layout)` leaves part of a TP `layout` to the modelled rules:
+    DDP's buckets, ZeRO-1/2, data parallelism across pipeline stages, the interleaved
+    schedule."""
+    if layout.tp == 1:
+        return False
+    if layout.pp > 1:
+        return layout.dp > 1 or layout.schedule != "1f1b"
+    return layout.dp > 1 and layout.zero in (0, 1, 2)
+
+
+def _tensor_parallel_refusal(config: Any, setup: Any) -> str | None:
+    if config is not None and not _llama_like(config):
+        return (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
+                f"model type {getattr(config, 'model_type', '?')!r} does not have")
+    if setup is not None and getattr(setup, "lora_rank", 0):
+        return "the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones (drop --lora-rank)"
+    return None
+
+
 def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     """Why `memplan estimate` refuses `layout`'s TP (None: it does not).
 
-    TP is only estimated where it is traced: the modelled TP rule
-    (`memplan.parallel.transform`) describes Megatron-style TP with sequence and loss
-    parallel, which this plan does not apply, and was 31% low against a real TP run
+    TP is only estimated where its TP part is traced (`traced_part`): the modelled TP
+    rule (`memplan.parallel.transform`) describes Megatron-style TP with sequence and
+    loss parallel, which this plan does not apply, and was 31% low against a real TP run
     (Qwen2.5, docs/estimation.md). `memplan fit` still searches with it
     (`parallel_tracing=False`)."""
-    if layout.tp == 1 or traceable(layout, config, setup) is None:
+    if layout.tp == 1:
         return None
-    head = f"cannot estimate --tp {layout.tp}: "
-    if layout.pp > 1 and layout.schedule != "1f1b":
-        return head + "TP with pipeline parallelism is traced under --schedule 1f1b only"
-    if layout.pp > 1 and layout.dp > 1:
-        return head + (f"TP with pipeline parallelism is traced with one data-parallel rank per stage "
-                       f"(--world-size {layout.tp * layout.pp}), not {layout.dp}")
-    if layout.dp > 1 and layout.zero == 0:
-        return head + "DDP does not take DTensor (TP) parameters: combine --tp with --zero 3 (FSDP2)"
-    if layout.dp > 1 and layout.zero in (1, 2):
-        return head + f"TP is traced alone or with --zero 3, not with --zero {layout.zero}"
-    if config is not None and not _llama_like(config):
-        return head + (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
-                       f"model type {getattr(config, 'model_type', '?')!r} does not have")
-    return head + "the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones (drop --lora-rank)"
+    refusal = _tensor_parallel_refusal(config, setup)
+    if refusal is None and layout.dp > 1 and layout.zero == 0 and \
+            config is not None and getattr(config, "tie_word_embeddings", False):
+        refusal = ("PyTorch's DDP + TP composition fails on tied input/output embeddings (DDP localises the "
+                   "shared weight once, and the LM head keeps a DTensor): use --zero 3 (FSDP2) with --tp")
+    return None if refusal is None else f"cannot estimate --tp {layout.tp}: {refusal}"
 
 
 def _llama_like(config: Any) -> bool:
@@ -182,17 +215,21 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, modules: list[nn.Module] | 
         ReplicateParallel().apply(module, mesh)
 
 
-def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = None) -> nn.Module:
-    """`model` with `layout` applied (TP, then FSDP2 or DDP); returns the module to train."""
+def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = None, *,
+                 reducer: bool = True) -> nn.Module:
+    """`model` with `layout` applied (TP, then FSDP2 or DDP); returns the module to train.
+    `reducer=False` (a fake process group, where DDP's reducer cannot run): DDP + TP gets
+    only DDP's parameter transform (the DTensor parameters become rank-local leaves, as
+    under DDP), and DDP alone nothing; the caller models the reducer's buckets."""
     from memplan.models.build import transformer_blocks
 
     if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
-        raise UserError("only DDP, FSDP2 (zero 3), TP and FSDP2 + TP can be applied to a model")
-    if layout.zero == 0 and layout.dp > 1 and layout.tp > 1:
-        raise UserError("DDP does not take DTensor (TP) parameters: combine TP with --zero 3 (FSDP2)")
+        raise UserError("only DDP, FSDP2 (zero 3), TP, DDP + TP and FSDP2 + TP can be applied to a model")
     mesh = mesh if mesh is not None else device_mesh(layout)
     if layout.tp > 1 and any(hasattr(m, "lora_A") for m in model.modules()):
         raise UserError("the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones")
+    if layout.tp > 1 and layout.dp > 1 and layout.zero == 0 and tied_embeddings(model):
+        raise UserError("PyTorch's DDP + TP composition fails on tied input/output embeddings: use --zero 3")
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -212,6 +249,17 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
     if layout.dp > 1:
         from torch.nn.parallel import DistributedDataParallel
 
+        if not reducer:
+            if layout.tp > 1:
+                from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+                _pre_dp_module_transform(model)
+            return model
+        if layout.tp > 1:
+            # a 1-D "dp" slice of the 2-D mesh: DDP localises the DTensor parameters
+            # (torch.distributed.tensor.parallel.ddp._pre_dp_module_transform) and buckets
+            # the rank's TP shards of the gradients
+            return DistributedDataParallel(model, device_mesh=mesh["dp"])
         return DistributedDataParallel(model)
     return model
 

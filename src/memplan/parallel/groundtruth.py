@@ -55,7 +55,7 @@ def build_parallel_step(config: Any, setup: Any, layout: Any, *, target_device: 
         # shapes with small real tensors; everything made from the (fake) parameters
         # stays fake
         with unset_fake_temporarily():
-            trained = apply_layout(model, layout, blocks_path, mesh)
+            trained = apply_layout(model, layout, blocks_path, mesh, reducer=False)
     else:
         trained = apply_layout(model, layout, blocks_path, mesh)
     optimizer = models.build_optimizer(trained, setup, device=target_device)

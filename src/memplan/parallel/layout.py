@@ -105,13 +105,22 @@ class RankPlan:
     transform: Callable[[Any], Any]
     communicators: int
     same_as: list[int] = field(default_factory=list)
-    traceable: bool = False  # the parallel step itself can be traced (memplan.parallel.apply.traceable)
+    # what is traced on a fake process group (`memplan.parallel.apply.traced_part`): the
+    # whole layout, its TP (x PP) part, or nothing (None: `transform` models the rank)
+    traced_layout: Any = None
+    traced_rank: int = 0  # this rank's number in `traced_layout`
+    # the modelled rest, applied to the traced step (None: the trace is the rank's)
+    traced_transform: Callable[[Any], Any] | None = None
+
+    @property
+    def traceable(self) -> bool:
+        return self.traced_layout is not None
 
 
 def rank_plans(layout: Layout, config: Any, setup: Any, total_layers: int | None) -> list[RankPlan]:
     """One plan per distinct rank (see the module docstring)."""
-    from memplan.parallel.apply import traceable
-    from memplan.parallel.transform import rank_trace
+    from memplan.parallel.apply import modelled_rest, traced_part
+    from memplan.parallel.transform import data_parallel_trace, rank_trace
 
     per_stage = layout.dp * layout.tp
     stages = [0] if layout.pp == 1 else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
@@ -129,6 +138,12 @@ def rank_plans(layout: Layout, config: Any, setup: Any, total_layers: int | None
         def transform(step: Any, stage: int = stage) -> Any:
             return rank_trace(step, layout, setup, stage)
 
+        part = traced_part(layout, config, setup)
+        traced_rank = stage * part.dp * part.tp if part is not None else 0
+
+        def rest(step: Any) -> Any:
+            return data_parallel_trace(step, layout, setup)
+
         plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
-                              traceable(layout, config, setup) is None))
+                              part, traced_rank, rest if part is not None and modelled_rest(layout) else None))
     return plans

@@ -90,8 +90,33 @@ def _block_spans(trace: Trace, blocks_path: str) -> dict[int, dict[str, tuple[in
     return spans
 
 
-def rank_trace(step: Any, layout: Any, setup: Any, stage: int) -> Trace:
-    """The trace of one rank (pipeline `stage`) of `layout`; see the module docstring."""
+def data_parallel_trace(step: Any, layout: Any, setup: Any) -> Trace:
+    """One rank of `layout` from the traced step of its TP (x PP, 1F1B) part
+    (`memplan.parallel.apply.traced_part`): the data-parallel rules of `rank_trace` (DDP,
+    ZeRO 1-3, HSDP) on the traced buffers, which are already the rank's TP shards; under
+    the interleaved schedule, the traced 1F1B stage's activations times
+    (1 + (p - 1) / (p v)) first (the rule of the modelled path). With PP, FSDP2 keeps a
+    block's parameters unsharded from its first micro-batch's forward to its last
+    micro-batch's backward (torchtitan's `reshard_after_forward` default when PP is on:
+    resharding after every micro-batch's forward would gather them again per micro-batch)."""
+    from dataclasses import replace
+
+    trace: Trace = step.trace
+    if layout.pp > 1 and layout.schedule == "interleaved":
+        nbytes = trace.buffers["nbytes"].astype(np.int64)
+        act = trace.buffers["category"] == CATEGORY["activation"]
+        nbytes[act] = np.ceil(nbytes[act] * (1 + (layout.pp - 1) / (layout.pp * 2))).astype(np.int64)
+        trace = Trace(buffers={**trace.buffers, "nbytes": nbytes}, events=trace.events, ops=trace.ops,
+                      csr=trace.csr, op_names=trace.op_names, modules=trace.modules, devices=trace.devices,
+                      meta=dict(trace.meta))
+    data_parallel = type(layout)(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size)
+    return rank_trace(replace(step, trace=trace), data_parallel, setup, 0, reshard_after_forward=layout.pp == 1)
+
+
+def rank_trace(step: Any, layout: Any, setup: Any, stage: int, *, reshard_after_forward: bool = True) -> Trace:
+    """The trace of one rank (pipeline `stage`) of `layout`; see the module docstring.
+    `reshard_after_forward=False`: ZeRO-3 keeps each block's parameters unsharded from
+    its forward to the end of its backward."""
     trace: Trace = step.trace
     tp, d, zero = layout.tp, layout.shard_degree, layout.zero
     if tp == 1 and layout.dp == 1 and layout.pp == 1:
@@ -145,8 +170,11 @@ def rank_trace(step: Any, layout: Any, setup: Any, stage: int) -> Trace:
                 else:
                     extras.append(ExtraBuffer(hidden_bytes, fwd[0], bwd[1], "activation", "forward", device=device))
 
-    # data parallel / ZeRO
+    # data parallel / ZeRO: the buckets hold one gradient per trainable parameter, sized
+    # as the parameter (the traced rank's shard; the storage of a gradient can be larger)
     grad_bytes_full = int(nbytes[is_grad].sum())
+    if tp == 1 and "trainable_bytes" in trace.meta:
+        grad_bytes_full = min(grad_bytes_full, int(trace.meta["trainable_bytes"]))
     if layout.dp > 1:
         if zero == 0:
             extras.append(ExtraBuffer(grad_bytes_full, 0, -1, "other", device=device))
@@ -167,7 +195,7 @@ def rank_trace(step: Any, layout: Any, setup: Any, stage: int) -> Trace:
             root_param_bytes = int(nbytes[is_param & ~in_block].sum())
             nbytes = _shrink(nbytes, is_param, d)
             extras += _fsdp_buffers(trace, step.blocks_path, block_param_bytes, block_grad_bytes,
-                                    root_param_bytes, device)
+                                    root_param_bytes, device, reshard_after_forward)
     buffers = dict(trace.buffers)
     buffers["nbytes"] = nbytes
     reshaped = Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr, op_names=trace.op_names,
@@ -184,8 +212,10 @@ def _block_input_bytes(step: Any, setup: Any) -> int:
 
 
 def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], grad_bytes: dict[int, int],
-                  root_bytes: int, device: int) -> list[ExtraBuffer]:
-    """FSDP2 all-gather outputs (prefetched one block ahead) and unsharded gradients."""
+                  root_bytes: int, device: int, reshard_after_forward: bool = True) -> list[ExtraBuffer]:
+    """FSDP2 all-gather outputs (prefetched one block ahead) and unsharded gradients;
+    without `reshard_after_forward`, one all-gather output per block, from its forward
+    (prefetched) to the end of its backward."""
     spans = _block_spans(trace, blocks_path)
     order_fwd = sorted(b for b in spans if "forward" in spans[b])
     extras = []
@@ -196,8 +226,12 @@ def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], g
                                   device=device))
     for i, blk in enumerate(order_fwd):
         start = spans[order_fwd[i - 1]]["forward"][0] if i > 0 else spans[blk]["forward"][0]
-        extras.append(ExtraBuffer(param_bytes.get(blk, 0), start, spans[blk]["forward"][1], "other", "forward",
-                                  device=device))
+        end = spans[blk]["forward"][1]
+        if not reshard_after_forward:
+            end = spans[blk].get("backward", (start, end))[1]
+        extras.append(ExtraBuffer(param_bytes.get(blk, 0), start, end, "other", "forward", device=device))
+    if not reshard_after_forward:
+        param_bytes = {}  # the forward's all-gather output stays for the backward
     order_bwd = sorted((b for b in spans if "backward" in spans[b]), key=lambda b: spans[b]["backward"][0])
     for i, blk in enumerate(order_bwd):
         start = spans[order_bwd[i - 1]]["backward"][0] if i > 0 else spans[blk]["backward"][0]
