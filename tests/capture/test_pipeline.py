@@ -55,8 +55,8 @@ def test_each_stage_owns_only_its_parameters(stages):
 def test_fake_stage_capture_matches_the_real_one():
     config = models.tiny_config("llama-2-7b", num_hidden_layers=4)
     setup = models.TrainingSetup(batch=2, seq=32)
-    real = capture_pipeline_stage(config, setup, stages=2, stage=0, microbatches=3, fake=False)
-    fake = capture_pipeline_stage(config, setup, stages=2, stage=0, microbatches=3, fake=True)
+    real = capture_pipeline_stage(config, setup, stages=2, stage=0, microbatches=3, fake=False, device="cpu")
+    fake = capture_pipeline_stage(config, setup, stages=2, stage=0, microbatches=3, fake=True, device="cpu")
     assert real.peak()[0] == fake.peak()[0]
 
 

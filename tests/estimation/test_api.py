@@ -17,3 +17,11 @@ def test_memplan_fit_is_the_fit_search():
     from memplan.estimation.fit import fit
 
     assert memplan.fit is fit
+
+
+def test_gradients_kept_as_zeros_between_steps_are_in_the_peak():
+    config = models.tiny_config("llama-2-7b")
+    freed = memplan.estimate(config, models.TrainingSetup(batch=2, seq=32), device="cpu", allocator="none").per_rank[0]
+    kept = memplan.estimate(config, models.TrainingSetup(batch=2, seq=32, zero_grad="zeros"), device="cpu",
+                            allocator="none").per_rank[0]
+    assert freed.breakdown["gradients"] == 0 and kept.breakdown["gradients"] == kept.breakdown["parameters"]

@@ -23,6 +23,7 @@ CASES = [
     ("qwen2.5-0.5b", {}),
     ("bert-base", {"autocast": "bf16"}),
     ("phi-3-mini", {"checkpointing": "selective"}),
+    ("bert-base", {"head": "seq-cls", "zero_grad": "zeros"}),
 ]
 
 

@@ -18,6 +18,7 @@ from memplan.models.setup import (
     HEADS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
+    ZERO_GRADS,
 )
 
 
@@ -33,6 +34,7 @@ def test_defaults_are_what_pytorch_and_hf_do_unasked():
     assert (setup.dtype, setup.autocast) == ("fp32", "none")
     assert (setup.optimizer, setup.optimizer_impl) == ("adamw", None)
     assert (setup.checkpointing, setup.lora_rank, setup.attn) == ("none", 0, "sdpa")
+    assert setup.zero_grad == "none"  # set_to_none=True, PyTorch >= 2.0
 
 
 def test_no_flags_give_the_dataclass_defaults():
@@ -43,10 +45,11 @@ def test_every_flag_parses_into_the_setup():
     setup = parse(["--batch", "4", "--seq", "2048", "--dtype", "bf16", "--autocast", "fp16",
                    "--optimizer", "adafactor", "--optimizer-impl", "foreach",
                    "--checkpointing", "selective", "--lora-rank", "8", "--grad-accum", "3",
-                   "--attn", "flash"])
+                   "--attn", "flash", "--zero-grad", "zeros"])
     assert setup == TrainingSetup(batch=4, seq=2048, dtype="bf16", autocast="fp16",
                                   optimizer="adafactor", optimizer_impl="foreach",
-                                  checkpointing="selective", lora_rank=8, grad_accum=3, attn="flash")
+                                  checkpointing="selective", lora_rank=8, grad_accum=3, attn="flash",
+                                  zero_grad="zeros")
 
 
 def test_a_flag_value_outside_its_choices_exits_with_a_usage_error():
@@ -101,6 +104,7 @@ setups = st.builds(
     lora_targets=st.none() | st.lists(st.sampled_from(["q_proj", "v_proj", "c_attn"]), min_size=1).map(tuple),
     head=st.sampled_from(HEADS),
     num_labels=st.integers(1, 1000),
+    zero_grad=st.sampled_from(ZERO_GRADS),
 )
 
 

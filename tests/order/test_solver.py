@@ -228,3 +228,11 @@ def test_early_updates_run_each_update_right_after_its_gradient():
     last_backward = max(position[v] for v in range(graph.num_ops) if graph.phase[v] == BACKWARD)
     first_update = min(position[v] for v in range(graph.num_ops) if graph.phase[v] == OPTIMIZER)
     assert first_update < last_backward  # the last layer's update runs inside the backward pass
+
+
+def test_a_step_that_keeps_zeroed_gradients_is_refused_before_tracing():
+    from memplan import models
+    from memplan.order.graph import capture_model_step
+
+    with pytest.raises(UserError, match="zero-grad"):
+        capture_model_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=1, seq=8, zero_grad="zeros"))

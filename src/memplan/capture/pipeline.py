@@ -80,10 +80,13 @@ def pipeline_stage_step(
     seq: int,
     device: str = "cpu",
     setup: Any = None,
+    cuda_kernels: bool = False,
 ) -> Callable[[], None]:
     """The training step of `stage` (0-based): its 1F1B forwards and backwards, then
     the optimizer step over its own parameters. `setup` (optional) supplies the
-    autocast dtype of the forward, as `memplan.capture.step` applies it."""
+    autocast dtype of the forward, as `memplan.capture.step` applies it;
+    `cuda_kernels`: CUDA's attention kernels and autocast lists, as there."""
+    from memplan.capture.cuda_kernels import kernels_as_on_cuda
     from memplan.models import autocast
     mine, _ = stage_modules(model, stages, stage)
     inner = model.model
@@ -110,6 +113,12 @@ def pipeline_stage_step(
         return torch.nn.functional.cross_entropy(logits.view(-1, vocab), tokens.view(-1))
 
     def step() -> None:
+        with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
+            run_schedule()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=setup is None or setup.zero_grad == "none")
+
+    def run_schedule() -> None:
         outputs: dict[int, torch.Tensor] = {}
         for op, m in one_f_one_b(stages, stage, microbatches):
             set_microbatch(m)
@@ -123,8 +132,6 @@ def pipeline_stage_step(
                 else:  # the gradient received from the next stage
                     out.backward(torch.randn_like(out))
                 del out
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     return step
 
@@ -139,8 +146,10 @@ def capture_pipeline_stage(
     fake: bool = True,
     iterations: int = 1,
     warmup: int = 1,
+    device: str = "cuda",
 ) -> Trace:
-    """Capture one 1F1B pipeline stage of `model_spec` (batch and seq from `setup`)."""
+    """Capture one 1F1B pipeline stage of `model_spec` (batch and seq from `setup`) as it
+    runs on `device` (a fake "cuda" capture runs CUDA's kernels and autocast lists)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan import models
@@ -153,7 +162,7 @@ def capture_pipeline_stage(
             torch.manual_seed(setup.seed)
         model = models.build_model(config, setup, device="cpu")
         stage_model, optimizer, step = build_pipeline_stage(model, setup, stages=stages, stage=stage,
-                                                            microbatches=microbatches)
+                                                            microbatches=microbatches, target_device=device)
         meta = {"model": model_spec if isinstance(model_spec, str) else type(model).__name__,
                 "setup": setup.to_dict(), "pipeline": {"stages": stages, "stage": stage,
                 "microbatches": microbatches, "schedule": "1f1b"}, "fake": fake}
@@ -190,5 +199,6 @@ def build_pipeline_stage(
     stage_model = torch.nn.ModuleList(owned)
     optimizer = models.build_optimizer(stage_model, setup, device=target_device)
     step = pipeline_stage_step(model, optimizer, stages=stages, stage=stage, microbatches=microbatches,
-                               batch=setup.batch, seq=seq, setup=setup)
+                               batch=setup.batch, seq=seq, setup=setup,
+                               cuda_kernels=target_device == "cuda" and models.is_fake_mode_active())
     return stage_model, optimizer, step

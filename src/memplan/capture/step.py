@@ -6,7 +6,7 @@ One iteration is what a Hugging Face-style training loop does:
         loss = model(**batch).loss / grad_accum      (under autocast if asked)
         loss.backward()
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)            (False with setup.zero_grad="zeros")
 
 With `fake=True` the model, optimizer and batches are all built inside one
 `FakeTensorMode` (facts.md §5: an optimizer built over real parameters and traced
@@ -38,19 +38,20 @@ def make_step(
 ) -> Any:
     """The training step closure for `capture`: micro-batches, backward, optimizer.
 
-    `cuda_kernels`: route attention through CUDA's fused SDPA kernels (for a CUDA job
-    traced on fake cpu tensors; see `memplan.capture.cuda_kernels`).
+    `cuda_kernels`: route attention through CUDA's fused SDPA kernels and autocast
+    through CUDA's op lists (for a CUDA job traced on fake cpu tensors; see
+    `memplan.capture.cuda_kernels.kernels_as_on_cuda`).
     """
-    from memplan.capture.cuda_kernels import sdpa_as_on_cuda
+    from memplan.capture.cuda_kernels import kernels_as_on_cuda
     from memplan.models import autocast, forward_loss
 
     accum = len(batches)
 
     def step() -> None:
-        with sdpa_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
+        with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
             run_micro_batches()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=setup.zero_grad == "none")
 
     def run_micro_batches() -> None:
         for batch in batches:

@@ -15,7 +15,10 @@ the user says nothing:
 - `head="lm"`: the model's language-model head and loss (causal or masked LM). `head="seq-cls"`
   is what an HF Trainer classification fine-tune builds: `AutoModelForSequenceClassification`
   with `num_labels` classes (HF's default 2), integer class labels and cross-entropy
-  (one label: regression, float targets and mean-squared error, as HF infers `problem_type`).
+  (one label: regression, float targets and mean-squared error, as HF infers `problem_type`);
+- `zero_grad="none"`: `optimizer.zero_grad()` frees the gradients (`set_to_none=True`,
+  PyTorch's default since 2.0); `"zeros"` keeps them allocated and zeroed between steps
+  (`set_to_none=False`, the default of PyTorch 1.x and of training loops written for it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ AUTOCASTS = ("none", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 OPTIMIZER_IMPLS = ("foreach", "fused", "loop")
 CHECKPOINTINGS = ("none", "full", "selective")
+ZERO_GRADS = ("none", "zeros")
 ATTENTIONS = ("eager", "sdpa", "flash")
 HEADS = ("lm", "seq-cls")
 
@@ -64,6 +68,7 @@ class TrainingSetup:
     seed: int = 0
     head: str = "lm"
     num_labels: int = 2
+    zero_grad: str = "none"
 
     def __post_init__(self) -> None:
         self.check()
@@ -77,6 +82,7 @@ class TrainingSetup:
             ("checkpointing", self.checkpointing, CHECKPOINTINGS),
             ("attn", self.attn, ATTENTIONS),
             ("head", self.head, HEADS),
+            ("zero_grad", self.zero_grad, ZERO_GRADS),
         ):
             if value not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(allowed)}, not '{value}'")
@@ -142,6 +148,9 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
                             "(AutoModelForSequenceClassification, as an HF Trainer classification fine-tune)")
     group.add_argument("--num-labels", type=int, default=2, metavar="N",
                        help="classes of the seq-cls head (default 2; 1 is regression)")
+    group.add_argument("--zero-grad", choices=ZERO_GRADS, default="none",
+                       help="what optimizer.zero_grad() leaves between steps: none (set_to_none=True, "
+                            "PyTorch >= 2.0, default) or zeros (set_to_none=False: gradients stay allocated)")
 
 
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
@@ -160,4 +169,5 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         # subcommands that build their own parser without these flags keep the defaults
         head=getattr(args, "head", "lm"),
         num_labels=getattr(args, "num_labels", 2),
+        zero_grad=getattr(args, "zero_grad", "none"),
     )

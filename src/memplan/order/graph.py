@@ -558,12 +558,14 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan import models
-    from memplan.capture.cuda_kernels import sdpa_as_on_cuda
+    from memplan.capture.cuda_kernels import kernels_as_on_cuda
     from memplan.capture.step import build_training_step
 
     setup = setup if setup is not None else models.TrainingSetup()
     if setup.grad_accum != 1:
         raise UserError("reorder traces one micro-batch per step: use --grad-accum 1")
+    if setup.zero_grad != "none":
+        raise UserError("reorder traces steps whose zero_grad frees the gradients: drop --zero-grad zeros")
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -578,8 +580,9 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        # a CUDA job's attention runs CUDA's fused kernels (see memplan.capture.cuda_kernels)
-        kernels = sdpa_as_on_cuda() if step.meta.get("attention_kernels") == "cuda" else contextlib.nullcontext()
+        # a CUDA job's attention runs CUDA's fused kernels, its autocast CUDA's op lists
+        # (see memplan.capture.cuda_kernels)
+        kernels = kernels_as_on_cuda() if step.meta.get("attention_kernels") == "cuda" else contextlib.nullcontext()
         with kernels:
             gm = _trace(train_step, (step.batches[0],))
         split = split_foreach(gm)

@@ -62,7 +62,10 @@ def build_parallel_step(config: Any, setup: Any, layout: Any, *, target_device: 
     batches = [models.make_batch(model, setup, device="cpu", seed=setup.seed + mb) for mb in range(setup.grad_accum)]
     meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": target_device,
             "parameters": models.count_parameters(config), "blocks_path": blocks_path, "layers": len(blocks)}
-    return TrainingStep(trained, optimizer, batches, make_step(trained, optimizer, batches, setup, "cpu"), meta)
+    cuda_kernels = target_device == "cuda" and models.is_fake_mode_active()
+    meta["attention_kernels"] = "cuda" if cuda_kernels else "cpu"
+    return TrainingStep(trained, optimizer, batches,
+                        make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels), meta)
 
 
 PROFILER_ATTEMPTS = 3
