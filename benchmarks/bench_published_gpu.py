@@ -79,9 +79,12 @@ def setup_label(case: dict[str, Any]) -> str:
     if s.get("head", "lm") == "seq-cls":
         method += f" seq-cls ({s.get('num_labels', 2)} labels)"
     precision = s["dtype"] if s.get("autocast", "none") == "none" else f"{s['dtype']}+{s['autocast']} autocast"
-    ac = {"none": "no AC", "full": "full AC", "selective": "selective AC"}[s["checkpointing"]]
+    ac = {"none": "no AC", "full": "full AC", "selective": "selective AC",
+          "selective-op": "op-level selective AC"}[s["checkpointing"]]
     world = layout.get("world_size", 1)
     parallel = f"FSDP2 x{world}" if layout.get("zero") == 3 else f"{world} GPU"
+    if layout.get("fsdp_param_dtype"):
+        parallel += f" ({layout['fsdp_param_dtype']} params)"
     accum = f" x {s['grad_accum']} accum" if s.get("grad_accum", 1) > 1 else ""
     optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adafactor": "Adafactor"}[s.get("optimizer", "adamw")]
     return (f"{method}, {precision}, b{s['batch']}{accum} x s{s['seq']}, "

@@ -362,3 +362,21 @@ def test_adafactor_steps_under_fake_tensors_with_the_real_state(impl):
     with FakeTensorMode():
         fake = state_after_step()
     assert fake == real and len(real) > 0
+
+
+def test_op_level_selective_checkpointing_recomputes_every_second_matmul_of_each_block():
+    import numpy as np
+
+    from memplan import models
+    from memplan.capture import capture_model
+    from memplan.trace.model import PHASE
+
+    config = models.tiny_config("llama-2-7b")
+    trace = capture_model(config, models.TrainingSetup(batch=2, seq=32, checkpointing="selective-op"), fake=True,
+                          device="cpu")
+    mm = [i for i in range(trace.num_ops) if trace.op_name(i) == "aten.mm.default"]
+    phases = trace.ops["phase"][np.array(mm)]
+    # 7 projections per Llama block (q, k, v, o, gate, up, down) + the LM head; the 2nd,
+    # 4th and 6th of each block are recomputed in backward
+    assert int((phases == PHASE["forward"]).sum()) == 7 * config.num_hidden_layers + 1
+    assert int((phases == PHASE["recompute"]).sum()) == 3 * config.num_hidden_layers

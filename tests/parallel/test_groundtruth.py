@@ -40,6 +40,7 @@ CASES = {
         ("fsdp2", PLAIN, Layout(world_size=2, zero=3)),
         ("fsdp2-checkpointing", CKPT, Layout(world_size=2, zero=3)),
         ("tp", PLAIN, Layout(tp=2)),
+        ("fsdp2-bf16-params", PLAIN, Layout(world_size=2, zero=3, fsdp_param_dtype="bf16")),
     ],
     4: [
         ("fsdp2+tp", PLAIN, Layout(world_size=4, zero=3, tp=2)),

@@ -75,3 +75,17 @@ def test_pipeline_reports_first_middle_and_last_stage_ranks():
     result = estimate(config, SETUP, Layout(pp=4, microbatches=8), device="cpu", allocator="none")
     assert [r.rank for r in result.per_rank] == [0, 1, 3]
     assert result.per_rank[1].ranks == [1, 2]
+
+
+def test_fsdp_mixed_precision_needs_zero_3():
+    with pytest.raises(UserError, match="zero 3"):
+        Layout(world_size=2, zero=2, fsdp_param_dtype="bf16")
+
+
+def test_fsdp_mixed_precision_is_refused_where_fsdp2_is_modelled():
+    from memplan import models
+    from memplan.estimation import estimate
+
+    with pytest.raises(UserError, match="fsdp-param-dtype"):
+        estimate(models.tiny_config("llama-2-7b", num_hidden_layers=4), models.TrainingSetup(batch=1, seq=16),
+                 Layout(world_size=8, zero=3, pp=2, tp=2, microbatches=2, fsdp_param_dtype="bf16"), device="cpu")

@@ -326,6 +326,11 @@ def estimate(
         refused = untraceable_tensor_parallel(layout, config, setup)
         if refused is not None:
             raise UserError(refused)
+    if layout.fsdp_param_dtype is not None:
+        from memplan.parallel.apply import traced_part
+
+        if not parallel_tracing or traced_part(layout, config, setup) != layout:
+            raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
 
     per_rank: list[RankEstimate] = []
     parameters = 0

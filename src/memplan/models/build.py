@@ -266,16 +266,46 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Make `module` recompute its forward in backward (non-reentrant checkpoint)."""
+def op_sac_context() -> Any:
+    """The `context_fn` of one checkpointed block under torchtitan's op-level selective
+    activation checkpointing (`--activation_checkpoint.selective_ac_option op`,
+    torchtitan/models/llama3/infra/parallelize.py): the outputs of the attention kernels,
+    of reduce-scatters, of `max` and of every other matmul are saved; everything else in
+    the block is recomputed in backward."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = torch.ops
+    mm = ops.aten.mm.default
+    save = {mm, ops.aten._scaled_dot_product_efficient_attention.default,
+            ops.aten._scaled_dot_product_flash_attention.default,
+            ops._c10d_functional.reduce_scatter_tensor.default, ops.aten.max.default}
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            counts[key] += 1
+        keep = func in save and not (func == mm and counts[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_forward(module: nn.Module, op_level: bool = False) -> None:
+    """Make `module` recompute its forward in backward (non-reentrant checkpoint);
+    `op_level`: torchtitan's op-level selective policy (`op_sac_context`), which, like
+    torchtitan, does not preserve the RNG state."""
     from torch.utils.checkpoint import checkpoint
 
     inner = module.forward
+    options: dict[str, Any] = {"context_fn": op_sac_context, "preserve_rng_state": False} if op_level else {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward
     module.memplan_checkpointed = True
@@ -294,6 +324,10 @@ def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
         else:
             for block in transformer_blocks(model):
                 _checkpoint_forward(block)
+        return
+    if setup.checkpointing == "selective-op":
+        for block in transformer_blocks(model):
+            _checkpoint_forward(block, op_level=True)
         return
     attention = []
     for block in transformer_blocks(model):

@@ -12,6 +12,9 @@ the user says nothing:
   PyTorch's `_default_to_fused_or_foreach`: "foreach" when the parameters live on CUDA,
   the per-parameter "loop" otherwise;
 - `checkpointing="none"`, `lora_rank=0`, `attn="sdpa"` (HF's default where available);
+  checkpointing "full" recomputes every block, "selective" the attention modules,
+  "selective-op" is torchtitan's op-level policy (every block; saves the outputs of the
+  attention kernels and of every other matmul, recomputes the rest);
 - `head="lm"`: the model's language-model head and loss (causal or masked LM). `head="seq-cls"`
   is what an HF Trainer classification fine-tune builds: `AutoModelForSequenceClassification`
   with `num_labels` classes (HF's default 2), integer class labels and cross-entropy
@@ -33,7 +36,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 AUTOCASTS = ("none", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 OPTIMIZER_IMPLS = ("foreach", "fused", "loop")
-CHECKPOINTINGS = ("none", "full", "selective")
+CHECKPOINTINGS = ("none", "full", "selective", "selective-op")
 ZERO_GRADS = ("none", "zeros")
 ATTENTIONS = ("eager", "sdpa", "flash")
 HEADS = ("lm", "seq-cls")

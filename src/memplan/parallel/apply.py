@@ -22,7 +22,8 @@ the layout is applied from outside):
   use these projection names (Llama, Mistral, Qwen2, ...) can be traced with TP.
 - **FSDP2** (ZeRO-3): `fully_shard` on every transformer block, then on the root,
   `reshard_after_forward=True`, over the "dp" dimension (HSDP: a ("replicate", "shard")
-  mesh of the data-parallel ranks).
+  mesh of the data-parallel ranks); `layout.fsdp_param_dtype`: torchtitan's
+  `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`.
 - **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
   get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
   dimension of a ("pp", "pp_dp", "pp_tp") mesh (`pipeline_mesh`); one data-parallel rank per
@@ -228,8 +229,6 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
     mesh = mesh if mesh is not None else device_mesh(layout)
     if layout.tp > 1 and any(hasattr(m, "lora_A") for m in model.modules()):
         raise UserError("the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones")
-    if layout.tp > 1 and layout.dp > 1 and layout.zero == 0 and tied_embeddings(model):
-        raise UserError("PyTorch's DDP + TP composition fails on tied input/output embeddings: use --zero 3")
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -242,9 +241,17 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = mesh["replicate", "shard"] if layout.shard_size is not None else mesh["dp"]
+        options: dict[str, Any] = {}
+        if getattr(layout, "fsdp_param_dtype", None) is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            from memplan.models.build import TORCH_DTYPES
+
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[layout.fsdp_param_dtype],
+                                                        reduce_dtype=torch.float32)
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, **options)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, **options)
         return model
     if layout.dp > 1:
         from torch.nn.parallel import DistributedDataParallel

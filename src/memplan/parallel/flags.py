@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memplan.parallel.layout import SCHEDULES, Layout
+from memplan.parallel.layout import FSDP_PARAM_DTYPES, SCHEDULES, Layout
 
 
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
@@ -17,8 +17,11 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree")
     group.add_argument("--microbatches", type=int, default=1, metavar="M", help="pipeline micro-batches")
     group.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"pipeline schedule: {', '.join(SCHEDULES)}")
+    group.add_argument("--fsdp-param-dtype", choices=FSDP_PARAM_DTYPES, default=None,
+                       help="FSDP2 mixed precision (zero 3): gather and compute in this dtype, reduce in fp32")
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
-                  microbatches=args.microbatches, schedule=args.schedule)
+                  microbatches=args.microbatches, schedule=args.schedule,
+                  fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None))

@@ -18,6 +18,7 @@ from typing import Any
 from memplan.errors import UserError
 
 SCHEDULES = ("1f1b", "interleaved")
+FSDP_PARAM_DTYPES = ("bf16", "fp16", "fp32")
 INTERLEAVED_CHUNKS = 2  # model chunks per rank with the interleaved schedule
 
 
@@ -32,6 +33,7 @@ class Layout:
     pp: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
+    fsdp_param_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "microbatches"):
@@ -54,6 +56,12 @@ class Layout:
                 raise UserError("--shard-size (HSDP) needs --zero 3")
             if self.shard_size < 1 or self.dp % self.shard_size:
                 raise UserError(f"shard size {self.shard_size} must divide the data-parallel degree {self.dp}")
+        if self.fsdp_param_dtype is not None:
+            if self.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
+                raise UserError(f"fsdp param dtype must be one of {', '.join(FSDP_PARAM_DTYPES)}, "
+                                f"not {self.fsdp_param_dtype!r}")
+            if self.zero != 3:
+                raise UserError("--fsdp-param-dtype (FSDP2's mixed-precision policy) needs --zero 3")
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < 1:
             raise UserError("pipeline parallelism needs --microbatches >= 1")
 
