@@ -39,6 +39,7 @@ LAYOUTS = {
     "FSDP2 x4": {"world_size": 4, "zero": 3},
     "FSDP2 2 x TP 2": {"world_size": 4, "zero": 3, "tp": 2},
     "DDP 2 x TP 2": {"world_size": 4, "tp": 2},
+    "FSDP2 x2, bf16 params": {"world_size": 2, "zero": 3, "fsdp_param_dtype": "bf16"},
     "HSDP 2 x 2": {"world_size": 4, "zero": 3, "shard_size": 2},
 }
 OPTIONS = {
@@ -52,6 +53,7 @@ CASES = (
      if not (opt == "LoRA r4" and lay == "TP 2")]  # the TP plan takes nn.Linear, not peft's LoRA layers
     + [("llama-2-7b", opt, lay) for opt in ("", "ckpt") for lay in ("FSDP2 x4", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("llama-2-7b", "", "HSDP 2 x 2")]
+    + [("llama-2-7b", opt, "FSDP2 x2, bf16 params") for opt in ("", "ckpt")]
     + [("mistral-7b", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("qwen2.5-0.5b", "ckpt", lay) for lay in ("FSDP2 x2", "TP 2")]
     + [("qwen2.5-0.5b", "", lay) for lay in ("TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
@@ -109,7 +111,8 @@ def main() -> None:
         "Command: `.venv/bin/python benchmarks/bench_parallel_groundtruth.py"
         + (f" --repeats {args.repeats}" if args.repeats != 1 else "") + "`\n\n"
         "Real: peak of torch.profiler's memory timeline over one step (after a warm-up step) on each rank of a "
-        "multi-process gloo run (torch.multiprocessing spawn; DDP, FSDP2 `fully_shard`, DTensor TP with the "
+        "multi-process gloo run (torch.multiprocessing spawn; DDP, FSDP2 `fully_shard` (bf16 params: its "
+        "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), DTensor TP with the "
         "Llama plan, FSDP2 + TP and DDP + TP on a 2-D mesh). Estimate: `estimate(..., device=\"cpu\", "
         "allocator=\"none\")`; *traced* = the parallel step itself traced on a fake process group, *modelled* = "
         "rules over the single-device trace, *traced + modelled* = the TP step traced with DDP's parameter "
