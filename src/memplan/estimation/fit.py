@@ -2,7 +2,8 @@
 
 LLMem's method selection (arXiv 2404.10933: pick the fastest of DP / sharded DP / TP /
 DP+TP that does not run out of memory), over the whole space: data-parallel degree,
-ZeRO stage 0-3, TP and PP degrees, micro-batch size, activation checkpointing and the
+ZeRO stage 0-3, TP and PP degrees, micro-batch size, activation checkpointing (full,
+torchtitan's op-level selective policy, none) and the
 allocator (caching, else expandable segments when only those fit). Each candidate's
 memory is a full `estimate` (captured steps are shared between candidates through the
 estimate cache, so a search costs a few traces plus one replay per candidate). The search
@@ -36,7 +37,7 @@ from memplan.estimation.pipeline import Estimate, estimate
 from memplan.parallel import Layout
 
 MICRO_BATCHES = (1, 2, 4)
-CHECKPOINTING = ("full", "none")
+CHECKPOINTING = ("full", "selective-op", "none")
 MAX_TP = 8  # TP beyond one NVLink domain is not worth searching
 PP_MICROBATCHES_PER_STAGE = 2  # pipeline micro-batches = 2 x stages (bubble 1/(2)) by default
 
