@@ -46,14 +46,15 @@ OPTIONS = {
     "": {},
     "ckpt": {"checkpointing": "full"},
     "LoRA r4": {"lora_rank": 4},
+    "LoRA r4 (q, o, down)": {"lora_rank": 4, "lora_targets": ("q_proj", "o_proj", "down_proj")},
     "bf16 autocast": {"autocast": "bf16"},
 }
 CASES = (
-    [("llama-2-7b", opt, lay) for opt in OPTIONS for lay in ("DDP x2", "FSDP2 x2", "TP 2")
-     if not (opt == "LoRA r4" and lay == "TP 2")]  # the TP plan takes nn.Linear, not peft's LoRA layers
+    [("llama-2-7b", opt, lay) for opt in OPTIONS for lay in ("DDP x2", "FSDP2 x2", "TP 2")]
     + [("llama-2-7b", opt, lay) for opt in ("", "ckpt") for lay in ("FSDP2 x4", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("llama-2-7b", "", "HSDP 2 x 2")]
     + [("llama-2-7b", opt, "FSDP2 x2, bf16 params") for opt in ("", "ckpt")]
+    + [("llama-2-7b", "LoRA r4 (q, o, down)", lay) for lay in ("TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("mistral-7b", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("qwen2.5-0.5b", "ckpt", lay) for lay in ("FSDP2 x2", "TP 2")]
     + [("qwen2.5-0.5b", "", lay) for lay in ("TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]

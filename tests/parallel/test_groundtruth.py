@@ -33,6 +33,9 @@ from memplan.parallel.groundtruth import measure_rank_peaks
 LLAMA = models.tiny_config("llama-2-7b")
 PLAIN = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
 CKPT = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", checkpointing="full")
+# adapters on a colwise (q_proj) and on rowwise projections (o_proj, down_proj)
+LORA = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", lora_rank=4,
+                            lora_targets=("q_proj", "o_proj", "down_proj"))
 
 CASES = {
     2: [
@@ -45,6 +48,7 @@ CASES = {
     4: [
         ("fsdp2+tp", PLAIN, Layout(world_size=4, zero=3, tp=2)),
         ("ddp+tp-checkpointing", CKPT, Layout(world_size=4, tp=2)),
+        ("fsdp2+tp+lora", LORA, Layout(world_size=4, zero=3, tp=2)),
     ],
 }
 

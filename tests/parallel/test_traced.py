@@ -102,8 +102,8 @@ def test_tensor_parallel_of_a_tied_embedding_model_is_traced():
 
 @pytest.mark.parametrize(("family", "options", "layout", "reason"), [
     ("gpt2", {}, Layout(tp=2), "q/k/v and gate/up"),
-    ("llama-2-7b", {"lora_rank": 4}, Layout(tp=2), "LoRA"),
-    ("llama-2-7b", {"lora_rank": 4}, Layout(world_size=4, zero=2, tp=2), "LoRA"),
+    ("llama-2-7b", {"lora_rank": 4}, Layout(world_size=4, tp=2), "frozen parameters trainable"),
+    ("llama-2-7b", {"lora_rank": 4}, Layout(tp=2, pp=2, microbatches=2), "without LoRA"),
     ("qwen2.5-0.5b", {}, Layout(world_size=4, tp=2), "tied input/output embeddings"),
 ])
 def test_estimate_refuses_tensor_parallel_it_cannot_trace(family, options, layout, reason):
@@ -274,3 +274,29 @@ def test_zero_3_under_pipeline_parallelism_keeps_each_block_gathered_from_forwar
     blocks = sorted(spans)
     extras = _fsdp_buffers(trace, "model.layers", {b: 1000 for b in blocks}, {}, 0, 0, reshard_after_forward=False)
     assert [(x.nbytes, x.free_before) for x in extras] == [(1000, spans[b]["backward"][1]) for b in blocks]
+
+
+def test_lora_layers_under_tensor_parallel_shard_the_frozen_base_and_the_adapter_half_on_the_split_side():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from memplan.models.build import transformer_blocks
+    from memplan.parallel.apply import tensor_parallel_plan
+
+    model = models.build_model(LLAMA, models.TrainingSetup(batch=1, seq=8, lora_rank=4), device="meta")
+    blocks = transformer_blocks(model)
+    path = next(name for name, mod in model.named_modules() if mod is blocks)
+    plan = tensor_parallel_plan(model, path)
+    q, o = f"{path}.0.self_attn.q_proj", f"{path}.0.self_attn.o_proj"
+    assert isinstance(plan[q + ".base_layer"], ColwiseParallel) and isinstance(plan[q + ".lora_B.default"],
+                                                                                ColwiseParallel)
+    assert q + ".lora_A.default" not in plan and q not in plan  # replicated by _replicate_the_rest
+    assert isinstance(plan[f"{path}.0.self_attn.v_proj.base_layer"], ColwiseParallel)
+    assert isinstance(plan[o], RowwiseParallel)  # no adapter on o_proj (peft's Llama targets: q_proj, v_proj)
+
+
+def test_lora_under_tensor_parallel_keeps_only_the_adapters_trainable():
+    result = estimate(LLAMA, models.TrainingSetup(batch=2, seq=32, lora_rank=4), Layout(tp=2), device="cpu",
+                      allocator="none")
+    plain = estimate(LLAMA, SETUP, Layout(tp=2), device="cpu", allocator="none")
+    assert result.parallel == "traced"
+    assert 0 < result.per_rank[0].breakdown["optimizer_state"] < plain.per_rank[0].breakdown["optimizer_state"] / 20

@@ -12,7 +12,9 @@ the layout is applied from outside):
   `o_proj`/`down_proj` `RowwiseParallel`; the token embedding `RowwiseParallel` with a
   replicated input, the LM head `ColwiseParallel` with replicated (all-gathered) logits;
   every other module with parameters (norms) holds them as replicated DTensors
-  (`ReplicateParallel`, so that one foreach optimizer can step all parameters).
+  (`ReplicateParallel`, so that one foreach optimizer can step all parameters). A peft
+  LoRA layer's frozen `base_layer` takes the projection's style; its `lora_B` (colwise
+  projection) or `lora_A` (rowwise) is split the same way, the other half replicated.
   Tied input/output embeddings (Qwen2.5-0.5B) stay tied: both styles shard the weight
   over the vocabulary (`Shard(0)`), and the head is given the embedding's parameter
   again after both are distributed (`_retie_embeddings`).
@@ -70,8 +72,8 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     if layout.tp > 1 and config is not None and not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up projections, which model type "
                 f"{getattr(config, 'model_type', '?')!r} does not have")
-    if layout.tp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
-        return "the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones"
+    if layout.tp > 1 and layout.pp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
+        return "a pipeline stage is traced without LoRA adapters"
     return None
 
 
@@ -107,8 +109,6 @@ def _tensor_parallel_refusal(config: Any, setup: Any) -> str | None:
     if config is not None and not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
                 f"model type {getattr(config, 'model_type', '?')!r} does not have")
-    if setup is not None and getattr(setup, "lora_rank", 0):
-        return "the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones (drop --lora-rank)"
     return None
 
 
@@ -123,6 +123,13 @@ def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = No
     if layout.tp == 1:
         return None
     refusal = _tensor_parallel_refusal(config, setup)
+    if refusal is None and layout.pp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
+        refusal = "a pipeline stage is traced without LoRA adapters: drop --lora-rank, or --pp"
+    if refusal is None and layout.dp > 1 and layout.zero == 0 and setup is not None and \
+            getattr(setup, "lora_rank", 0):
+        refusal = ("PyTorch's DDP + TP composition makes frozen parameters trainable again (it re-wraps every "
+                   "DTensor parameter in a new nn.Parameter, requires_grad=True), so LoRA's base weights would "
+                   "train: use --zero 3 (FSDP2) with --tp and --lora-rank")
     if refusal is None and layout.dp > 1 and layout.zero == 0 and \
             config is not None and getattr(config, "tie_word_embeddings", False):
         refusal = ("PyTorch's DDP + TP composition fails on tied input/output embeddings (DDP localises the "
@@ -152,14 +159,25 @@ def tensor_parallel_plan(model: nn.Module, blocks_path: str) -> dict[str, Any]:
 
     plan: dict[str, Any] = {}
     prefix = blocks_path + "."
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or leaf not in COLWISE + ROWWISE:
             continue
-        if leaf in COLWISE:
-            plan[name] = ColwiseParallel()
-        elif leaf in ROWWISE:
-            plan[name] = RowwiseParallel()
+        colwise = leaf in COLWISE
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+            # a peft LoRA layer: its frozen base gets the projection's style; of the
+            # adapter, the half that touches the sharded dimension is sharded the same
+            # way (lora_B colwise: its output columns; lora_A rowwise: its input rows,
+            # all-reduced to the replicated [.., r] output); the other half stays
+            # replicated (`_replicate_the_rest`)
+            plan[name + ".base_layer"] = ColwiseParallel() if colwise else RowwiseParallel()
+            for adapter in module.lora_A:
+                if colwise:
+                    plan[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+                else:
+                    plan[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+        else:
+            plan[name] = ColwiseParallel() if colwise else RowwiseParallel()
     if not plan:
         raise UserError("the Llama TP plan matched no projection of this model")
     embed = model.get_input_embeddings()
@@ -227,8 +245,6 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
     if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
         raise UserError("only DDP, FSDP2 (zero 3), TP, DDP + TP and FSDP2 + TP can be applied to a model")
     mesh = mesh if mesh is not None else device_mesh(layout)
-    if layout.tp > 1 and any(hasattr(m, "lora_A") for m in model.modules()):
-        raise UserError("the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones")
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
