@@ -25,3 +25,14 @@ def test_gradients_kept_as_zeros_between_steps_are_in_the_peak():
     kept = memplan.estimate(config, models.TrainingSetup(batch=2, seq=32, zero_grad="zeros"), device="cpu",
                             allocator="none").per_rank[0]
     assert freed.breakdown["gradients"] == 0 and kept.breakdown["gradients"] == kept.breakdown["parameters"]
+
+
+def test_a_cpu_job_holds_one_cpu_rng_state_per_checkpointed_block_and_the_op_level_policy_none():
+    from memplan.estimation.pipeline import CPU_RNG_STATE_BYTES, capture_step, checkpoint_rng_states
+
+    config = models.tiny_config("llama-2-7b")
+    for policy, count in (("full", config.num_hidden_layers), ("selective-op", 0), ("none", 0)):
+        setup = models.TrainingSetup(batch=1, seq=16, checkpointing=policy)
+        step = capture_step(config, setup, "cpu")
+        extras = checkpoint_rng_states(step.trace, step.blocks_path, setup)
+        assert [x.nbytes for x in extras] == [CPU_RNG_STATE_BYTES] * count, policy

@@ -352,9 +352,7 @@ def estimate(
         views = []
         for step in steps:
             trace = transform(step)
-            trace = gpu_view(StepTrace(trace, step.blocks_path, step.parameters, step.heads, step.head_dim,
-                                       step.seq, step.layers), plan.setup, profile) if device == "cuda" else trace
-            views.append(trace)
+            views.append(_device_view(trace, step, plan.setup, device, profile))
         counters = [replay_counters(t, allocator, alloc_conf) for t in views]
         fig = None
         if deep:
@@ -365,10 +363,7 @@ def estimate(
                 sys.stderr.write("memplan: block extrapolation not applicable here; tracing the full depth\n")
                 full = _cached_capture(config, stage_layers if plan.layers != total_layers else None, plan.setup,
                                        device, None, plan.traced_layout if traced else None, plan.traced_rank)
-                steps, views = [full], [transform(full)]
-                if device == "cuda":
-                    views = [gpu_view(StepTrace(views[0], full.blocks_path, full.parameters, full.heads,
-                                                full.head_dim, full.seq, full.layers), plan.setup, profile)]
+                steps, views = [full], [_device_view(transform(full), full, plan.setup, device, profile)]
                 counters = [replay_counters(views[0], allocator, alloc_conf)]
             else:
                 method = "extrapolated"
@@ -406,6 +401,35 @@ def estimate(
         capacity_bytes=capacity, device=device, allocator=allocator, gpu=gpu, method=method, parallel=parallel,
         elapsed_s=time.perf_counter() - start, flops=flops, bytes_moved=moved, roofline_s=roofline,
     )
+
+
+def _device_view(trace: Trace, step: StepTrace, setup: Any, device: str, profile: DeviceProfile | None) -> Trace:
+    """A rank's trace plus what its device adds that the capture cannot see: the GPU
+    terms (`gpu_view`) for cuda, the checkpoints' CPU RNG states for cpu."""
+    if device == "cuda":
+        return gpu_view(StepTrace(trace, step.blocks_path, step.parameters, step.heads, step.head_dim, step.seq,
+                                  step.layers), setup, profile)
+    return gpu_terms.with_extra_buffers(trace, checkpoint_rng_states(trace, step.blocks_path, setup))
+
+
+CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state(): the CPU generator's mt19937 state
+
+
+def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: Any) -> list[gpu_terms.ExtraBuffer]:
+    """The CPU RNG state `torch.utils.checkpoint` saves per checkpointed call
+    (`preserve_rng_state=True`: full and attention-only checkpointing, not torchtitan's
+    op-level policy), from the block's forward to the end of its backward. It is made by
+    `torch.get_rng_state()` outside the dispatcher, so the recorder does not see it; on a
+    GPU it is host memory (and the CUDA generator's state a host tensor too), so only a
+    cpu job's memory holds it."""
+    from memplan.parallel.transform import _block_spans
+
+    if setup.checkpointing not in ("full", "selective"):
+        return []
+    device = int(np.bincount(trace.buffers["device"]).argmax()) if trace.num_buffers else 0
+    return [gpu_terms.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",
+                                  device=device)
+            for spans in _block_spans(trace, blocks_path).values() if "forward" in spans and "backward" in spans]
 
 
 def _traced_view(device: str, rest: Any) -> Any:
