@@ -103,7 +103,6 @@ def test_tensor_parallel_of_a_tied_embedding_model_is_traced():
 @pytest.mark.parametrize(("family", "options", "layout", "reason"), [
     ("gpt2", {}, Layout(tp=2), "q/k/v and gate/up"),
     ("llama-2-7b", {"lora_rank": 4}, Layout(world_size=4, tp=2), "frozen parameters trainable"),
-    ("llama-2-7b", {"lora_rank": 4}, Layout(tp=2, pp=2, microbatches=2), "without LoRA"),
     ("qwen2.5-0.5b", {}, Layout(world_size=4, tp=2), "tied input/output embeddings"),
 ])
 def test_estimate_refuses_tensor_parallel_it_cannot_trace(family, options, layout, reason):
@@ -300,3 +299,12 @@ def test_lora_under_tensor_parallel_keeps_only_the_adapters_trainable():
     plain = estimate(LLAMA, SETUP, Layout(tp=2), device="cpu", allocator="none")
     assert result.parallel == "traced"
     assert 0 < result.per_rank[0].breakdown["optimizer_state"] < plain.per_rank[0].breakdown["optimizer_state"] / 20
+
+
+def test_lora_under_pipeline_and_tensor_parallel_is_traced_with_adapter_only_optimizer_states():
+    lora = estimate(PP_LLAMA, models.TrainingSetup(batch=2, seq=32, lora_rank=4),
+                    Layout(tp=2, pp=2, microbatches=2), device="cpu", allocator="none")
+    full = estimate(PP_LLAMA, SETUP, Layout(tp=2, pp=2, microbatches=2), device="cpu", allocator="none")
+    assert lora.parallel == "traced"
+    for adapted, plain in zip(lora.per_rank, full.per_rank):
+        assert 0 < adapted.breakdown["optimizer_state"] < plain.breakdown["optimizer_state"] / 20

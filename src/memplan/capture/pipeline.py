@@ -189,7 +189,9 @@ def build_pipeline_stage(
     from memplan import models
 
     seq = models.sequence_length(setup, model)
-    _, owned = stage_modules(model, stages, stage)
+    # a peft model (LoRA): its adapters sit inside the base model's modules
+    decoder = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _, owned = stage_modules(decoder, stages, stage)
     owned_params = {id(p) for mod in owned for p in mod.parameters()}
     for p in model.parameters():
         if id(p) not in owned_params:
@@ -198,7 +200,7 @@ def build_pipeline_stage(
         distribute(owned)
     stage_model = torch.nn.ModuleList(owned)
     optimizer = models.build_optimizer(stage_model, setup, device=target_device)
-    step = pipeline_stage_step(model, optimizer, stages=stages, stage=stage, microbatches=microbatches,
+    step = pipeline_stage_step(decoder, optimizer, stages=stages, stage=stage, microbatches=microbatches,
                                batch=setup.batch, seq=seq, setup=setup,
                                cuda_kernels=target_device == "cuda" and models.is_fake_mode_active())
     return stage_model, optimizer, step

@@ -72,8 +72,6 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     if layout.tp > 1 and config is not None and not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up projections, which model type "
                 f"{getattr(config, 'model_type', '?')!r} does not have")
-    if layout.tp > 1 and layout.pp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
-        return "a pipeline stage is traced without LoRA adapters"
     return None
 
 
@@ -123,8 +121,6 @@ def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = No
     if layout.tp == 1:
         return None
     refusal = _tensor_parallel_refusal(config, setup)
-    if refusal is None and layout.pp > 1 and setup is not None and getattr(setup, "lora_rank", 0):
-        refusal = "a pipeline stage is traced without LoRA adapters: drop --lora-rank, or --pp"
     if refusal is None and layout.dp > 1 and layout.zero == 0 and setup is not None and \
             getattr(setup, "lora_rank", 0):
         refusal = ("PyTorch's DDP + TP composition makes frozen parameters trainable again (it re-wraps every "
@@ -317,8 +313,6 @@ def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: l
 
     if layout.tp == 1:
         return
-    if any(hasattr(m, "lora_A") for top in owned for m in top.modules()):
-        raise UserError("the TP plan applies to nn.Linear layers, not to LoRA-wrapped ones")
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(m)] for m in owned]
     plan = {name: style for name, style in tensor_parallel_plan(model, blocks_path).items()
