@@ -186,8 +186,10 @@ def test_a_pipeline_stage_plan_beats_greedy_by_size_with_micro_batch_staircases(
 
     config = models.tiny_config("llama-3.2-1b", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                 vocab_size=4096)
+    # CPU kernels: with CUDA's flash attention the offset-order search wins on this trace
+    # (within 0.3% of its live peak), and the staircases are not the method chosen
     trace = capture_pipeline_stage(config, TrainingSetup(batch=2, seq=128, dtype="bf16"), stages=4, stage=0,
-                                   microbatches=8, iterations=3)
+                                   microbatches=8, iterations=3, device="cpu")
     result = plan(trace)
     assert result.stats["method"].startswith("cross-phase staircases")
     assert result.stats["cross_phase_groups"] == 16  # one per (iteration, micro-batch), iterations 0 and 1
