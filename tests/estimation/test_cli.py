@@ -39,6 +39,7 @@ def test_estimate_json_has_the_issue_keys(capsys):
     (["--capacity", "80 parsecs"], "cannot read size"),
     (["--zero", "4"], "zero stage must be"),
     (["--allocator", "buddy"], "unknown allocator"),
+    (["--cuda-context", "lots"], "cannot read size"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(capsys, argv, message):
     import re
@@ -66,3 +67,15 @@ def test_estimate_json_says_whether_the_layout_was_traced_or_modelled(capsys):
     code, out, _ = run_cli(capsys, "estimate", "llama-2-7b", *TINY, "--world-size", "2", "--zero", "3",
                            "--device", "cpu", "--modelled-layout", "--json")
     assert code == 0 and json.loads(out)["parallel"] == "modelled"
+
+
+def test_a_given_cuda_context_replaces_the_profile_s_in_device_used(capsys):
+    _, out, _ = run_cli(capsys, "estimate", "gpt2", *TINY, "--gpu", "v100-16gb", "--json")
+    profile = json.loads(out)
+    _, out, _ = run_cli(capsys, "estimate", "gpt2", *TINY, "--gpu", "v100-16gb", "--cuda-context", "1343MiB", "--json")
+    eager = json.loads(out)
+    from memplan.estimation.devices import device_profile
+
+    context = device_profile("v100-16gb").cuda_context_bytes
+    assert eager["device_used_bytes"] - profile["device_used_bytes"] == 1343 * 2**20 - context
+    assert eager["peak_reserved_bytes"] == profile["peak_reserved_bytes"]

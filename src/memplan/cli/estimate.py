@@ -27,6 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--allocator", default="caching", metavar="NAME",
                    help="caching (default), expandable, planned or none (tensor bytes only)")
     p.add_argument("--alloc-conf", default=None, metavar="STR", help="a PYTORCH_CUDA_ALLOC_CONF string")
+    p.add_argument("--cuda-context", default=None, metavar="SIZE",
+                   help="CUDA context size in device used (default: the profile's, CUDA 12 lazy loading; "
+                        "eager kernel loading takes about 1 GB more)")
     p.add_argument("--full-depth", action="store_true", help="trace every block instead of extrapolating")
     p.add_argument("--modelled-layout", action="store_true",
                    help="apply the modelled layout rules instead of tracing FSDP2 / TP on a fake process group")
@@ -41,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from memplan.units import parse_size
 
     capacity = parse_size(args.capacity) if args.capacity is not None else None
+    cuda_context = parse_size(args.cuda_context) if args.cuda_context is not None else None
     setup = setup_from_args(args)
     layout = layout_from_args(args)
     result = estimate(args.model, setup, layout, device=args.device, allocator=args.allocator,
                       alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
-                      extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout)
+                      extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout,
+                      cuda_context=cuda_context)
     if args.json:
         print_json(result.to_json())
         return 0

@@ -284,6 +284,7 @@ def estimate(
     parallel_tracing: bool = True,
     progress: bool = False,
     cache: dict[Any, StepTrace] | None = None,
+    cuda_context: int | None = None,
 ) -> Estimate:
     """Per-rank peak memory of one training step of `model` under `setup` and `layout`.
 
@@ -297,6 +298,9 @@ def estimate(
     the single-device trace (`memplan.parallel.transform`) instead of tracing the
     parallel step on a fake process group where that is possible. `cache` (a dict the caller keeps) reuses captured
     steps across calls that differ only in layout or allocator (what `fit` does).
+    `cuda_context` (bytes) overrides the profile's CUDA context, which is CUDA 12's
+    lazy-loading one: eager kernel loading (CUDA < 11.7, or CUDA_MODULE_LOADING=EAGER)
+    takes about 1 GB more.
     """
     from memplan import models
     from memplan.parallel import Layout, rank_plans
@@ -308,6 +312,9 @@ def estimate(
         raise UserError(f"unknown device {device!r}: use cuda or cpu")
     if allocator not in ESTIMATE_ALLOCATORS:
         raise UserError(f"unknown allocator {allocator!r}: choose one of {', '.join(ESTIMATE_ALLOCATORS)}")
+    if cuda_context is not None and (isinstance(cuda_context, bool) or not isinstance(cuda_context, int)
+                                     or cuda_context < 0):
+        raise UserError(f"the CUDA context must be a size >= 0, not {cuda_context!r}")
     if alloc_conf is not None:
         from memplan.alloc import AllocConf
 
@@ -392,6 +399,8 @@ def estimate(
             if layout.pp > 1 and len(steps) == 2:
                 parameters = models.count_parameters(config)
         context = profile.cuda_context_bytes if (profile is not None and device == "cuda") else 0
+        if cuda_context is not None and device == "cuda":
+            context = cuda_context
         nccl = profile.nccl_bytes(plan.communicators) if (profile is not None and device == "cuda") else 0
         used = fig.peak_reserved_bytes + context + nccl
         per_rank.append(RankEstimate(plan.rank, fig.peak_allocated_bytes, fig.peak_reserved_bytes, used,
