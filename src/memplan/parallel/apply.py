@@ -85,7 +85,7 @@ def traced_part(layout: Any, config: Any = None, setup: Any = None) -> Any:
 
     if traceable(layout, config, setup) is None:
         return layout
-    if layout.tp == 1 or _tensor_parallel_refusal(config, setup) is not None:
+    if layout.tp == 1 or _tensor_parallel_refusal(config) is not None:
         return None
     if layout.pp == 1 and layout.zero == 0:
         return layout  # DDP + TP: traced with DDP's parameter transform, without its reducer
@@ -103,7 +103,7 @@ def modelled_rest(layout: Any) -> bool:
     return layout.dp > 1 and layout.zero in (0, 1, 2)
 
 
-def _tensor_parallel_refusal(config: Any, setup: Any) -> str | None:
+def _tensor_parallel_refusal(config: Any) -> str | None:
     if config is not None and not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
                 f"model type {getattr(config, 'model_type', '?')!r} does not have")
@@ -120,7 +120,7 @@ def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = No
     (`parallel_tracing=False`)."""
     if layout.tp == 1:
         return None
-    refusal = _tensor_parallel_refusal(config, setup)
+    refusal = _tensor_parallel_refusal(config)
     if refusal is None and layout.dp > 1 and layout.zero == 0 and setup is not None and \
             getattr(setup, "lora_rank", 0):
         refusal = ("PyTorch's DDP + TP composition makes frozen parameters trainable again (it re-wraps every "
