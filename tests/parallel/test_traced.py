@@ -266,10 +266,10 @@ def test_pipeline_with_tensor_and_data_parallel_traces_one_data_parallel_rank_pe
 
 
 def test_zero_3_under_pipeline_parallelism_keeps_each_block_gathered_from_forward_to_backward():
-    from memplan.parallel.transform import _block_spans, _fsdp_buffers
+    from memplan.parallel.transform import _fsdp_buffers, block_spans
 
     trace, _ = capture_rank(LLAMA, SETUP, Layout(tp=2), rank=0)
-    spans = _block_spans(trace, "model.layers")
+    spans = block_spans(trace, "model.layers")
     blocks = sorted(spans)
     extras = _fsdp_buffers(trace, "model.layers", {b: 1000 for b in blocks}, {}, 0, 0, reshard_after_forward=False)
     assert [(x.nbytes, x.free_before) for x in extras] == [(1000, spans[b]["backward"][1]) for b in blocks]

@@ -431,14 +431,14 @@ def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: Any) -> list[gp
     `torch.get_rng_state()` outside the dispatcher, so the recorder does not see it; on a
     GPU it is host memory (and the CUDA generator's state a host tensor too), so only a
     cpu job's memory holds it."""
-    from memplan.parallel.transform import _block_spans
+    from memplan.parallel.transform import block_spans
 
     if setup.checkpointing not in ("full", "selective"):
         return []
     device = int(np.bincount(trace.buffers["device"]).argmax()) if trace.num_buffers else 0
     return [gpu_terms.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",
                                   device=device)
-            for spans in _block_spans(trace, blocks_path).values() if "forward" in spans and "backward" in spans]
+            for spans in block_spans(trace, blocks_path).values() if "forward" in spans and "backward" in spans]
 
 
 def _traced_view(device: str, rest: Any) -> Any:

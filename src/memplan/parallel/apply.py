@@ -69,9 +69,8 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
         return "ZeRO-1/2 (DeepSpeed semantics) are modelled, not traced"
     if layout.zero == 0 and layout.dp > 1:
         return "DDP's reducer cannot run on a fake process group (its hook gets no tensor back): modelled"
-    if layout.tp > 1 and config is not None and not _llama_like(config):
-        return (f"the Llama TP plan needs separate q/k/v and gate/up projections, which model type "
-                f"{getattr(config, 'model_type', '?')!r} does not have")
+    if layout.tp > 1:
+        return _tensor_parallel_refusal(config)
     return None
 
 
@@ -92,15 +91,12 @@ def traced_part(layout: Any, config: Any = None, setup: Any = None) -> Any:
     return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None, schedule="1f1b")
 
 
-def modelled_rest(layout: Any) -> bool:
-    """Whether `traced_part(layout)` leaves part of a TP `layout` to the modelled rules:
-    DDP's buckets, ZeRO-1/2, data parallelism across pipeline stages, the interleaved
-    schedule."""
-    if layout.tp == 1:
-        return False
-    if layout.pp > 1:
-        return layout.dp > 1 or layout.schedule != "1f1b"
-    return layout.dp > 1 and layout.zero in (0, 1, 2)
+def modelled_rest(layout: Any, part: Any) -> bool:
+    """Whether tracing `part` (`traced_part(layout)`) leaves some of `layout` to the
+    modelled rules: what a smaller traced layout left out (DDP, ZeRO-1/2, data
+    parallelism across pipeline stages, the interleaved schedule), or DDP's buckets when
+    DDP + TP is traced whole."""
+    return part is not None and (part != layout or (layout.dp > 1 and layout.zero == 0))
 
 
 def _tensor_parallel_refusal(config: Any) -> str | None:

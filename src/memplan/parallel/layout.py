@@ -153,5 +153,5 @@ def rank_plans(layout: Layout, config: Any, setup: Any, total_layers: int | None
             return data_parallel_trace(step, layout, setup)
 
         plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
-                              part, traced_rank, rest if part is not None and modelled_rest(layout) else None))
+                              part, traced_rank, rest if modelled_rest(layout, part) else None))
     return plans

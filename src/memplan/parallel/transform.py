@@ -72,7 +72,7 @@ def _block_index(trace: Trace, blocks_path: str) -> np.ndarray:
     return out
 
 
-def _block_spans(trace: Trace, blocks_path: str) -> dict[int, dict[str, tuple[int, int]]]:
+def block_spans(trace: Trace, blocks_path: str) -> dict[int, dict[str, tuple[int, int]]]:
     """Per block: the (first, one-past-last) event of its forward and of its backward ops."""
     index = _block_index(trace, blocks_path)
     spans: dict[int, dict[str, tuple[int, int]]] = {}
@@ -158,7 +158,7 @@ def rank_trace(step: Any, layout: Any, setup: Any, stage: int, *, reshard_after_
         nbytes = _shrink(nbytes, flowing, tp)
         hidden_bytes = _block_input_bytes(step, setup)
         full_ckpt = setup.checkpointing == "full"
-        for spans in _block_spans(trace, step.blocks_path).values():
+        for spans in block_spans(trace, step.blocks_path).values():
             fwd, bwd = spans.get("forward"), spans.get("backward")
             if fwd is None:
                 continue
@@ -216,7 +216,7 @@ def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], g
     """FSDP2 all-gather outputs (prefetched one block ahead) and unsharded gradients;
     without `reshard_after_forward`, one all-gather output per block, from its forward
     (prefetched) to the end of its backward."""
-    spans = _block_spans(trace, blocks_path)
+    spans = block_spans(trace, blocks_path)
     order_fwd = sorted(b for b in spans if "forward" in spans[b])
     extras = []
     fwd_start = min((spans[b]["forward"][0] for b in order_fwd), default=0)
