@@ -187,6 +187,7 @@ def _build_from_config(config: Any, setup: TrainingSetup, device: str, skip_init
 
     cls = model_class(config, setup.head)
     if setup.head == "seq-cls":
+        config = copy.deepcopy(config)  # the classifier's width and pad token are this build's, not the caller's
         config.num_labels = setup.num_labels
         if getattr(config, "pad_token_id", None) is None:
             eos = getattr(config, "eos_token_id", None)
