@@ -34,6 +34,7 @@ import mmap
 import os
 import shutil
 import threading
+import weakref
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -287,13 +288,15 @@ class OffloadEngine:
         return self.table.get(key)
 
     def load_into(self, key: str, out: torch.Tensor) -> None:
-        """Read tensor `key` back into `out` (same number of bytes), verifying its checksum."""
+        """Read tensor `key` back into `out` (at least as many bytes), verifying its checksum."""
         loc = self.wait(key)
         if loc is None:
             raise OffloadError(f"tensor '{key}' was never offloaded")
-        view = _bytes_of(out)
+        view = _bytes_of(out)  # may be longer than the tensor: a page-aligned read of a padded file
+        if view.nbytes < loc.nbytes:
+            raise OffloadError(f"tensor '{key}' has {loc.nbytes} bytes, more than its destination's {view.nbytes}")
         if loc.tier == "host":
-            view[:] = _bytes_of(loc.host_copy)
+            view[: loc.nbytes] = _bytes_of(loc.host_copy)
         else:
             try:
                 if self.fault is not None:
@@ -303,7 +306,7 @@ class OffloadEngine:
                 raise OffloadError(f"reading tensor '{key}' back from {loc.path} failed: {exc}") from None
             with self.lock:
                 self.bytes_read += loc.nbytes
-        if loc.crc32 is not None and zlib.crc32(view) != loc.crc32:
+        if loc.crc32 is not None and zlib.crc32(view[: loc.nbytes]) != loc.crc32:
             raise OffloadError(f"tensor '{key}' read back from {loc.path} is corrupted (CRC32 mismatch)")
 
     @contextlib.contextmanager
@@ -645,49 +648,142 @@ class _StepInBackward(_StreamedOptimizer):
         super().restore()
 
 
+class _Saved:
+    """One offloaded storage: written once however many saved tensors view it, read back once."""
+
+    __slots__ = ("key", "nbytes", "refs", "version", "tensors", "raw", "offset", "future")
+
+    def __init__(self, key: str, nbytes: int, version: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.refs = 0  # packed handles not yet unpacked
+        self.version = version
+        self.tensors: list[weakref.ref] = []  # the packed tensors, while they live (deduplication)
+        self.raw: torch.Tensor | None = None  # the storage read back (page-aligned), until the last unpack
+        self.offset = 0  # byte offset of the data in `raw`
+        self.future: Future | None = None  # the prefetch in flight
+
+
 class _ActivationOffloader:
-    """saved_tensors_hooks: large saved tensors go out at pack and come back at unpack."""
+    """saved_tensors_hooks: the storages of large saved tensors go out at pack and come back in backward.
+
+    The unit is the *storage*, as autograd's own saved variables keep storages alive: the views
+    of one storage that several ops save (GPT-2's q, k and v are views of one `c_attn` output;
+    a layer's input is saved by more than one op) are written once and read once, and a view
+    saved as non-contiguous moves like any other. Tensors that require grad (the activations
+    themselves) move too, as `torch.autograd.graph.save_on_cpu` moves them. Parameters' and
+    module buffers' storages stay: they live on anyway.
+
+    Backward reads ahead: when it unpacks a storage, the storages packed before it (the order
+    backward needs them) are read in the background, up to `prefetch_nbytes` loaded and not
+    yet used, into page-aligned storage (O_DIRECT needs no bounce copy). A storage is dropped,
+    and its file removed, at the last unpack of a tensor that views it."""
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, min_nbytes: int,
-                 max_inflight_nbytes: int = 64 << 20) -> None:
+                 max_inflight_nbytes: int = 64 << 20, prefetch_nbytes: int = 64 << 20) -> None:
         self.engine = engine
         self.min_nbytes = min_nbytes
         self.max_inflight_nbytes = max_inflight_nbytes
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.prefetch_nbytes = prefetch_nbytes
+        self.kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self.count = 0
+        self.live: dict[int, _Saved] = {}  # storage data_ptr -> its entry, this forward
+        self.stack: list[_Saved] = []  # this forward's entries, in pack order
+        self.cursor = -1  # the next entry (downwards) backward's read-ahead looks at
+        self.ahead: set[str] = set()  # keys read ahead and not yet unpacked
+        self.unpacked = False  # an unpack happened since the last pack: the next pack starts a new forward
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def _entry_for(self, t: torch.Tensor, ptr: int) -> _Saved | None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return None
+        for ref in entry.tensors:
+            other = ref()
+            if other is not None and other.untyped_storage().data_ptr() == ptr:
+                return entry if other._version == entry.version and t._version == entry.version else None
+        return None
 
     def pack(self, t: torch.Tensor) -> Any:
         self.engine.reap()
-        nbytes = t.numel() * t.element_size()
         if (
-            nbytes < self.min_nbytes
-            or not t.is_contiguous()
+            type(t) is not torch.Tensor
             or t.device.type != "cpu"
-            or t.untyped_storage().data_ptr() in self.params
-            or t.requires_grad
+            or t.layout != torch.strided
+            or t.untyped_storage().nbytes() < self.min_nbytes
+            or t.untyped_storage().data_ptr() in self.kept
         ):
             return t
-        self.count += 1
-        key = f"act.{self.count}"
-        self.engine.offload(key, t)
-        # back-pressure: the tensors waiting to be written stay within `max_inflight_nbytes`
-        while len(self.engine.holding) > 1 and sum(
-            x.numel() * x.element_size() for x in self.engine.holding.values()
-        ) > self.max_inflight_nbytes:
-            self.engine.wait(next(iter(self.engine.holding)))
-        return (key, t.shape, t.dtype, t.stride())
+        if self.unpacked:  # a new forward
+            self.live.clear()
+            self.stack = []
+            self.unpacked = False
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        entry = self._entry_for(t, ptr)
+        if entry is None:
+            self.count += 1
+            entry = _Saved(f"act.{self.count}", storage.nbytes(), t._version)
+            self.live[ptr] = entry
+            self.stack.append(entry)
+            self.cursor = len(self.stack) - 1
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # holds the storage until written
+            self.engine.offload(entry.key, whole)
+            # back-pressure: the storages waiting to be written stay within `max_inflight_nbytes`
+            while len(self.engine.holding) > 1 and sum(
+                x.numel() * x.element_size() for x in self.engine.holding.values()
+            ) > self.max_inflight_nbytes:
+                self.engine.wait(next(iter(self.engine.holding)))
+        entry.tensors.append(weakref.ref(t))
+        entry.refs += 1
+        return (entry, t.dtype, t.shape, t.stride(), t.storage_offset())
+
+    def _read(self, entry: _Saved) -> Future | None:
+        """Start reading `entry` back into fresh page-aligned storage (on this thread: the
+        allocation is the training thread's); None where it is held in host memory."""
+        self.engine.wait(entry.key)  # its write is complete, and released on this thread
+        size = _aligned(entry.nbytes)
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+        entry.offset = (-raw.data_ptr()) % ALIGN
+        entry.raw = raw
+        return self.engine.prefetch_into(entry.key, raw[entry.offset : entry.offset + size]) if size else None
+
+    def _read_ahead(self) -> None:
+        loaded = sum(_aligned(e.nbytes) for e in self.stack if e.key in self.ahead)
+        while self.cursor >= 0 and loaded < self.prefetch_nbytes:
+            entry = self.stack[self.cursor]
+            self.cursor -= 1
+            if entry.raw is None and entry.refs > 0:
+                entry.future = self._read(entry)
+                self.ahead.add(entry.key)
+                loaded += _aligned(entry.nbytes)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         self.engine.reap()
-        key, shape, dtype, _stride = packed
-        out = torch.empty(shape, dtype=dtype)
-        self.engine.load_into(key, out)
-        loc = self.engine.table.pop(key, None)
-        if loc is not None and loc.path:
-            self.engine.store.remove(loc.path)
+        self.unpacked = True
+        entry, dtype, shape, stride, offset = packed
+        if entry.refs <= 0:
+            raise OffloadError(f"saved tensor '{entry.key}' was unpacked twice (retain_graph is not supported "
+                               "with activation offloading)")
+        if entry.raw is None:
+            entry.future = self._read(entry)
+        if entry.future is not None:
+            entry.future.result()
+            entry.future = None
+        self.ahead.discard(entry.key)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        out = torch.empty(0, dtype=dtype).set_(
+            entry.raw.untyped_storage(), (entry.offset // itemsize) + offset, shape, stride)
+        entry.refs -= 1
+        if entry.refs == 0:
+            entry.raw = None
+            entry.tensors.clear()
+            loc = self.engine.table.pop(entry.key, None)
+            if loc is not None and loc.path:
+                self.engine.store.remove(loc.path)
+        self._read_ahead()
         return out
 
 
@@ -739,7 +835,7 @@ def run(
         states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes)
     elif optimizer_states:
         states = _StateOffloader(engine, model, optimizer, min_nbytes, False)
-    acts = _ActivationOffloader(engine, model, min_nbytes, chunk_nbytes) if activations else None
+    acts = _ActivationOffloader(engine, model, min_nbytes, chunk_nbytes, chunk_nbytes) if activations else None
     try:
         with acts.hooks if acts is not None else contextlib.nullcontext():
             engine.saved_tensors_hooks = acts.hooks if acts is not None else None
