@@ -3,9 +3,10 @@
 `run(model, optimizer, plan=None, directory=...)` is a context manager around the
 training loop. Inside it:
 
-- saved activations go through `torch.autograd.graph.saved_tensors_hooks`: a saved
-  tensor of at least `min_nbytes` that is not a parameter is written out when autograd
-  saves it and read back when backward unpacks it;
+- saved activations go through `torch.autograd.graph.saved_tensors_hooks`: the storage
+  of a saved tensor (at least `min_nbytes`, not a parameter's, a view of one, or a
+  buffer's) is written out once when autograd first saves it and read back, ahead of
+  need, in backward (`_ActivationOffloader`);
 - optimizer states leave after each optimizer step (`register_step_post_hook`) and are
   prefetched, asynchronously, as soon as backward produces the first gradient
   (`register_post_accumulate_grad_hook`); the step waits for them (`register_step_pre_hook`).
@@ -20,9 +21,10 @@ error or a full disk degrades the tensor to host memory when `host_fallback` all
 it, else raises `OffloadError`; with `checksum=True` a CRC32 of every tensor is
 verified on reload, so a corrupted file is an error, never silent.
 
-Assumptions: tensors are dense and contiguous (the others stay where they are); on
-CPU, "device memory" is the process's tensor memory and a tensor's storage is
-released with `untyped_storage().resize_(0)`. CUDA streams, pinned buffers and kvikio
+Assumptions: gradients and states that move are dense, contiguous and not views (the
+others stay where they are); on CPU, "device memory" is the process's tensor memory and
+a tensor's storage is released with `untyped_storage().resize_(0)`. Under FSDP2 the
+sharded parameters, gradients and states are DTensors: their local shards move. CUDA streams, pinned buffers and kvikio
 are not used by this version (see docs/offload.md).
 """
 
@@ -214,6 +216,31 @@ def _page_aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (FSDP2's sharded parameters, their gradients and optimizer
+    states: the bytes this rank holds and moves); any other value as it is."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of `t` (a DTensor's local shard)."""
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def _movable(t: Any, min_nbytes: int) -> bool:
+    """Whether a gradient or state can leave by releasing its storage: a contiguous tensor of
+    at least `min_nbytes` that is not a view of another. (FSDP2's sharded gradients are views
+    of one reduce-scatter buffer: releasing one's storage would free them all. They stay.)"""
+    return (
+        isinstance(t, torch.Tensor)
+        and t._base is None
+        and t.is_contiguous()
+        and t.numel() * t.element_size() >= min_nbytes
+    )
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, without going through numpy (which would pin the storage's size)."""
     nbytes = t.numel() * t.element_size()
@@ -357,7 +384,8 @@ class _StateOffloader:
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for p, state in self.optimizer.state.items():
             for name, t in state.items():
-                if isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() * t.element_size() >= self.min_nbytes:
+                t = _local(t)
+                if _movable(t, self.min_nbytes):
                     yield f"state.{self.names.get(id(p), id(p))}.{name}", t
 
     def _after_step(self, *_: Any) -> None:
@@ -424,7 +452,7 @@ class _StreamedOptimizer:
         optimizer.step = self.step  # type: ignore[method-assign]
 
     def _big(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.is_contiguous() and t.numel() * t.element_size() >= self.min_nbytes
+        return _movable(_local(t), self.min_nbytes)
 
     def _send(self, key: str, t: torch.Tensor) -> None:
         """Write `t` out; `_reap` releases its storage, on the training thread, once written.
@@ -448,13 +476,13 @@ class _StreamedOptimizer:
     def _on_grad(self, p: torch.Tensor) -> None:
         self._reap()
         if p.grad is not None and self._big(p.grad):
-            self._send(f"grad.{self.names.get(id(p), id(p))}", p.grad)
+            self._send(f"grad.{self.names.get(id(p), id(p))}", _local(p.grad))
 
     def _tensors_of(self, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         name = self.names.get(id(p), id(p))
         out = [(f"grad.{name}", p.grad)] if p.grad is not None else []
         out += [(f"state.{name}.{k}", t) for k, t in self.optimizer.state.get(p, {}).items()]
-        return [(k, t) for k, t in out if self._big(t)]
+        return [(k, _local(t)) for k, t in out if self._big(t)]
 
     def _fetch(self, params: list[torch.Tensor]) -> list[Future]:
         futures = []
@@ -477,7 +505,7 @@ class _StreamedOptimizer:
             nbytes = 0
             for p in group["params"]:
                 current.append(p)
-                nbytes += 3 * p.numel() * p.element_size()  # gradient + two moments
+                nbytes += 3 * _nbytes(p)  # gradient + two moments
                 if nbytes >= self.chunk_nbytes:
                     chunks.append((gi, current))
                     current, nbytes = [], 0
@@ -564,8 +592,8 @@ class _StepInBackward(_StreamedOptimizer):
         self.forward_prefetch_nbytes = chunk_nbytes if forward_prefetch_nbytes is None else forward_prefetch_nbytes
         self.kept: set[int] = set()
         kept_nbytes = 0
-        for p in sorted(self.order, key=lambda q: -q.numel() * q.element_size()):  # stable: backward's order on ties
-            state_nbytes = 2 * p.numel() * p.element_size()
+        for p in sorted(self.order, key=lambda q: -_nbytes(q)):  # stable: backward's order on ties
+            state_nbytes = 2 * _nbytes(p)
             if kept_nbytes + state_nbytes <= resident_nbytes:
                 self.kept.add(id(p))
                 kept_nbytes += state_nbytes
@@ -575,7 +603,7 @@ class _StepInBackward(_StreamedOptimizer):
 
     def _prefetch_ahead(self, limit_nbytes: int | None = None) -> None:
         limit_nbytes = self.chunk_nbytes if limit_nbytes is None else limit_nbytes
-        ahead = sum(2 * p.numel() * p.element_size() for p, _ in self.fetching.values())
+        ahead = sum(2 * _nbytes(p) for p, _ in self.fetching.values())
         while self.cursor < len(self.order) and ahead < limit_nbytes:
             p = self.order[self.cursor]
             self.cursor += 1
@@ -584,7 +612,7 @@ class _StepInBackward(_StreamedOptimizer):
             futures = self._fetch([p])
             if futures:
                 self.fetching[id(p)] = (p, futures)
-                ahead += 2 * p.numel() * p.element_size()
+                ahead += 2 * _nbytes(p)
 
     def _update(self, p: torch.Tensor) -> None:
         groups = self.optimizer.param_groups
@@ -671,8 +699,9 @@ class _ActivationOffloader:
     of one storage that several ops save (GPT-2's q, k and v are views of one `c_attn` output;
     a layer's input is saved by more than one op) are written once and read once, and a view
     saved as non-contiguous moves like any other. Tensors that require grad (the activations
-    themselves) move too, as `torch.autograd.graph.save_on_cpu` moves them. Parameters' and
-    module buffers' storages stay: they live on anyway.
+    themselves) move too, as `torch.autograd.graph.save_on_cpu` moves them. Parameters (FSDP2's
+    unsharded ones included), their views (a weight's transpose) and module buffers stay: they
+    live on anyway.
 
     Backward reads ahead: when it unpacks a storage, the storages packed before it (the order
     backward needs them) are read in the background, up to `prefetch_nbytes` loaded and not
@@ -685,7 +714,7 @@ class _ActivationOffloader:
         self.min_nbytes = min_nbytes
         self.max_inflight_nbytes = max_inflight_nbytes
         self.prefetch_nbytes = prefetch_nbytes
-        self.kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        self.kept = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self.count = 0
         self.live: dict[int, _Saved] = {}  # storage data_ptr -> its entry, this forward
         self.stack: list[_Saved] = []  # this forward's entries, in pack order
@@ -707,7 +736,8 @@ class _ActivationOffloader:
     def pack(self, t: torch.Tensor) -> Any:
         self.engine.reap()
         if (
-            type(t) is not torch.Tensor
+            type(t) is not torch.Tensor  # parameters (FSDP2's unsharded ones too), tensor subclasses
+            or isinstance(t._base, torch.nn.Parameter)  # a view of one (a weight's transpose)
             or t.device.type != "cpu"
             or t.layout != torch.strided
             or t.untyped_storage().nbytes() < self.min_nbytes
