@@ -14,6 +14,7 @@ Writes the `offload` section of BENCHMARKS.md.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -43,10 +44,15 @@ def main() -> None:
         step = capture_step(load_config(model), setup, "cuda")
         trace = rank_trace(step, Layout(world_size=2, zero=3), setup, 0)
         capture_s = time.perf_counter() - t0
+        # the ZeRO baselines' second way: DeepSpeed activation checkpointing, checkpoints to host (cpu_checkpointing)
+        ck_step = capture_step(load_config(model), dataclasses.replace(setup, checkpointing="full"), "cuda")
         base_hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", host_mem="1.5TB", gpus=2, pcie="pcie-gen5-x16")
         lt = analyse(trace, roofline_op_durations_s(trace, base_hw.gpu))
         whole = analyse(step.trace, roofline_op_durations_s(step.trace, base_hw.gpu))
-        baselines = run_baselines(step.trace, whole, base_hw, default_budget_bytes(base_hw))
+        ck_whole = analyse(ck_step.trace, roofline_op_durations_s(ck_step.trace, base_hw.gpu))
+        baselines = run_baselines(step.trace, whole, base_hw, default_budget_bytes(base_hw), (ck_step.trace, ck_whole))
+        print(f"{model} {batch}x{seq}: " + "; ".join(f"{k} {lt.step_s / r.sim.step_s:.1%} ({r.note})"
+                                                    for k, r in baselines.items() if k != "ideal"), file=sys.stderr)
         for host in host_limits:
             hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", host_mem=host, gpus=2, pcie="pcie-gen5-x16")
             report, _ = evaluate(trace, hw)

@@ -92,3 +92,53 @@ def test_cli_bad_nvme_spec_is_one_line_and_exit_2(capsys):
     code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--nvme", "4xfloppy", "--json"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "floppy" in err
+
+
+def test_saved_activations_are_the_ones_used_in_forward_and_again_in_backward(make_trace):
+    from memplan.offload.baselines import saved_activations
+    from memplan.trace.model import PHASE
+
+    # b0: saved (forward, then backward); b1: a forward transient; b2: made in backward
+    tr = make_trace([4096, 4096, 4096], ["activation"] * 3,
+                    [{"alloc": [0, 1]}, {"reads": [0, 1], "free": [1]}, {"reads": [0], "alloc": [2], "free": [0, 2]}])
+    tr.ops["phase"][2] = PHASE["backward"]
+    lt = analyse(tr, np.array([1.0, 1.0, 1.0]))
+    assert saved_activations(tr, lt).tolist() == [0]
+
+
+@pytest.fixture(scope="module")
+def tiny_traces():
+    """A tiny Llama step on fake CUDA tensors, without and with full activation checkpointing."""
+    from memplan.capture.step import capture_model
+    from memplan.models import TrainingSetup, tiny_config
+
+    config = tiny_config("llama-2-7b")
+    setup = TrainingSetup(batch=8, seq=256, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
+    plain = capture_model(config, setup, fake=True, device="cuda")
+    ckpt = capture_model(config, TrainingSetup(**{**setup.to_dict(), "checkpointing": "full"}), fake=True, device="cuda")
+    return plain, ckpt
+
+
+def test_zero_baselines_recompute_when_activations_on_the_gpu_do_not_fit(tiny_traces):
+    from memplan.offload.baselines import zero_infinity, zero_offload
+    from memplan.offload.lifetimes import roofline_op_durations_s
+
+    plain, ckpt = tiny_traces
+    hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", host_mem="1.5TB", gpus=1, pcie="pcie-gen5-x16")
+    lt = analyse(plain, roofline_op_durations_s(plain, hw.gpu))
+    ck_lt = analyse(ckpt, roofline_op_durations_s(ckpt, hw.gpu))
+    budget = ck_lt.op_bytes.max()  # the checkpointed step fits, the plain one does not
+    assert lt.op_bytes.max() > 2 * budget
+    for baseline in (zero_offload, zero_infinity):
+        alone = baseline(plain, lt, hw, budget)
+        assert not alone.feasible and "no activation checkpointing" in alone.note
+        best = baseline(plain, lt, hw, budget, (ckpt, ck_lt))
+        assert best.feasible and best.note.startswith("activation checkpointing, checkpoints in host memory")
+        assert best.sim.step_s >= compute(ckpt, ck_lt) > 1.2 * compute(plain, lt)  # it pays for the recomputation
+
+
+def compute(trace, lt):
+    """Seconds of the step's GPU ops other than the optimizer's (which the ZeRO baselines run on the CPU)."""
+    from memplan.trace.model import PHASE
+
+    return lt.op_durations_s[trace.ops["phase"] != PHASE["optimizer"]].sum()

@@ -53,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("memplan: offload plans a per-parameter optimizer step (--optimizer-impl loop)\n")
     sys.stderr.write(f"memplan: capturing {args.model} on fake tensors ...\n")
     trace = capture_model(args.model, setup, fake=True, device="cuda")
+    checkpointed = None
+    if setup.checkpointing == "none":
+        # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing
+        sys.stderr.write(f"memplan: capturing {args.model} with full activation checkpointing, for the ZeRO baselines ...\n")
+        checkpointed = capture_model(args.model, dataclasses.replace(setup, checkpointing="full"), fake=True, device="cuda")
     sys.stderr.write(f"memplan: planning {trace.num_ops} ops ...\n")
-    report, plan = evaluate(trace, hardware, budget)
+    report, plan = evaluate(trace, hardware, budget, checkpointed)
     report = {"model": args.model, "setup": setup.to_dict(), **report}
     if args.plan_output:
         doc = json.dumps(plan.to_json()).encode()

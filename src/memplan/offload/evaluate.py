@@ -25,14 +25,21 @@ def default_budget_bytes(hardware: Hardware) -> int:
     return int(gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes)
 
 
-def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None) -> tuple[dict[str, Any], OffloadPlan]:
-    """Plan, simulate and compare; returns (the report, the plan)."""
+def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
+             checkpointed_trace: Trace | None = None) -> tuple[dict[str, Any], OffloadPlan]:
+    """Plan, simulate and compare; returns (the report, the plan). `checkpointed_trace`: the
+    same step with full activation checkpointing, the ZeRO baselines' second way (their only
+    activation offload, DeepSpeed's `cpu_checkpointing`, needs it)."""
     budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
     lt = analyse(trace, roofline_op_durations_s(trace, hardware.gpu))
     offload_plan = plan_lifetimes(trace, lt, hardware, budget)
     sim = simulate_plan(lt, offload_plan, hardware.link_bytes_per_s())
     ideal_s = lt.step_s
-    baselines = run_baselines(trace, lt, hardware, budget)
+    checkpointed = None
+    if checkpointed_trace is not None:
+        checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
+                                                    roofline_op_durations_s(checkpointed_trace, hardware.gpu)))
+    baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
     report = {
         "ideal_step_s": ideal_s,
         "planned_step_s": sim.step_s,
