@@ -142,3 +142,24 @@ def compute(trace, lt):
     from memplan.trace.model import PHASE
 
     return lt.op_durations_s[trace.ops["phase"] != PHASE["optimizer"]].sum()
+
+
+@pytest.mark.slow
+def test_cli_try_checkpointing_reports_the_fastest_policy_against_the_ideal_without_recomputation(capsys):
+    code = main(["offload", "llama-3.2-1b", "--batch", "4", "--seq", "512", "--gpu", "h100-80gb",
+                 "--budget", "16GiB", "--try-checkpointing", "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    search = doc["checkpointing_search"]
+    assert set(search) == {"none", "selective", "selective-op", "full"}
+    fastest = min((p for p in search if search[p]["feasible"]), key=lambda p: search[p]["planned_step_s"])
+    assert doc["checkpointing"] == fastest and doc["planned_step_s"] == search[fastest]["planned_step_s"]
+    for figures in search.values():  # every policy against the same ideal: the step without recomputation
+        assert figures["throughput_vs_ideal"] == pytest.approx(doc["ideal_step_s"] / figures["planned_step_s"])
+    assert doc["plan_elapsed_s"] == pytest.approx(sum(f["plan_elapsed_s"] for f in search.values()))
+
+
+def test_cli_try_checkpointing_with_a_checkpointing_policy_is_one_line_and_exit_2(capsys):
+    code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--checkpointing", "full", "--try-checkpointing"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "drop --checkpointing full" in err

@@ -27,6 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--pcie", default=None, metavar="LINK", help="pcie-gen4-x16 or pcie-gen5-x16 (default: the GPU's)")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="device-memory budget (default: capacity less CUDA context and cuBLAS workspace)")
+    p.add_argument("--try-checkpointing", action="store_true",
+                   help="also plan the step under each activation-checkpointing policy (selective, selective-op, "
+                   "full) and report the fastest plan, against the ideal step without recomputation")
     p.add_argument("--plan-output", default=None, metavar="plan.json", help="write the plan as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -38,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
     from memplan.capture import capture_model
     from memplan.cli import print_json
+    from memplan.errors import UserError
     from memplan.models import setup_from_args
-    from memplan.offload.evaluate import evaluate
+    from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
     from memplan.offload.hardware import make_hardware
     from memplan.trace.io import atomic_write
     from memplan.units import format_bytes, parse_size
@@ -47,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     hardware = make_hardware(args.gpu, nvme=args.nvme, host_mem=args.host_mem, gpus=args.gpus, pcie=args.pcie)
     budget = None if args.budget is None else parse_size(args.budget)
     setup = setup_from_args(args)
+    if args.try_checkpointing and setup.checkpointing != "none":
+        raise UserError(f"--try-checkpointing tries every checkpointing policy itself: drop --checkpointing "
+                        f"{setup.checkpointing}")
     if setup.optimizer_impl is None:
         # one foreach kernel touches every state at once: nothing could be away during it
         setup = dataclasses.replace(setup, optimizer_impl="loop")
@@ -54,12 +61,21 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"memplan: capturing {args.model} on fake tensors ...\n")
     trace = capture_model(args.model, setup, fake=True, device="cuda")
     checkpointed = None
+    alternatives = {}
     if setup.checkpointing == "none":
         # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing
         sys.stderr.write(f"memplan: capturing {args.model} with full activation checkpointing, for the ZeRO baselines ...\n")
         checkpointed = capture_model(args.model, dataclasses.replace(setup, checkpointing="full"), fake=True, device="cuda")
-    sys.stderr.write(f"memplan: planning {trace.num_ops} ops ...\n")
-    report, plan = evaluate(trace, hardware, budget, checkpointed)
+    if args.try_checkpointing:
+        for policy in RECOMPUTE_POLICIES:
+            if policy == "full":
+                alternatives[policy] = checkpointed
+                continue
+            sys.stderr.write(f"memplan: capturing {args.model} with checkpointing {policy} ...\n")
+            alternatives[policy] = capture_model(args.model, dataclasses.replace(setup, checkpointing=policy),
+                                                 fake=True, device="cuda")
+    sys.stderr.write(f"memplan: planning {trace.num_ops} ops{' under 4 checkpointing policies' if alternatives else ''} ...\n")
+    report, plan = evaluate(trace, hardware, budget, checkpointed, alternatives)
     report = {"model": args.model, "setup": setup.to_dict(), **report}
     if args.plan_output:
         doc = json.dumps(plan.to_json()).encode()
@@ -74,10 +90,14 @@ def run(args: argparse.Namespace) -> int:
         f"peak without offload {format_bytes(report['peak_device_bytes_without_offload'])})\n"
         f"  ideal step      {report['ideal_step_s']:.3f} s\n"
         f"  memplan         {report['planned_step_s']:.3f} s  {report['throughput_vs_ideal']:.1%} of ideal"
+        f"{' with checkpointing ' + report['checkpointing'] if report['checkpointing'] != 'none' else ''}"
         f"  (peak {format_bytes(report['peak_device_bytes'])}, {format_bytes(report['offloaded_bytes'])} offloaded, "
         f"planned in {report['plan_elapsed_s']:.1f} s)\n"
     )
+    for policy, c in report.get("checkpointing_search", {}).items():
+        flag = "" if c["feasible"] else "  (over budget)"
+        out.write(f"    checkpointing {policy:<13}{c['planned_step_s']:.3f} s  {c['throughput_vs_ideal']:.1%} of ideal{flag}\n")
     for name, b in report["baselines"].items():
-        flag = "" if b["feasible"] else f"  infeasible: {b['note']}"
+        flag = f"  ({b['note']})" if b["feasible"] else f"  infeasible: {b['note']}"
         out.write(f"  {name:<22}{b['step_s']:.3f} s  {b['throughput_vs_ideal']:.1%} of ideal{flag}\n")
     return 0

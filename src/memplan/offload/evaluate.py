@@ -4,7 +4,8 @@ Plans the trace (TERAIO-style, `planner.plan_lifetimes`), simulates the plan, ru
 baselines in the same simulator (`baselines.run_baselines`) and returns the issue's
 JSON keys: `ideal_step_s`, `planned_step_s`, `throughput_vs_ideal`, `baselines`
 (name -> step_s, throughput_vs_ideal, feasible), `offloaded_bytes`,
-`peak_device_bytes`, `plan_elapsed_s`.
+`peak_device_bytes`, `plan_elapsed_s`; with a checkpointing search, also `checkpointing`
+(the policy of the plan reported) and `checkpointing_search` (every policy's figures).
 """
 
 from __future__ import annotations
@@ -25,16 +26,44 @@ def default_budget_bytes(hardware: Hardware) -> int:
     return int(gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes)
 
 
-def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
-             checkpointed_trace: Trace | None = None) -> tuple[dict[str, Any], OffloadPlan]:
-    """Plan, simulate and compare; returns (the report, the plan). `checkpointed_trace`: the
-    same step with full activation checkpointing, the ZeRO baselines' second way (their only
-    activation offload, DeepSpeed's `cpu_checkpointing`, needs it)."""
-    budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
+RECOMPUTE_POLICIES = ("selective", "selective-op", "full")
+
+
+def _planned(trace: Trace, hardware: Hardware, budget: int) -> tuple[Any, OffloadPlan, Any]:
+    """(lifetimes, plan, simulated step) of one trace."""
     lt = analyse(trace, roofline_op_durations_s(trace, hardware.gpu))
     offload_plan = plan_lifetimes(trace, lt, hardware, budget)
-    sim = simulate_plan(lt, offload_plan, hardware.link_bytes_per_s())
+    return lt, offload_plan, simulate_plan(lt, offload_plan, hardware.link_bytes_per_s())
+
+
+def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
+             checkpointed_trace: Trace | None = None,
+             alternatives: dict[str, Trace] | None = None) -> tuple[dict[str, Any], OffloadPlan]:
+    """Plan, simulate and compare; returns (the report, the plan).
+
+    `checkpointed_trace`: the same step with full activation checkpointing, the ZeRO
+    baselines' second way (their only activation offload, DeepSpeed's `cpu_checkpointing`,
+    needs it). `alternatives`: the same step under activation-checkpointing policies (name ->
+    trace); each is planned too, and the report is the fastest plan's, measured against the
+    ideal step of `trace` (no recomputation): offloading and recomputation composed. Every
+    policy's figures are in `checkpointing_search`, and `plan_elapsed_s` is their sum."""
+    budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
+    lt, offload_plan, sim = _planned(trace, hardware, budget)
     ideal_s = lt.step_s
+    chosen, search = "none", {}
+    candidates = [("none", trace, lt, offload_plan, sim)]
+    for name, alt in (alternatives or {}).items():
+        candidates.append((name, alt, *_planned(alt, hardware, budget)))
+    for name, _tr, _lt, p, sm in candidates:
+        search[name] = {
+            "planned_step_s": sm.step_s,
+            "throughput_vs_ideal": ideal_s / sm.step_s if sm.step_s > 0 else 0.0,
+            "feasible": p.feasible and sm.within_budget,
+            "urgent_transfers": sum(t.urgent for t in p.transfers),
+            "plan_elapsed_s": p.plan_elapsed_s,
+        }
+    feasible = [c for c in candidates if search[c[0]]["feasible"]] or candidates[:1]
+    chosen, _tr, chosen_lt, offload_plan, sim = min(feasible, key=lambda c: c[4].step_s)
     checkpointed = None
     if checkpointed_trace is not None:
         checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
@@ -45,13 +74,14 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
         "planned_step_s": sim.step_s,
         "throughput_vs_ideal": ideal_s / sim.step_s if sim.step_s > 0 else 0.0,
         "feasible": offload_plan.feasible and sim.within_budget,
+        "checkpointing": chosen,
         "stall_s": sim.stall_s,
         "baselines": {name: r.to_json(ideal_s) for name, r in baselines.items() if name != "ideal"},
         "offloaded_bytes": offload_plan.offloaded_bytes,
         "peak_device_bytes": sim.peak_device_bytes,
         "peak_device_bytes_without_offload": int(lt.op_bytes.max()),
         "budget_bytes": budget,
-        "plan_elapsed_s": offload_plan.plan_elapsed_s,
+        "plan_elapsed_s": sum(v["plan_elapsed_s"] for v in search.values()),
         "transfers": len(offload_plan.transfers),
         "urgent_transfers": sum(t.urgent for t in offload_plan.transfers),
         "bytes_by_tier": {
@@ -60,4 +90,7 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
         "link_utilisation": sim.link_utilisation,
         "hardware": hardware.to_json(),
     }
+    if alternatives:
+        report["checkpointing_search"] = search
+        report["recompute_s"] = chosen_lt.step_s - ideal_s
     return report, offload_plan
