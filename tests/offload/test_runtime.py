@@ -399,3 +399,17 @@ def test_unpacking_an_offloaded_activation_twice_is_a_clear_error(tmp_path):
             loss = forward_loss(step.model, step.batches[0])
             loss.backward(retain_graph=True)
             loss.backward()
+
+
+def test_the_cuda_path_is_imported_only_when_a_cuda_tensor_moves(tmp_path):
+    code = (
+        "import sys; from memplan.offload.runtime import run; from memplan import models;"
+        "from memplan.capture.step import build_training_step;"
+        "s = build_training_step(models.tiny_config('gpt2'), models.TrainingSetup(batch=2, seq=32), device='cpu');"
+        f"ctx = run(s.model, s.optimizer, directory={str(tmp_path)!r}, min_nbytes=1024);"
+        "e = ctx.__enter__(); s.run(); ctx.__exit__(None, None, None);"
+        "assert e.bytes_written > 0; print('memplan.offload.cuda_io' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False"

@@ -24,8 +24,10 @@ verified on reload, so a corrupted file is an error, never silent.
 Assumptions: gradients and states that move are dense, contiguous and not views (the
 others stay where they are); on CPU, "device memory" is the process's tensor memory and
 a tensor's storage is released with `untyped_storage().resize_(0)`. Under FSDP2 the
-sharded parameters, gradients and states are DTensors: their local shards move. CUDA streams, pinned buffers and kvikio
-are not used by this version (see docs/offload.md).
+sharded parameters, gradients and states are DTensors: their local shards move. CUDA
+tensors move through `cuda_io` (imported only when one does): kvikio (GPUDirect Storage)
+when it is installed and no checksum is asked for, else a pinned host buffer per I/O thread
+and a side CUDA stream; that path has not run here (no GPU on this machine).
 """
 
 from __future__ import annotations
@@ -140,8 +142,11 @@ class FileStore:
                 self.direct_refused = True  # this file system refuses O_DIRECT: buffered from now on
         return os.open(path, flags, 0o600), False
 
+    def path_for(self, key: str) -> str:
+        return str(self.path / f"{key}.bin")
+
     def write(self, key: str, data: memoryview) -> str:
-        path = self.path / f"{key}.bin"
+        path = Path(self.path_for(key))
         nbytes = data.nbytes
         size = _aligned(nbytes)
         fd, direct = self._open(path, write=True)
@@ -203,7 +208,10 @@ def _refill_page_aligned(t: torch.Tensor, nbytes: int) -> None:
 
     O_DIRECT can then move it with no copy through a bounce buffer (the CPU allocator aligns to
     64 bytes only). The storage comes from the same allocator, 2 pages larger, so the profiler
-    and the budget see every byte of it."""
+    and the budget see every byte of it. A CUDA tensor gets plain device storage."""
+    if t.is_cuda:
+        t.set_(torch.empty(nbytes, dtype=torch.uint8, device=t.device).untyped_storage(), 0, t.shape, t.stride())
+        return
     raw = torch.empty(nbytes + 2 * ALIGN, dtype=torch.uint8)
     offset_bytes = (-raw.data_ptr()) % ALIGN  # a multiple of 64: whole elements of any dtype
     t.set_(raw.untyped_storage(), offset_bytes // t.element_size(), t.shape, t.stride())
@@ -272,8 +280,71 @@ class OffloadEngine:
         self.bytes_written = 0
         self.bytes_read = 0
         self.saved_tensors_hooks: Any = None  # set by `run` while activations are offloaded
+        self._cuda_mover: Any = None  # cuda_io.CudaMover, made when the first CUDA tensor moves
 
-    def _write(self, key: str, t: torch.Tensor) -> Location:
+    def _cuda(self) -> Any:
+        from memplan.offload import cuda_io
+
+        if self._cuda_mover is None:
+            self._cuda_mover = cuda_io.CudaMover()
+        return self._cuda_mover
+
+    def _write_cuda(self, key: str, t: torch.Tensor, ready: Any) -> Location:
+        """A device tensor out: kvikio straight from device memory, or through a pinned buffer."""
+        from memplan.offload import cuda_io
+
+        nbytes = t.numel() * t.element_size()
+        crc = None
+        try:
+            if self.fault is not None:
+                self.fault("write", key)
+            if cuda_io.kvikio_available() and not self.checksum:
+                path = self.store.path_for(key)
+                cuda_io.CudaMover.write_direct(path, t, ready)
+            else:
+                data = _bytes_of(self._cuda().to_host(t, ready))
+                crc = zlib.crc32(data) if self.checksum else None
+                path = self.store.write(key, data)
+        except (OSError, RuntimeError) as exc:  # kvikio reports I/O errors as RuntimeError
+            if not self.host_fallback:
+                raise OffloadError(f"offloading tensor '{key}' to {self.store.path} failed: {exc}") from None
+            staged = self._cuda().to_host(t, ready)
+            with self.lock:
+                self.degraded.append(f"{key}: {exc}")
+            return Location("host", nbytes, host_copy=cuda_io.host_copy(staged),
+                            crc32=zlib.crc32(_bytes_of(staged)) if self.checksum else None)
+        with self.lock:
+            self.bytes_written += nbytes
+        return Location("ssd", nbytes, path=path, crc32=crc)
+
+    def _load_cuda(self, key: str, loc: Location, out: torch.Tensor, ready: Any) -> None:
+        """A device tensor back: kvikio straight into device memory, or through a pinned buffer."""
+        from memplan.offload import cuda_io
+
+        if loc.nbytes > out.numel() * out.element_size():
+            raise OffloadError(f"tensor '{key}' has {loc.nbytes} bytes, more than its destination's")
+        host = loc.host_copy if loc.tier == "host" else None
+        if loc.tier != "host":
+            try:
+                if self.fault is not None:
+                    self.fault("read", key)
+                if loc.crc32 is None and cuda_io.kvikio_available():
+                    cuda_io.CudaMover.read_direct(loc.path, out, loc.nbytes, ready)
+                else:
+                    host = self._cuda().staging_for(loc.nbytes)
+                    self.store.read(loc.path, _bytes_of(host))
+            except (OSError, RuntimeError) as exc:
+                raise OffloadError(f"reading tensor '{key}' back from {loc.path} failed: {exc}") from None
+            with self.lock:
+                self.bytes_read += loc.nbytes
+        if host is not None:
+            if loc.crc32 is not None and zlib.crc32(_bytes_of(host)) != loc.crc32:
+                raise OffloadError(f"tensor '{key}' read back from {loc.path} is corrupted (CRC32 mismatch)")
+            self._cuda().to_device(host, out, ready)
+
+    def _write(self, key: str, t: torch.Tensor, ready: Any = None) -> Location:
+        if t.is_cuda:
+            return self._write_cuda(key, t, ready)
         data = _bytes_of(t)
         crc = zlib.crc32(data) if self.checksum else None
         try:
@@ -297,7 +368,12 @@ class OffloadEngine:
         tensor is freed on that thread, never on a worker: allocations and frees then stay
         on the training thread, where `torch.profiler` records them."""
         self.wait(key)
-        future = self.pool.submit(self._write, key, t)
+        ready = None
+        if t.is_cuda:  # the copy waits for the kernel that made `t`, on the training thread's stream
+            from memplan.offload import cuda_io
+
+            ready = cuda_io.ready_event()
+        future = self.pool.submit(self._write, key, t, ready)
         self.pending[key] = future
         self.holding[key] = t
         return future
@@ -314,11 +390,14 @@ class OffloadEngine:
         self.holding.pop(key, None)
         return self.table.get(key)
 
-    def load_into(self, key: str, out: torch.Tensor) -> None:
+    def load_into(self, key: str, out: torch.Tensor, ready: Any = None) -> None:
         """Read tensor `key` back into `out` (at least as many bytes), verifying its checksum."""
         loc = self.wait(key)
         if loc is None:
             raise OffloadError(f"tensor '{key}' was never offloaded")
+        if out.is_cuda:
+            self._load_cuda(key, loc, out, ready)
+            return
         view = _bytes_of(out)  # may be longer than the tensor: a page-aligned read of a padded file
         if view.nbytes < loc.nbytes:
             raise OffloadError(f"tensor '{key}' has {loc.nbytes} bytes, more than its destination's {view.nbytes}")
@@ -352,7 +431,12 @@ class OffloadEngine:
             hooks.__enter__()
 
     def prefetch_into(self, key: str, out: torch.Tensor) -> Future:
-        return self.pool.submit(self.load_into, key, out)
+        ready = None
+        if out.is_cuda:  # `out`'s block may still be in use by the training stream's earlier kernels
+            from memplan.offload import cuda_io
+
+            ready = cuda_io.ready_event()
+        return self.pool.submit(self.load_into, key, out, ready)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -679,7 +763,7 @@ class _StepInBackward(_StreamedOptimizer):
 class _Saved:
     """One offloaded storage: written once however many saved tensors view it, read back once."""
 
-    __slots__ = ("key", "nbytes", "refs", "version", "tensors", "raw", "offset", "future")
+    __slots__ = ("key", "nbytes", "refs", "version", "tensors", "raw", "offset", "future", "device")
 
     def __init__(self, key: str, nbytes: int, version: int) -> None:
         self.key = key
@@ -690,6 +774,7 @@ class _Saved:
         self.raw: torch.Tensor | None = None  # the storage read back (page-aligned), until the last unpack
         self.offset = 0  # byte offset of the data in `raw`
         self.future: Future | None = None  # the prefetch in flight
+        self.device = torch.device("cpu")
 
 
 class _ActivationOffloader:
@@ -738,7 +823,7 @@ class _ActivationOffloader:
         if (
             type(t) is not torch.Tensor  # parameters (FSDP2's unsharded ones too), tensor subclasses
             or isinstance(t._base, torch.nn.Parameter)  # a view of one (a weight's transpose)
-            or t.device.type != "cpu"
+            or t.device.type not in ("cpu", "cuda")
             or t.layout != torch.strided
             or t.untyped_storage().nbytes() < self.min_nbytes
             or t.untyped_storage().data_ptr() in self.kept
@@ -757,7 +842,8 @@ class _ActivationOffloader:
             self.live[ptr] = entry
             self.stack.append(entry)
             self.cursor = len(self.stack) - 1
-            whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # holds the storage until written
+            entry.device = t.device
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # held until written
             self.engine.offload(entry.key, whole)
             # back-pressure: the storages waiting to be written stay within `max_inflight_nbytes`
             while len(self.engine.holding) > 1 and sum(
@@ -772,6 +858,9 @@ class _ActivationOffloader:
         """Start reading `entry` back into fresh page-aligned storage (on this thread: the
         allocation is the training thread's); None where it is held in host memory."""
         self.engine.wait(entry.key)  # its write is complete, and released on this thread
+        if entry.device.type == "cuda":
+            entry.raw, entry.offset = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device), 0
+            return self.engine.prefetch_into(entry.key, entry.raw) if entry.nbytes else None
         size = _aligned(entry.nbytes)
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
         entry.offset = (-raw.data_ptr()) % ALIGN
@@ -804,7 +893,7 @@ class _ActivationOffloader:
             entry.future = None
         self.ahead.discard(entry.key)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        out = torch.empty(0, dtype=dtype).set_(
+        out = torch.empty(0, dtype=dtype, device=entry.raw.device).set_(
             entry.raw.untyped_storage(), (entry.offset // itemsize) + offset, shape, stride)
         entry.refs -= 1
         if entry.refs == 0:
