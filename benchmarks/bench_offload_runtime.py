@@ -76,7 +76,7 @@ def same_parameters(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
 
 
-def measure(args: argparse.Namespace, batch: int, seq: int) -> tuple[str, list[float]]:
+def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int) -> tuple[str, list[float]]:
     """One shape's A/B run: its table row and its pair ratios."""
     setup = TrainingSetup(batch=batch, seq=seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
     config = load_config(args.model)
@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace, batch: int, seq: int) -> tuple[str, list[f
     ref_s: list[float] = []
     off_s: list[float] = []
     identical = True
-    mode = ({"step_in_backward": True, "resident_nbytes": args.resident_mib << 20,
+    mode = ({"step_in_backward": True, "resident_nbytes": resident_mib << 20,
              "forward_prefetch_nbytes": args.forward_prefetch_mib << 20} if args.mode == "in-backward"
             else {"streamed_step": True})
     with run(off.model, off.optimizer, directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
@@ -105,7 +105,9 @@ def measure(args: argparse.Namespace, batch: int, seq: int) -> tuple[str, list[f
             off_peak = b.peak()
         kept_peak = off_peak
         move_acts = off_peak > budget
-        if move_acts:
+        if move_acts:  # one more profiled step of B, and one more step of A: they stay in lockstep
+            with engine.paused():
+                a.run()
             off_peak = b.peak()
         identical &= same_parameters(ref, off)
         acts = engine.paused if not move_acts else contextlib.nullcontext
@@ -133,7 +135,7 @@ def measure(args: argparse.Namespace, batch: int, seq: int) -> tuple[str, list[f
         for k in ref.optimizer.state[p]
         if isinstance(ref.optimizer.state[p][k], torch.Tensor)
     )
-    steps = 2 + args.pairs
+    steps = (3 if move_acts else 2) + args.pairs
     fs = subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     ratios = [a / b for a, b in zip(ref_s, off_s)]
     ratio = statistics.median(ratios)
@@ -141,7 +143,7 @@ def measure(args: argparse.Namespace, batch: int, seq: int) -> tuple[str, list[f
     row = (
         f"| {args.model} ({params / 1e6:.0f}M) | {batch}x{seq} "
         f"| {'activations moved' if move_acts else f'activations kept (peak {kept_peak / 2**30:.2f} GiB with them)'}, "
-        f"{args.mode}{f', {args.resident_mib} MiB of states kept (largest first), {args.forward_prefetch_mib} MiB read in forward' if args.mode == 'in-backward' else ''} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
+        f"{args.mode}{f', {resident_mib} MiB of states kept (largest first), {args.forward_prefetch_mib} MiB read in forward' if args.mode == 'in-backward' else ''} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
         f"| {ref_peak / 2**30:.2f} GiB | {budget / 2**30:.2f} GiB | {off_peak / 2**30:.2f} GiB "
         f"| {'yes' if off_peak <= budget else 'NO'} | {'yes' if identical else 'NO'} ({steps} steps) "
         f"| {statistics.median(ref_s):.2f} ({min(ref_s):.2f}-{max(ref_s):.2f}) "
@@ -164,8 +166,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=["in-backward", "streamed"], default="in-backward",
                         help="in-backward: each update runs in backward (step_in_backward); streamed: the "
                         "optimizer step streams gradients and states chunk by chunk (streamed_step)")
-    parser.add_argument("--resident-mib", type=int, default=0,
-                        help="in-backward: MiB of optimizer states that stay in memory (budget permitting)")
+    parser.add_argument("--resident-mib", default="0",
+                        help="in-backward: MiB of optimizer states that stay in memory (budget permitting); one "
+                        "value, or one per shape (comma-separated)")
     parser.add_argument("--forward-prefetch-mib", type=int, default=64,
                         help="in-backward: MiB of states read ahead during the forward (forward_prefetch_nbytes)")
     parser.add_argument("--no-write", action="store_true", help="print the rows, leave BENCHMARKS.md alone")
@@ -177,9 +180,19 @@ def main() -> None:
     except ValueError:
         sys.stderr.write(f"bench_offload_runtime: --shapes {args.shapes!r}: give BATCHxSEQ[,BATCHxSEQ...], e.g. 1x128,4x256\n")
         sys.exit(2)
+    try:
+        resident = [int(x) for x in args.resident_mib.split(",")]
+        if len(resident) == 1:
+            resident *= len(shapes)
+        if len(resident) != len(shapes) or min(resident) < 0:
+            raise ValueError
+    except ValueError:
+        sys.stderr.write(f"bench_offload_runtime: --resident-mib {args.resident_mib!r}: give one MiB figure, "
+                         f"or one per shape ({len(shapes)}), e.g. 750,2000\n")
+        sys.exit(2)
     rows, all_ratios = [], []
-    for batch, seq in shapes:
-        row, ratios = measure(args, batch, seq)
+    for (batch, seq), resident_mib in zip(shapes, resident):
+        row, ratios = measure(args, batch, seq, resident_mib)
         rows.append(row)
         all_ratios.append((f"{batch}x{seq}", ratios))
         gc.collect()
@@ -204,7 +217,8 @@ def main() -> None:
         "them with no bounce copy) or gradients to files too and the optimizer step streamed in 64 MiB chunks "
         "(`streamed_step=True`, mode streamed). "
         "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
-        "one profiled step each (peak), then timed pairs in alternating order (AB, BA, ...). "
+        "one profiled step each (peak; where B's activations must move, a second profiled step of B and an "
+        "untimed one of A), then timed pairs in alternating order (AB, BA, ...). "
         "Peaks: resident parameters, gradients and states + the running sum of the profiler's allocation records "
         "over the profiled step (I/O bounce buffers for O_DIRECT are mmap'd, not tensors, and not counted); "
         "budget = 50% of the no-offload peak. Step times: median (min-max) over the pairs; "
