@@ -50,7 +50,7 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
     lt, offload_plan, sim = _planned(trace, hardware, budget)
     ideal_s = lt.step_s
-    chosen, search = "none", {}
+    search: dict[str, dict[str, Any]] = {}
     candidates = [("none", trace, lt, offload_plan, sim)]
     for name, alt in (alternatives or {}).items():
         candidates.append((name, alt, *_planned(alt, hardware, budget)))
@@ -63,7 +63,7 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
             "plan_elapsed_s": p.plan_elapsed_s,
         }
     feasible = [c for c in candidates if search[c[0]]["feasible"]] or candidates[:1]
-    chosen, _tr, chosen_lt, offload_plan, sim = min(feasible, key=lambda c: c[4].step_s)
+    chosen, _tr, _lt, offload_plan, sim = min(feasible, key=lambda c: c[4].step_s)
     checkpointed = None
     if checkpointed_trace is not None:
         checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
@@ -92,5 +92,4 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     }
     if alternatives:
         report["checkpointing_search"] = search
-        report["recompute_s"] = chosen_lt.step_s - ideal_s
     return report, offload_plan

@@ -804,7 +804,7 @@ class _ActivationOffloader:
         self.live: dict[int, _Saved] = {}  # storage data_ptr -> its entry, this forward
         self.stack: list[_Saved] = []  # this forward's entries, in pack order
         self.cursor = -1  # the next entry (downwards) backward's read-ahead looks at
-        self.ahead: set[str] = set()  # keys read ahead and not yet unpacked
+        self.ahead: dict[str, int] = {}  # key -> bytes, read ahead and not yet unpacked
         self.unpacked = False  # an unpack happened since the last pack: the next pack starts a new forward
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -868,13 +868,13 @@ class _ActivationOffloader:
         return self.engine.prefetch_into(entry.key, raw[entry.offset : entry.offset + size]) if size else None
 
     def _read_ahead(self) -> None:
-        loaded = sum(_aligned(e.nbytes) for e in self.stack if e.key in self.ahead)
+        loaded = sum(self.ahead.values())
         while self.cursor >= 0 and loaded < self.prefetch_nbytes:
             entry = self.stack[self.cursor]
             self.cursor -= 1
             if entry.raw is None and entry.refs > 0:
                 entry.future = self._read(entry)
-                self.ahead.add(entry.key)
+                self.ahead[entry.key] = _aligned(entry.nbytes)
                 loaded += _aligned(entry.nbytes)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -891,7 +891,7 @@ class _ActivationOffloader:
         if entry.future is not None:
             entry.future.result()
             entry.future = None
-        self.ahead.discard(entry.key)
+        self.ahead.pop(entry.key, None)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         out = torch.empty(0, dtype=dtype, device=entry.raw.device).set_(
             entry.raw.untyped_storage(), (entry.offset // itemsize) + offset, shape, stride)
