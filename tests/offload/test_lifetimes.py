@@ -60,3 +60,38 @@ def test_measured_times_must_match_the_op_count(make_trace):
         measured_op_durations_s(tr, [1.0, 2.0])
     with pytest.raises(UserError):
         measured_op_durations_s(tr, [-1.0] * 10)
+
+
+def test_a_real_capture_measures_each_op_and_a_fake_one_has_no_measured_times():
+    from memplan import models
+    from memplan.capture.step import capture_model
+
+    setup = models.TrainingSetup(batch=2, seq=32)
+    real = capture_model(models.tiny_config("gpt2"), setup, fake=False, device="cpu")
+    measured = measured_op_durations_s(real)
+    assert measured.shape == (real.num_ops,) and (measured >= 0).all()
+    assert 0 < measured.sum() <= real.meta["capture_s"]  # the kernels, inside the recorded step
+    fake = capture_model(models.tiny_config("gpt2"), setup, fake=True, device="cuda")
+    with pytest.raises(UserError, match="no measured op times"):
+        measured_op_durations_s(fake)
+
+
+def test_measured_op_times_follow_the_work_of_each_op():
+    import torch
+
+    from memplan.capture import capture
+
+    big, small = torch.randn(768, 768), torch.randn(8)
+
+    def step():
+        for _ in range(5):
+            big @ big  # ~0.9 GFLOP each
+            small + 1.0
+
+    trace = capture(step)
+    names = [trace.op_names[i] for i in trace.ops["name"]]
+    times = measured_op_durations_s(trace)
+    mm = [t for n, t in zip(names, times) if n.startswith("aten.mm")]
+    add = [t for n, t in zip(names, times) if n.startswith("aten.add")]
+    assert len(mm) == len(add) == 5
+    assert sorted(mm)[2] > 10 * sorted(add)[2]  # medians

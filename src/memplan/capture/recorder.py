@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +71,13 @@ def set_microbatch(microbatch: int) -> None:
     if _ACTIVE is not None:
         _ACTIVE.explicit_microbatch = True
         _ACTIVE.microbatch = int(microbatch)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor, or a tensor subclass (a DTensor) wrapping one."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -121,6 +129,8 @@ class Recorder(TorchDispatchMode):
         self._op_first_event: list[int] = []
         self._op_flops: list[float] = []
         self._op_bytes: list[float] = []
+        self._op_wall: list[float] = []  # seconds each op's kernel took here (meaningful on real tensors)
+        self._fake = False  # an op saw a FakeTensor: the wall times are the fake kernels', not kept
         self._op_in: list[int] = []
         self._op_in_ptr: list[int] = [0]
         self._op_out: list[int] = []
@@ -313,7 +323,11 @@ class Recorder(TorchDispatchMode):
         self._op_in.extend(inputs)
         self._op_in_ptr.append(len(self._op_in))
 
+        if not self._fake and in_tensors and _is_fake(in_tensors[0]):
+            self._fake = True
+        start = time.perf_counter()
         out = func(*args, **kwargs)
+        self._op_wall.append(time.perf_counter() - start)
 
         outputs = []
         moved = sum(t.nbytes for t in in_tensors)
@@ -412,6 +426,9 @@ class Recorder(TorchDispatchMode):
             devices=list(self._devices) or ["cpu"],
             meta=dict(meta or {}),
         )
+        if not self._fake and len(self._op_wall) == len(self._op_name):
+            # measured op times for `offload.lifetimes.measured_op_durations_s` (real tensors only)
+            trace.meta["op_wall_s"] = [float(f"{x:.4g}") for x in self._op_wall]
         return validate(trace)
 
     def _categories(

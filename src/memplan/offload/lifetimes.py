@@ -37,8 +37,16 @@ def roofline_op_durations_s(trace: Trace, gpu: DeviceProfile, dtype: str | None 
     return np.maximum(compute_s, memory_s)
 
 
-def measured_op_durations_s(trace: Trace, durations_s: np.ndarray | list[float]) -> np.ndarray:
-    """Durations measured on this host, checked against the trace's op count."""
+def measured_op_durations_s(trace: Trace, durations_s: np.ndarray | list[float] | None = None) -> np.ndarray:
+    """Durations measured on this host, checked against the trace's op count. With no
+    `durations_s`, the ones the recorder measured around each op when `trace` was captured
+    on real tensors (`meta["op_wall_s"]`: each kernel's wall time, autograd's bookkeeping
+    excluded)."""
+    if durations_s is None:
+        durations_s = trace.meta.get("op_wall_s")
+        if durations_s is None:
+            raise UserError("this trace has no measured op times: capture the step on real tensors "
+                            "(capture_model(..., fake=False)) to measure them, or give durations_s")
     out = np.asarray(durations_s, dtype=np.float64)
     if out.shape != (trace.num_ops,):
         raise UserError(f"{out.shape[0] if out.ndim else 0} measured op times for a trace of {trace.num_ops} ops")
