@@ -203,17 +203,21 @@ class FileStore:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _refill_page_aligned(t: torch.Tensor, nbytes: int) -> None:
-    """Give `t`, whose storage was released, fresh storage of `nbytes` whose data starts on a page.
+def _fresh_bytes(nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(raw uint8 storage, byte offset) for `nbytes` read back from a file, allocated on the
+    calling (training) thread. On CPU the data starts on a page and the storage has room for a
+    page-multiple read (up to 2 pages more than `nbytes`): O_DIRECT then moves it with no copy
+    through a bounce buffer (the CPU allocator aligns to 64 bytes only). It comes from the same
+    allocator, so the profiler and the budget see every byte. On CUDA: plain device storage."""
+    if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), 0
+    raw = torch.empty(_aligned(nbytes) + ALIGN, dtype=torch.uint8)
+    return raw, (-raw.data_ptr()) % ALIGN  # a multiple of 64: whole elements of any dtype
 
-    O_DIRECT can then move it with no copy through a bounce buffer (the CPU allocator aligns to
-    64 bytes only). The storage comes from the same allocator, 2 pages larger, so the profiler
-    and the budget see every byte of it. A CUDA tensor gets plain device storage."""
-    if t.is_cuda:
-        t.set_(torch.empty(nbytes, dtype=torch.uint8, device=t.device).untyped_storage(), 0, t.shape, t.stride())
-        return
-    raw = torch.empty(nbytes + 2 * ALIGN, dtype=torch.uint8)
-    offset_bytes = (-raw.data_ptr()) % ALIGN  # a multiple of 64: whole elements of any dtype
+
+def _refill_page_aligned(t: torch.Tensor, nbytes: int) -> None:
+    """Give `t`, whose storage was released, fresh storage of `nbytes` (`_fresh_bytes`)."""
+    raw, offset_bytes = _fresh_bytes(nbytes, t.device)
     t.set_(raw.untyped_storage(), offset_bytes // t.element_size(), t.shape, t.stride())
 
 
@@ -321,8 +325,6 @@ class OffloadEngine:
         """A device tensor back: kvikio straight into device memory, or through a pinned buffer."""
         from memplan.offload import cuda_io
 
-        if loc.nbytes > out.numel() * out.element_size():
-            raise OffloadError(f"tensor '{key}' has {loc.nbytes} bytes, more than its destination's")
         host = loc.host_copy if loc.tier == "host" else None
         if loc.tier != "host":
             try:
@@ -395,12 +397,13 @@ class OffloadEngine:
         loc = self.wait(key)
         if loc is None:
             raise OffloadError(f"tensor '{key}' was never offloaded")
+        out_nbytes = out.numel() * out.element_size()  # may exceed the tensor's: a page-multiple read
+        if out_nbytes < loc.nbytes:
+            raise OffloadError(f"tensor '{key}' has {loc.nbytes} bytes, more than its destination's {out_nbytes}")
         if out.is_cuda:
             self._load_cuda(key, loc, out, ready)
             return
-        view = _bytes_of(out)  # may be longer than the tensor: a page-aligned read of a padded file
-        if view.nbytes < loc.nbytes:
-            raise OffloadError(f"tensor '{key}' has {loc.nbytes} bytes, more than its destination's {view.nbytes}")
+        view = _bytes_of(out)
         if loc.tier == "host":
             view[: loc.nbytes] = _bytes_of(loc.host_copy)
         else:
@@ -858,14 +861,9 @@ class _ActivationOffloader:
         """Start reading `entry` back into fresh page-aligned storage (on this thread: the
         allocation is the training thread's); None where it is held in host memory."""
         self.engine.wait(entry.key)  # its write is complete, and released on this thread
-        if entry.device.type == "cuda":
-            entry.raw, entry.offset = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device), 0
-            return self.engine.prefetch_into(entry.key, entry.raw) if entry.nbytes else None
-        size = _aligned(entry.nbytes)
-        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
-        entry.offset = (-raw.data_ptr()) % ALIGN
-        entry.raw = raw
-        return self.engine.prefetch_into(entry.key, raw[entry.offset : entry.offset + size]) if size else None
+        entry.raw, entry.offset = _fresh_bytes(entry.nbytes, entry.device)
+        size = entry.nbytes if entry.device.type == "cuda" else _aligned(entry.nbytes)  # a page-multiple read
+        return self.engine.prefetch_into(entry.key, entry.raw[entry.offset : entry.offset + size]) if size else None
 
     def _read_ahead(self) -> None:
         loaded = sum(self.ahead.values())
@@ -892,9 +890,8 @@ class _ActivationOffloader:
             entry.future.result()
             entry.future = None
         self.ahead.pop(entry.key, None)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
         out = torch.empty(0, dtype=dtype, device=entry.raw.device).set_(
-            entry.raw.untyped_storage(), (entry.offset // itemsize) + offset, shape, stride)
+            entry.raw.untyped_storage(), (entry.offset // dtype.itemsize) + offset, shape, stride)
         entry.refs -= 1
         if entry.refs == 0:
             entry.raw = None
