@@ -137,16 +137,29 @@ def _gradient_stream(trace: Trace, lt: Lifetimes, cpu_op: int, link: str, gpus: 
     return moves
 
 
+def _optimizer_on_cpu(trace: Trace, lt: Lifetimes) -> tuple[np.ndarray, int]:
+    """Op times with the GPU's optimizer ops taken out (the ZeRO baselines step on the CPU),
+    and the op that stands for the CPU step (the first optimizer op; the last op if none)."""
+    durations = lt.op_durations_s.copy()
+    optimizer_ops = np.flatnonzero(trace.ops["phase"] == PHASE["optimizer"])
+    durations[optimizer_ops] = 0.0
+    return durations, int(optimizer_ops[0]) if optimizer_ops.size else lt.num_ops - 1
+
+
+def _checkpoints_to_host(trace: Trace, lt: Lifetimes, moves: list[Move], write_link: str, read_link: str) -> float:
+    """DeepSpeed's cpu_checkpointing on a checkpointed trace: adds the moves, returns the host bytes."""
+    act_moves, act_host = _layer_activation_moves(trace, lt, write_link, read_link)
+    moves += act_moves
+    return act_host
+
+
 def _zero_offload_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float,
                      checkpoints_to_host: bool) -> BaselineResult:
     n = lt.num_ops
     cat, phase = trace.buffers["category"], trace.ops["phase"]
     params = _parameter_count(trace)
     g = hardware.gpus
-    durations = lt.op_durations_s.copy()
-    optimizer_ops = np.flatnonzero(phase == PHASE["optimizer"])
-    cpu_op = int(optimizer_ops[0]) if optimizer_ops.size else n - 1
-    durations[optimizer_ops] = 0.0
+    durations, cpu_op = _optimizer_on_cpu(trace, lt)
     allgather_s = 4 * params * (g - 1) / g / hardware.gpu.interconnect_bytes_per_s if g > 1 else 0.0
     durations[cpu_op] = params / cpu_adam_params_per_s() + allgather_s
     base = lt.op_bytes - _live_bytes_of(trace, lt, (cat == CATEGORY["optimizer_state"]) | (cat == CATEGORY["gradient"]))
@@ -156,9 +169,7 @@ def _zero_offload_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_byt
     moves.append(Move("pcie_h2d", int(4 * params / g), cpu_op, True, wait_op=first_forward + n))
     host = 16.0 * params
     if checkpoints_to_host:
-        act_moves, act_host = _layer_activation_moves(trace, lt, "pcie_d2h", "pcie_h2d")
-        moves += act_moves
-        host += act_host
+        host += _checkpoints_to_host(trace, lt, moves, "pcie_d2h", "pcie_h2d")
     sim = simulate(durations, base, moves, _pcie_links(hardware), budget_bytes)
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("zero_offload", sim, host, ok, note)
@@ -166,15 +177,11 @@ def _zero_offload_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_byt
 
 def _zero_infinity_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float,
                       checkpoints_to_host: bool) -> BaselineResult:
-    n = lt.num_ops
-    cat, phase = trace.buffers["category"], trace.ops["phase"]
+    cat = trace.buffers["category"]
     params = _parameter_count(trace)
     g = hardware.gpus
     links = hardware.link_bytes_per_s()
-    durations = lt.op_durations_s.copy()
-    optimizer_ops = np.flatnonzero(phase == PHASE["optimizer"])
-    cpu_op = int(optimizer_ops[0]) if optimizer_ops.size else n - 1
-    durations[optimizer_ops] = 0.0
+    durations, cpu_op = _optimizer_on_cpu(trace, lt)
     # CPU-Adam on this GPU's partition, states (fp32 master, m, v: 12 B/param) swapped in
     # and out of its NVMe array, updated fp32 parameters written back (4 B/param)
     share = params / g
@@ -193,9 +200,7 @@ def _zero_infinity_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_by
             moves.append(Move(None, 0, last, True, device_delta_on_issue=-nbytes))
     host = 8.0 * params
     if checkpoints_to_host:  # on the PCIe share the NVMe traffic leaves
-        act_moves, act_host = _layer_activation_moves(trace, lt, "host_write", "host_read")
-        moves += act_moves
-        host += act_host
+        host += _checkpoints_to_host(trace, lt, moves, "host_write", "host_read")
     sim = simulate(durations, base, moves, links, budget_bytes)
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("zero_infinity", sim, host, ok, note)
@@ -255,14 +260,15 @@ def saved_activations(trace: Trace, lt: Lifetimes) -> np.ndarray:
     """Activation buffers (>= 1 KiB) used in forward and again in backward (or its
     recomputation): what autograd saves, and what an activation offload can move. The
     forward's transients, freed before backward, are not among them."""
-    cat, phase = trace.buffers["category"], trace.ops["phase"]
-    acts = np.flatnonzero((cat == CATEGORY["activation"]) & (trace.buffers["nbytes"] >= 1024))
-    keep = []
-    for b in acts.tolist():
-        used = phase[_uses(lt, b)]
-        if np.isin(used, _FORWARD).any() and np.isin(used, _BACKWARD).any():
-            keep.append(b)
-    return np.asarray(keep, dtype=np.int64)
+    use_phase = trace.ops["phase"][lt.use_ops]
+
+    def uses_in(phases: tuple[int, ...]) -> np.ndarray:  # per buffer, from the CSR of uses
+        count = np.concatenate([[0], np.cumsum(np.isin(use_phase, phases))])
+        return count[lt.use_ptr[1:]] - count[lt.use_ptr[:-1]]
+
+    cat = trace.buffers["category"]
+    keep = (cat == CATEGORY["activation"]) & (trace.buffers["nbytes"] >= 1024)
+    return np.flatnonzero(keep & (uses_in(_FORWARD) > 0) & (uses_in(_BACKWARD) > 0)).astype(np.int64)
 
 
 def _layer_activation_moves(trace: Trace, lt: Lifetimes, write_link: str, read_link: str) -> tuple[list[Move], float]:
