@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -71,13 +72,6 @@ def set_microbatch(microbatch: int) -> None:
     if _ACTIVE is not None:
         _ACTIVE.explicit_microbatch = True
         _ACTIVE.microbatch = int(microbatch)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    """A FakeTensor, or a tensor subclass (a DTensor) wrapping one."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -323,7 +317,7 @@ class Recorder(TorchDispatchMode):
         self._op_in.extend(inputs)
         self._op_in_ptr.append(len(self._op_in))
 
-        if not self._fake and in_tensors and _is_fake(in_tensors[0]):
+        if not self._fake and in_tensors and is_fake(in_tensors[0]):  # a FakeTensor, or a DTensor wrapping one
             self._fake = True
         start = time.perf_counter()
         out = func(*args, **kwargs)
