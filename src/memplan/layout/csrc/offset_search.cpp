@@ -348,26 +348,36 @@ class Search : private Sections {
     for (int k = a; k < z; ++k) {
       if (total_[k] <= 0) continue;
       int64_t lowest = kDone, high = 0, top = 0;
-      levels_.clear();
-      for (int b : covering_[k]) {
+      const int64_t sky = skyline_[k];
+      const std::vector<int>& cov = covering_[k];
+      for (int b : cov) {
         const int64_t r = rest_[b];
         if (r == kDone) continue;
         lowest = std::min(lowest, r);
-        if (r > skyline_[k]) {
-          levels_.emplace_back(r, size_[b]);
+        if (r > sky) {
           high += size_[b];
           top = std::max(top, r);
         }
       }
       if (lowest == kDone || lowest + total_[k] > capacity_) return false;
       // Staircase: for every level L, the unplaced bytes that cannot sit below L
-      // must fit in [L, capacity). Nothing to check when even the highest level plus
-      // all bytes resting above the skyline fits.
+      // (those resting at L or above) must fit in [L, capacity). A level L at or
+      // below capacity - (all bytes resting above the skyline) passes whatever
+      // rests there, so only the levels above that threshold are sorted and checked,
+      // and the bytes resting at or above such a level all rest above the threshold.
       if (top + high <= capacity_) continue;
-      std::sort(levels_.begin(), levels_.end());
+      const int64_t threshold = std::max(sky, capacity_ - high);
+      levels_.clear();
+      for (int b : cov) {
+        const int64_t r = rest_[b];
+        if (r != kDone && r > threshold) levels_.emplace_back(r, size_[b]);
+      }
+      std::sort(levels_.begin(), levels_.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+      int64_t above = 0;  // bytes resting at or above the current level
       for (size_t i = 0; i < levels_.size(); ++i) {
-        if ((i == 0 || levels_[i].first != levels_[i - 1].first) && levels_[i].first + high > capacity_) return false;
-        high -= levels_[i].second;
+        above += levels_[i].second;
+        if ((i + 1 == levels_.size() || levels_[i + 1].first != levels_[i].first) && levels_[i].first + above > capacity_)
+          return false;
       }
     }
     return true;
