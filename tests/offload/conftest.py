@@ -9,7 +9,8 @@ from memplan.trace.model import ALLOC, BUFFER_COLUMNS, CATEGORY, FREE, OP_COLUMN
 
 
 def build_trace(nbytes, categories, ops, persistent=(), durations=None):
-    """`ops[i]` is a dict with optional keys alloc, free, reads, writes (buffer lists).
+    """`ops[i]` is a dict with optional keys alloc, free, reads, writes (buffer lists), and
+    events: ("alloc" | "free", buffer) pairs in order, after the op's alloc and free lists.
 
     Buffers in `persistent` are allocated before the first op and never freed.
     Every op gets `bytes_moved` = 1 and no FLOPs, so roofline times are equal.
@@ -28,6 +29,10 @@ def build_trace(nbytes, categories, ops, persistent=(), durations=None):
             ev_op.append(i)
         for b in op.get("free", []):
             kinds.append(FREE)
+            ev_buf.append(b)
+            ev_op.append(i)
+        for what, b in op.get("events", []):  # explicit order, after alloc and free
+            kinds.append(ALLOC if what == "alloc" else FREE)
             ev_buf.append(b)
             ev_op.append(i)
     nb = len(nbytes)
@@ -50,7 +55,8 @@ def build_trace(nbytes, categories, ops, persistent=(), durations=None):
     opcols["bytes_moved"][:] = 1.0
     opcols["phase"][:] = PHASE["forward"]
     ins = [list(op.get("reads", [])) for op in ops]
-    outs = [list(op.get("writes", [])) + list(op.get("alloc", [])) for op in ops]
+    outs = [list(op.get("writes", [])) + list(op.get("alloc", []))
+            + [b for what, b in op.get("events", []) if what == "alloc"] for op in ops]
     csr = {
         "op_inputs_ptr": np.concatenate([[0], np.cumsum([len(x) for x in ins])]).astype(np.int64),
         "op_inputs": np.asarray([b for x in ins for b in x], np.int64),

@@ -22,8 +22,18 @@ def small(make_trace):
 def test_inactive_intervals_between_uses_wrap_and_tail(make_trace):
     lt = analyse(small(make_trace), np.ones(10))
     assert lt.inactive_intervals(W) == [(0, 8), (8, 10)]  # (8, 10): wraps to op 0 of the next step
-    assert sorted(lt.inactive_intervals(A)) == [(1, 7), (7, 9)]
+    # A is freed by op 9 with nothing allocated after it there: op 9 is idle too, so the
+    # tail runs to op 10 (the next step's op 0)
+    assert sorted(lt.inactive_intervals(A)) == [(1, 7), (7, 10)]
     assert lt.inactive_returns[(lt.inactive_buffer == A) & (lt.inactive_after_op == 7)].tolist() == [False]
+
+
+def test_a_tail_ends_at_the_freeing_op_when_an_allocation_follows_the_free(make_trace):
+    # op 9 frees A and then allocates T: T may need the bytes A held, so A counts at op 9
+    ops = [{"reads": [W]}, {"alloc": [A]}, {}, {}, {}, {}, {}, {"reads": [A]}, {"reads": [W]},
+           {"events": [("free", A), ("alloc", T), ("free", T)]}]
+    tr = make_trace([100, 100, 10], ["parameter", "activation", "temporary"], ops, persistent=[W])
+    assert sorted(analyse(tr, np.ones(10)).inactive_intervals(A)) == [(1, 7), (7, 9)]
 
 
 def test_inactive_intervals_in_seconds_run_from_end_of_use_to_start_of_next(make_trace):

@@ -10,7 +10,7 @@ from memplan.errors import UserError
 from memplan.estimation.devices import device_profile
 from memplan.offload.hardware import Hardware, NvmeArray
 from memplan.offload.lifetimes import analyse
-from memplan.offload.planner import LinkTimeline, plan, plan_lifetimes
+from memplan.offload.planner import LinkTimeline, Transfer, plan, plan_lifetimes
 from memplan.offload.simulate import simulate_plan
 from memplan.offload.validate import PlanError, validate_plan
 
@@ -139,6 +139,36 @@ def test_validator_rejects_overlapping_windows_of_one_buffer(make_trace):
     t = next(t for t in p.transfers if t.buffer == A and t.use_op == 7)
     with pytest.raises(PlanError, match="overlapping"):
         validate_plan(tr, replace(p, transfers=[t, replace(t, after_op=2, done_op=3)]))
+
+
+def gradient_dropped_at_the_end(make_trace, events):
+    # G: a gradient used at op 1, dropped by op 3, which also holds a 100 B temporary
+    ops = [{"alloc": [G]}, {"reads": [G]}, {}, events, {}]
+    return make_trace([0, 0, 100, 100], ["other", "other", "gradient", "temporary"], ops)
+
+
+G, TMP = 2, 3
+
+
+def test_a_buffer_dropped_at_the_end_of_an_op_is_away_through_that_op(make_trace):
+    # op 3 allocates the temporary, then frees it and G: with G away through op 3 it fits 100 B
+    tr = gradient_dropped_at_the_end(make_trace, {"alloc": [TMP], "free": [TMP, G]})
+    p = plan_lifetimes(tr, analyse(tr, np.ones(5)), hardware(), 100, min_nbytes=1)
+    (t,) = p.transfers
+    assert (t.buffer, t.use_op, t.return_op) == (G, None, 4)
+    assert p.feasible
+    validate_plan(tr, p)
+
+
+def test_validator_rejects_a_buffer_away_through_an_op_that_allocates_after_freeing_it(make_trace):
+    # op 3 frees G and then allocates the temporary: G's bytes may be what the temporary takes
+    tr = gradient_dropped_at_the_end(make_trace, {"events": [("free", G), ("alloc", TMP), ("free", TMP)]})
+    assert sorted(analyse(tr, np.ones(5)).inactive_intervals(G)) == [(1, 3)]
+    p = plan_lifetimes(tr, analyse(tr, np.ones(5)), hardware(), 100, min_nbytes=1)
+    away = Transfer(G, 100, "gradient", "ssd", 1, 2, 3, None, False, 2.0, 3.0, None, None)
+    validate_plan(tr, replace(p, transfers=[away]))  # away until op 3: allowed
+    with pytest.raises(PlanError, match="not live from op 1 to op 4"):
+        validate_plan(tr, replace(p, transfers=[replace(away, return_op=4)]))
 
 
 @st.composite

@@ -83,8 +83,10 @@ class Lifetimes:
     Inactive intervals are columns of equal length: `inactive_buffer[k]` is idle
     strictly between ops `inactive_after_op[k]` and `inactive_before_op[k]`. An index
     >= num_ops is in the next iteration (the interval wraps). `inactive_returns[k]` is
-    False when the buffer is freed at `inactive_before_op[k]` without another use (it
-    may leave and never come back).
+    False when the buffer is freed without another use (it may leave and never come
+    back): at op `inactive_before_op[k]`, or, when its free ends the op it falls in
+    (nothing is allocated after it there), at op `inactive_before_op[k] - 1`, which is
+    then idle too.
     """
 
     num_ops: int
@@ -136,6 +138,22 @@ class Lifetimes:
         ]
 
 
+def _trailing_frees(trace: Trace, free_op: np.ndarray) -> np.ndarray:
+    """Per buffer: freed within the trace, and no allocation follows its free in the op it falls in."""
+    kind = trace.events["kind"]
+    free_event = trace.buffers["free_event"].astype(np.int64)
+    # index of the last ALLOC event at or before each event (-1: none)
+    last_alloc = np.maximum.accumulate(np.where(kind == ALLOC, np.arange(kind.size), -1)) if kind.size else kind
+    n = trace.num_ops
+    op_end = np.append(trace.ops["first_event"].astype(np.int64)[1:], trace.num_events)  # one past each op's last event
+    freed = (free_event >= 0) & (free_op >= 0) & (free_op < n)
+    end = op_end[np.clip(free_op, 0, n - 1)] - 1  # the op's last event
+    trailing = np.zeros(free_event.shape, bool)
+    idx = np.flatnonzero(freed)
+    trailing[idx] = last_alloc[end[idx]] < free_event[idx]
+    return trailing
+
+
 def analyse(trace: Trace, op_durations_s: np.ndarray) -> Lifetimes:
     """Lifetimes of every buffer of `trace`, with op `op_durations_s` (roofline or measured)."""
     n = trace.num_ops
@@ -177,11 +195,17 @@ def analyse(trace: Trace, op_durations_s: np.ndarray) -> Lifetimes:
     after.append(last_use[wrap])
     before.append(first_use[wrap] + n)
     returns.append(np.ones(int(wrap.sum()), bool))
-    # Freed some ops after the last use: the tail can leave and never come back.
-    tail = has_use & (live_last < n) & (live_last - last_use > 1)
+    # Freed some ops after the last use: the tail can leave and never come back. A free that
+    # ends its op (nothing is allocated after it there, e.g. gradients dropped after the last
+    # optimizer kernel) leaves that op idle too: away through it, the op's peak is exactly
+    # nbytes lower, since the buffer is counted at every point of the op before its free and
+    # the points after it only free more.
+    trailing = _trailing_frees(trace, live_last)
+    end = np.where(trailing, live_last + 1, live_last)
+    tail = has_use & (live_last < n) & (end - last_use > 1)
     buf.append(np.flatnonzero(tail))
     after.append(last_use[tail])
-    before.append(live_last[tail])
+    before.append(end[tail])
     returns.append(np.zeros(int(tail.sum()), bool))
 
     return Lifetimes(

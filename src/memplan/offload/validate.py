@@ -6,6 +6,9 @@ offloaded buffer and (2) the device bytes during each op, then checks that
 - no buffer is used by an op while it is away (strictly between `after_op` and its
   `use_op`, wrapping into the next iteration where the index says so), and that it is
   live over the whole away window;
+- a buffer that never comes back is away until the op that frees it, or through it when
+  that free ends the op (nothing allocated after it there: the op's peak then drops by
+  exactly its bytes);
 - the away windows of one buffer never overlap, and every transfer's op indices are ordered
   `after_op < done_op < return_op <= use_op`;
 - device memory (bytes during each op, minus the buffers away over it) stays within the
@@ -67,6 +70,13 @@ def _op_of_event(trace: Trace, event: int) -> int:
     return int(np.searchsorted(first, event, side="right") - 1)
 
 
+def _free_ends_op(trace: Trace, free_event: int, op: int) -> bool:
+    """No allocation follows event `free_event` within op `op`."""
+    first = trace.ops["first_event"]
+    stop = int(first[op + 1]) if op + 1 < trace.num_ops else trace.num_events
+    return not bool((trace.events["kind"][free_event + 1 : stop] == 0).any())
+
+
 def validate_plan(trace: Trace, plan: Any) -> None:
     """Raise `PlanError` naming the first broken rule of `plan` on `trace`."""
     n = trace.num_ops
@@ -98,11 +108,16 @@ def validate_plan(trace: Trace, plan: Any) -> None:
         alloc_op = _op_of_event(trace, int(trace.buffers["alloc_event"][b]))
         free_event = int(trace.buffers["free_event"][b])
         free_op = n if free_event < 0 else _op_of_event(trace, free_event)
-        if end >= n and (alloc_op >= 0 or free_op < n):
+        # the last op the buffer is held for: a buffer that never comes back may stay away
+        # through the op that frees it when that free ends the op (no allocation after it there)
+        held_to = end
+        if t.use_op is None and free_op < n and end == free_op + 1 and _free_ends_op(trace, free_event, free_op):
+            held_to = free_op
+        if held_to >= n and (alloc_op >= 0 or free_op < n):
             raise PlanError(f"buffer {b} does not outlive the step but its window wraps into the next one")
-        if end < n and not (alloc_op <= t.after_op and end <= free_op):
+        if held_to < n and not (alloc_op <= t.after_op and held_to <= free_op):
             raise PlanError(f"buffer {b} is not live from op {t.after_op} to op {end}")
-        if t.use_op is None and end != free_op:
+        if t.use_op is None and held_to != free_op:
             raise PlanError(f"buffer {b} never comes back but is not freed at op {end}")
         for x, y in windows.get(b, []):
             for shift in (-n, 0, n):
