@@ -256,3 +256,17 @@ def test_scores_equal_but_for_rounding_noise_tie_and_others_do_not():
     # identical layers: the same benefit summed in another order differs in the last bits only
     assert 0.1 + 0.2 != 0.3 and _quantized(0.1 + 0.2) == _quantized(0.3)
     assert _quantized(1.0) < _quantized(1.0 + 1e-8)
+
+
+def test_each_round_pads_halfway_to_the_stalls_simulated_in_the_round_before(make_trace):
+    from memplan.offload.planner import _plan_round, stall_padding_s
+
+    tr, lt = optimizer_crunch(make_trace)
+    hw = hardware(ssd_bytes_per_s=100.0, pcie_bytes_per_s=100.0)
+    p = plan_lifetimes(tr, lt, hw, 250, min_nbytes=1)
+    # round 0 plans on the bare timeline; its simulated stall is its step less the ideal one
+    _, excess_left, _ = _plan_round(tr, lt, hw, 250, np.arange(lt.inactive_buffer.size), ["optimizer_state"] * 4)
+    stalled_s = p.rounds[0]["simulated_step_s"] - lt.step_s
+    padding_s = stall_padding_s(excess_left, tr.ops["phase"], 100.0).sum()
+    assert stalled_s > 0 and padding_s > 0
+    assert p.rounds[1]["planned_stall_s"] == pytest.approx(0.5 * (0.0 + stalled_s) + padding_s)

@@ -20,12 +20,14 @@ wait for a whole write and a whole read, one buffer at a time. Where the budget 
 out of reach of overlapped transfers (typically the per-parameter optimizer phase,
 which touches every parameter, gradient and optimizer state in a fraction of the
 step, so that everything away at its start must come back during it), it is cheaper
-to let the GPU wait *once* while the links stream. So after an overlapped round that
-leaves memory over budget, each op of each remaining over-budget run (split by phase)
-gets extra planned seconds, in all the run's max excess / link bandwidth, spread in
-proportion to its excess, and the greedy runs again on the stretched timeline. The
-rounds stop when the overlapped greedy alone fits the budget; every round's plan is
-simulated with the real op times (`simulate.simulate_plan`) and the fastest is kept.
+to let the GPU wait *once* while the links stream. So the greedy runs in rounds, each
+on an op timeline stretched by planned stalls: every round's plan is simulated with the
+real op times (`simulate.simulate_plan`), and the next round's planned stall before each
+op is the mean of this round's and the stall the simulation measured there (the timeline
+the plan actually produced, damped), plus, for each run of ops (split by phase) that the
+overlapped greedy left over budget, the run's max excess / link bandwidth spread in
+proportion to each op's excess. The rounds stop when the overlapped greedy fits the
+budget and nothing waits, or after `max_rounds`; the fastest plan in simulation is kept.
 
 The plan is op-indexed (offload after op a, prefetch at the start of op p), so a
 runtime can follow it whatever the real op times; the planned seconds are kept for
@@ -452,7 +454,7 @@ def plan_lifetimes(
     *,
     min_nbytes: int = 1 << 20,
     categories: tuple[str, ...] = CANDIDATE_CATEGORIES,
-    max_rounds: int = 4,
+    max_rounds: int = 8,
 ) -> OffloadPlan:
     """Plan offloads of `trace` with lifetimes `lt` so device memory stays within `budget_bytes`.
 
@@ -500,14 +502,20 @@ def plan_lifetimes(
             hardware=hardware.to_json(),
             planned_stall_s=float(pad.sum()),
         )
-        step_s = simulate_plan(lt, candidate, links).step_s
+        sim = simulate_plan(lt, candidate, links)
+        step_s = sim.step_s
         rounds.append({"planned_stall_s": float(pad.sum()), "urgent": float(sum(t.urgent for t in transfers)),
                        "simulated_step_s": step_s})
         if best is None or (candidate.feasible, -step_s) > (best.feasible, -best_step_s):
             best, best_step_s = candidate, step_s
-        if not excess_left.any():
-            break
-        pad = pad + stall_padding_s(excess_left, trace.ops["phase"], stream_bytes_per_s)
+        if not excess_left.any() and sim.stall_s <= 1e-9 * lt.step_s:
+            break  # the overlapped transfers fit and nothing waits: the ideal step
+        # The next round plans on the timeline this one produced: each op's planned stall
+        # moves halfway to the stall the simulation measured before it (damped, so the
+        # rounds do not swing between over- and under-padding), plus planned stalls for
+        # the memory the overlapped greedy left over budget.
+        assert sim.op_stall_s is not None
+        pad = 0.5 * (pad + sim.op_stall_s) + stall_padding_s(excess_left, trace.ops["phase"], stream_bytes_per_s)
     assert best is not None
     best.rounds = rounds
     validate_plan(trace, best)
