@@ -66,6 +66,7 @@ def main() -> None:
             zo, zi = baselines["zero_offload"], baselines["zero_infinity"]
             tt = baselines["torchtune_activations"]
             ours = pure["throughput_vs_ideal"]
+            ours_cell = f"**{ours:.1%}**" if pure["feasible"] else f"({ours:.1%}) infeasible"
 
             def cell(r, ideal_s=lt.step_s):
                 frac = ideal_s / r.sim.step_s
@@ -80,7 +81,7 @@ def main() -> None:
                              + ")")
             rows.append(
                 f"| {model} | {batch}x{seq} | {host} | {composed['peak_device_bytes_without_offload'] / 1e9:.0f} GB "
-                f"| {lt.step_s:.2f} | {pure['planned_step_s']:.2f} | **{ours:.1%}** | {pure['urgent_transfers']} "
+                f"| {lt.step_s:.2f} | {pure['planned_step_s']:.2f} | {ours_cell} | {pure['urgent_transfers']} "
                 f"| {cell(zo)} | {cell(zi)} | {cell(tt)} | {speedup} | {composed_cell} | {composed_speedup} "
                 f"| {pure['plan_elapsed_s']:.1f} (capture {capture_s:.0f}) | {PAPER[model]} |"
             )
@@ -106,7 +107,8 @@ def main() -> None:
             "against the ideal step *without* recomputation. Batch sizes are per GPU, in the paper's range "
             "(16-128) for 8B; the paper's exact per-setting batch sizes and host limits are not in facts.md. "
             "Op times are compute only: FSDP's collectives are not modelled, in the ideal step or in any row. "
-            "'plan s' (pure offloading) includes every planned-stall round (docs/offload.md).",
+            "'plan s' (pure offloading) includes every planned-stall round (docs/offload.md). A plan, memplan's "
+            "or a baseline's, marked infeasible exceeds the device budget at some op in simulation.",
             "",
             "| model | batch x seq | memplan host limit | peak w/o offload | ideal s | memplan s | memplan vs ideal | urgent "
             "| ZeRO-Offload | ZeRO-Infinity | torchtune act. | memplan vs best ZeRO "
