@@ -163,3 +163,27 @@ def test_cli_try_checkpointing_with_a_checkpointing_policy_is_one_line_and_exit_
     code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--checkpointing", "full", "--try-checkpointing"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "drop --checkpointing full" in err
+
+
+@pytest.mark.slow
+def test_cli_zero3_plans_one_fsdp2_rank_and_keeps_the_baselines_on_the_whole_step(capsys):
+    args = ["offload", "llama-3.2-1b", "--batch", "1", "--seq", "128", "--gpu", "h100-80gb", "--gpus", "2",
+            "--budget", "6GiB", "--host-mem", "32GB", "--json"]
+    assert main(args) == 0
+    replica = json.loads(capsys.readouterr().out)
+    assert main(args + ["--zero", "3"]) == 0
+    rank = json.loads(capsys.readouterr().out)
+    assert (replica["zero"], rank["zero"]) == (0, 3)
+    # one rank holds half of the fp32 parameters, gradients and AdamW states: 16 B x 1.24B / 2 less
+    saved = replica["peak_device_bytes_without_offload"] - rank["peak_device_bytes_without_offload"]
+    assert saved > 0.4 * 16 * 1.24e9 / 2
+    assert rank["ideal_step_s"] == pytest.approx(replica["ideal_step_s"], rel=0.05)
+    # the ZeRO baselines shard by --gpus themselves, on the whole step either way
+    for name in ("zero_offload", "zero_infinity"):
+        assert rank["baselines"][name]["step_s"] == pytest.approx(replica["baselines"][name]["step_s"])
+
+
+def test_cli_zero3_on_one_gpu_is_one_line_and_exit_2(capsys):
+    code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--zero", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--gpus" in err

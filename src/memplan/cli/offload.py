@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,6 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_setup_flags(p)
     p.add_argument("--gpu", required=True, metavar="NAME", help="GPU profile, e.g. h100-nvl-94gb")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the node, one NVMe array each (default 1)")
+    p.add_argument("--zero", type=int, choices=(0, 3), default=0, metavar="STAGE",
+                   help="3: plan one FSDP2 (ZeRO-3) rank of the --gpus GPUs, parameters, gradients and optimizer "
+                   "states sharded over them (TorchTitan, TERAIO's setting); 0: a whole replica per GPU (default)")
     p.add_argument("--nvme", default="4x990pro", metavar="SPEC",
                    help="one GPU's RAID-0 array: NxDRIVE (4x990pro, 2xpm1743) or NxBANDWIDTH (2x7GB/s); 0 for none")
     p.add_argument("--host-mem", default="0", metavar="SIZE", help="host memory offloading may use, whole node (default 0)")
@@ -42,12 +46,18 @@ def run(args: argparse.Namespace) -> int:
     from memplan.capture import capture_model
     from memplan.cli import print_json
     from memplan.errors import UserError
-    from memplan.models import setup_from_args
+    from memplan.estimation.pipeline import capture_step
+    from memplan.models import load_config, setup_from_args
     from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
     from memplan.offload.hardware import make_hardware
+    from memplan.parallel.layout import Layout
+    from memplan.parallel.transform import rank_trace
     from memplan.trace.io import atomic_write
+    from memplan.trace.model import Trace
     from memplan.units import format_bytes, parse_size
 
+    if args.zero == 3 and args.gpus < 2:
+        raise UserError("--zero 3 shards over the node's GPUs: give --gpus N with N >= 2")
     hardware = make_hardware(args.gpu, nvme=args.nvme, host_mem=args.host_mem, gpus=args.gpus, pcie=args.pcie)
     budget = None if args.budget is None else parse_size(args.budget)
     setup = setup_from_args(args)
@@ -58,25 +68,35 @@ def run(args: argparse.Namespace) -> int:
         # one foreach kernel touches every state at once: nothing could be away during it
         setup = dataclasses.replace(setup, optimizer_impl="loop")
         sys.stderr.write("memplan: offload plans a per-parameter optimizer step (--optimizer-impl loop)\n")
-    sys.stderr.write(f"memplan: capturing {args.model} on fake tensors ...\n")
-    trace = capture_model(args.model, setup, fake=True, device="cuda")
-    checkpointed = None
+
+    def captured(step_setup: Any, what: str) -> tuple[Trace, Trace]:
+        """(the trace memplan plans, the whole step's trace) under `step_setup`."""
+        sys.stderr.write(f"memplan: capturing {args.model}{what} on fake tensors ...\n")
+        if args.zero == 0:
+            whole = capture_model(args.model, step_setup, fake=True, device="cuda")
+            return whole, whole
+        step = capture_step(load_config(args.model), step_setup, "cuda")
+        return rank_trace(step, Layout(world_size=args.gpus, zero=3), step_setup, 0), step.trace
+
+    trace, whole = captured(setup, "")
+    checkpointed = planned_full = None
     alternatives = {}
     if setup.checkpointing == "none":
         # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing
-        sys.stderr.write(f"memplan: capturing {args.model} with full activation checkpointing, for the ZeRO baselines ...\n")
-        checkpointed = capture_model(args.model, dataclasses.replace(setup, checkpointing="full"), fake=True, device="cuda")
+        planned_full, checkpointed = captured(dataclasses.replace(setup, checkpointing="full"),
+                                              " with full activation checkpointing (the ZeRO baselines')")
     if args.try_checkpointing:
         for policy in RECOMPUTE_POLICIES:
             if policy == "full":
-                alternatives[policy] = checkpointed
+                alternatives[policy] = planned_full
                 continue
-            sys.stderr.write(f"memplan: capturing {args.model} with checkpointing {policy} ...\n")
-            alternatives[policy] = capture_model(args.model, dataclasses.replace(setup, checkpointing=policy),
-                                                 fake=True, device="cuda")
-    sys.stderr.write(f"memplan: planning {trace.num_ops} ops{' under 4 checkpointing policies' if alternatives else ''} ...\n")
-    report, plan = evaluate(trace, hardware, budget, checkpointed, alternatives)
-    report = {"model": args.model, "setup": setup.to_dict(), **report}
+            alternatives[policy], _ = captured(dataclasses.replace(setup, checkpointing=policy),
+                                               f" with checkpointing {policy}")
+    sys.stderr.write(f"memplan: planning {trace.num_ops} ops{' under 4 checkpointing policies' if alternatives else ''}"
+                     f"{f' (one FSDP2 rank of {args.gpus})' if args.zero == 3 else ''} ...\n")
+    report, plan = evaluate(trace, hardware, budget, checkpointed, alternatives,
+                            baseline_trace=whole if args.zero == 3 else None)
+    report = {"model": args.model, "setup": setup.to_dict(), "zero": args.zero, **report}
     if args.plan_output:
         doc = json.dumps(plan.to_json()).encode()
         atomic_write(args.plan_output, lambda f: f.write(doc))

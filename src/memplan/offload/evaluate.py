@@ -38,7 +38,8 @@ def _planned(trace: Trace, hardware: Hardware, budget: int) -> tuple[Any, Offloa
 
 def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
              checkpointed_trace: Trace | None = None,
-             alternatives: dict[str, Trace] | None = None) -> tuple[dict[str, Any], OffloadPlan]:
+             alternatives: dict[str, Trace] | None = None,
+             baseline_trace: Trace | None = None) -> tuple[dict[str, Any], OffloadPlan]:
     """Plan, simulate and compare; returns (the report, the plan).
 
     `checkpointed_trace`: the same step with full activation checkpointing, the ZeRO
@@ -46,7 +47,10 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     needs it). `alternatives`: the same step under activation-checkpointing policies (name ->
     trace); each is planned too, and the report is the fastest plan's, measured against the
     ideal step of `trace` (no recomputation): offloading and recomputation composed. Every
-    policy's figures are in `checkpointing_search`, and `plan_elapsed_s` is their sum."""
+    policy's figures are in `checkpointing_search`, and `plan_elapsed_s` is their sum.
+    `baseline_trace`: the whole step the ZeRO baselines run on when `trace` is one FSDP2
+    rank's (they shard by `hardware.gpus` themselves; `checkpointed_trace` is then the whole
+    checkpointed step too); default `trace`."""
     budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
     lt, offload_plan, sim = _planned(trace, hardware, budget)
     ideal_s = lt.step_s
@@ -68,7 +72,11 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     if checkpointed_trace is not None:
         checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
                                                     roofline_op_durations_s(checkpointed_trace, hardware.gpu)))
-    baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
+    if baseline_trace is None:
+        baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
+    else:
+        whole = analyse(baseline_trace, roofline_op_durations_s(baseline_trace, hardware.gpu))
+        baselines = run_baselines(baseline_trace, whole, hardware, budget, checkpointed)
     report = {
         "ideal_step_s": ideal_s,
         "planned_step_s": sim.step_s,
