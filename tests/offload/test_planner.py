@@ -191,6 +191,10 @@ def random_traces(draw):
             uses = [u for u in uses if a < u <= f]
         for u in uses:
             ops[u]["reads"].append(b)
+    for op in ops:
+        # some ops free before they allocate (a free that does not end its op)
+        if op["free"] and op["alloc"] and not set(op["free"]) & set(op["alloc"]) and draw(st.booleans()):
+            op["events"] = [("free", b) for b in op.pop("free")] + [("alloc", b) for b in op.pop("alloc")]
     durations = draw(st.lists(st.floats(0.1, 3.0), min_size=n_ops, max_size=n_ops))
     return sizes, cats, ops, persistent, durations
 
