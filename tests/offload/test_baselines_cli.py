@@ -187,3 +187,12 @@ def test_cli_zero3_on_one_gpu_is_one_line_and_exit_2(capsys):
     code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--zero", "3"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--gpus" in err
+
+
+def test_an_x8_link_halves_the_channels_of_an_x16_link_of_its_generation():
+    x8 = make_hardware("h100-80gb", nvme="4x990pro", pcie="pcie-gen5-x8")
+    x16 = make_hardware("h100-80gb", nvme="4x990pro", pcie="pcie-gen5-x16")
+    assert x8.pcie_bytes_per_s == x16.pcie_bytes_per_s / 2 == 31.5e9
+    # 4x 990 PRO write 26 GB/s: within x8's 31.5, so the SSD keeps it and the host channel gets the rest
+    assert x8.link_bytes_per_s()["ssd_write"] == x16.link_bytes_per_s()["ssd_write"] == 26e9
+    assert x8.link_bytes_per_s()["host_write"] == pytest.approx(5.5e9)

@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--nvme", default="4x990pro", metavar="SPEC",
                    help="one GPU's RAID-0 array: NxDRIVE (4x990pro, 2xpm1743) or NxBANDWIDTH (2x7GB/s); 0 for none")
     p.add_argument("--host-mem", default="0", metavar="SIZE", help="host memory offloading may use, whole node (default 0)")
-    p.add_argument("--pcie", default=None, metavar="LINK", help="pcie-gen4-x16 or pcie-gen5-x16 (default: the GPU's)")
+    p.add_argument("--pcie", default=None, metavar="LINK",
+                   help="pcie-gen4-x8, pcie-gen4-x16, pcie-gen5-x8 or pcie-gen5-x16 (default: the GPU's)")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="device-memory budget (default: capacity less CUDA context and cuBLAS workspace)")
     p.add_argument("--try-checkpointing", action="store_true",

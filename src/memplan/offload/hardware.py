@@ -11,7 +11,11 @@ as TERAIO (arXiv 2506.06472, §4) keeps one bandwidth timeline per link:
 
 Assumption: SSD and host traffic share the GPU's PCIe link, so the host channels get
 only what the SSD channels leave (`pcie - ssd`); this never lets the two together
-exceed the link. Drive figures are the per-drive sequential bandwidths TERAIO measured
+exceed the link. GPUDirect Storage or not: SSD transfers get the same bandwidths either
+way, since the GPU's PCIe link carries each byte once whether it lands in the drive's
+buffer (GDS) or in a pinned host bounce buffer; what the bounce adds (host-memory
+bandwidth and CPU cores: TERAIO measured > 100 GB/s and > 3 cores for 2 GPUs x 4 SSDs) is
+not modelled. Drive figures are the per-drive sequential bandwidths TERAIO measured
 (990 PRO 6.7 / 6.5 GB/s) or datasheet numbers; every figure carries its source in the JSON.
 """
 
@@ -110,7 +114,6 @@ class Hardware:
     nvme: NvmeArray  # this GPU's array
     host_capacity_bytes: float  # this GPU's share of the host-memory limit
     pcie_bytes_per_s: float  # per direction
-    gds: bool = True
 
     def link_bytes_per_s(self) -> dict[str, float]:
         """Bandwidth of each of the four channels (see the module docstring)."""
@@ -142,7 +145,6 @@ def make_hardware(
     host_mem: str | int = 0,
     gpus: int = 1,
     pcie: str | None = None,
-    gds: bool = True,
 ) -> Hardware:
     """The per-GPU view of a node: `nvme` is one GPU's array, `host_mem` the node-wide limit."""
     if gpus < 1:
@@ -158,4 +160,4 @@ def make_hardware(
     host_bytes = parse_size(host_mem) if isinstance(host_mem, str) else int(host_mem)
     if host_bytes < 0:
         raise UserError(f"--host-mem must not be negative ({format_bytes(host_bytes)})")
-    return Hardware(profile, gpus, parse_nvme_spec(nvme), host_bytes / gpus, pcie_bytes_per_s, gds)
+    return Hardware(profile, gpus, parse_nvme_spec(nvme), host_bytes / gpus, pcie_bytes_per_s)
