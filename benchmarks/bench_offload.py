@@ -81,7 +81,8 @@ def main() -> None:
                              + ")")
             rows.append(
                 f"| {model} | {batch}x{seq} | {host} | {composed['peak_device_bytes_without_offload'] / 1e9:.0f} GB "
-                f"| {lt.step_s:.2f} | {pure['planned_step_s']:.2f} | {ours_cell} | {pure['urgent_transfers']} "
+                f"| {lt.step_s:.2f} | {pure['planned_step_s']:.2f} | {ours_cell} | {pure['throughput_upper_bound']:.1%} "
+                f"| {pure['urgent_transfers']} "
                 f"| {cell(zo)} | {cell(zi)} | {cell(tt)} | {speedup} | {composed_cell} | {composed_speedup} "
                 f"| {pure['plan_elapsed_s']:.1f} (capture {capture_s:.0f}) | {PAPER[model]} |"
             )
@@ -108,12 +109,16 @@ def main() -> None:
             "(16-128) for 8B; the paper's exact per-setting batch sizes and host limits are not in facts.md. "
             "Op times are compute only: FSDP's collectives are not modelled, in the ideal step or in any row. "
             "'plan s' (pure offloading) includes every planned-stall round (docs/offload.md). A plan, memplan's "
-            "or a baseline's, marked infeasible exceeds the device budget at some op in simulation.",
+            "or a baseline's, marked infeasible exceeds the device budget at some op in simulation. 'link bound': "
+            "the most any pure-offloading plan could reach on these links (`memplan.offload.bounds`: around each "
+            "op over budget, all but the budget of the bytes live there were written out since their last write "
+            "and come back before their next use).",
             "",
-            "| model | batch x seq | memplan host limit | peak w/o offload | ideal s | memplan s | memplan vs ideal | urgent "
+            "| model | batch x seq | memplan host limit | peak w/o offload | ideal s | memplan s | memplan vs ideal "
+            "| link bound | urgent "
             "| ZeRO-Offload | ZeRO-Infinity | torchtune act. | memplan vs best ZeRO "
             "| memplan + recompute vs ideal (policy; others) | + recompute vs best ZeRO | plan s | paper |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
             "Paper targets: 80.7% of ideal on average, 1.47x ZeRO-Offload/ZeRO-Infinity; planning 31 s (8B), 397 s (70B).",

@@ -85,7 +85,8 @@ def test_cli_prints_the_issue_keys_as_one_json_object(capsys):
     for b in doc["baselines"].values():
         assert set(b) >= {"step_s", "throughput_vs_ideal", "feasible"}
     assert doc["peak_device_bytes"] <= 6 * 2**30
-    assert 0 < doc["throughput_vs_ideal"] <= 1
+    assert 0 < doc["throughput_vs_ideal"] <= doc["throughput_upper_bound"] <= 1
+    assert doc["planned_step_s"] >= doc["step_lower_bound_s"] >= doc["ideal_step_s"]
 
 
 def test_cli_bad_nvme_spec_is_one_line_and_exit_2(capsys):

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from memplan.errors import UserError
 from memplan.estimation.devices import device_profile
+from memplan.offload.bounds import step_lower_bound_s
 from memplan.offload.hardware import Hardware, NvmeArray
 from memplan.offload.lifetimes import analyse
 from memplan.offload.planner import LinkTimeline, Transfer, plan, plan_lifetimes
@@ -213,6 +214,8 @@ def test_every_plan_passes_the_validator_and_holds_in_simulation(make_trace, cas
     assert result.step_s >= lt.step_s - 1e-9
     if p.feasible:
         assert result.peak_device_bytes <= budget
+    if result.within_budget:  # no plan beats the links' bound
+        assert result.step_s >= step_lower_bound_s(tr, lt, hw, budget) * (1 - 1e-9)
 
 
 def test_planned_stall_is_the_runs_max_excess_over_bandwidth_spread_by_excess():

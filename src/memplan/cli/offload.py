@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         f"  (peak {format_bytes(report['peak_device_bytes'])}, {format_bytes(report['offloaded_bytes'])} offloaded, "
         f"planned in {report['plan_elapsed_s']:.1f} s)\n"
     )
+    if report["step_lower_bound_s"] is not None and report["step_lower_bound_s"] > report["ideal_step_s"]:
+        out.write(f"  link bound      {report['step_lower_bound_s']:.3f} s  {report['throughput_upper_bound']:.1%} of ideal "
+                  f"at most, for any plan on these links\n")
     for policy, c in report.get("checkpointing_search", {}).items():
         flag = "" if c["feasible"] else "  (over budget)"
         out.write(f"    checkpointing {policy:<13}{c['planned_step_s']:.3f} s  {c['throughput_vs_ideal']:.1%} of ideal{flag}\n")

@@ -4,15 +4,19 @@ Plans the trace (TERAIO-style, `planner.plan_lifetimes`), simulates the plan, ru
 baselines in the same simulator (`baselines.run_baselines`) and returns the issue's
 JSON keys: `ideal_step_s`, `planned_step_s`, `throughput_vs_ideal`, `baselines`
 (name -> step_s, throughput_vs_ideal, feasible), `offloaded_bytes`,
-`peak_device_bytes`, `plan_elapsed_s`; with a checkpointing search, also `checkpointing`
-(the policy of the plan reported) and `checkpointing_search` (every policy's figures).
+`peak_device_bytes`, `plan_elapsed_s`; `step_lower_bound_s` and `throughput_upper_bound`
+(no plan on these links does better: `bounds.step_lower_bound_s`); with a checkpointing
+search, also `checkpointing` (the policy of the plan reported) and `checkpointing_search`
+(every policy's figures).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from memplan.offload.baselines import run_baselines
+from memplan.offload.bounds import step_lower_bound_s
 from memplan.offload.hardware import Hardware
 from memplan.offload.lifetimes import analyse, roofline_op_durations_s
 from memplan.offload.planner import OffloadPlan, plan_lifetimes
@@ -29,11 +33,20 @@ def default_budget_bytes(hardware: Hardware) -> int:
 RECOMPUTE_POLICIES = ("selective", "selective-op", "full")
 
 
-def _planned(trace: Trace, hardware: Hardware, budget: int) -> tuple[Any, OffloadPlan, Any]:
-    """(lifetimes, plan, simulated step) of one trace."""
+def _planned(trace: Trace, hardware: Hardware, budget: int) -> tuple[Any, OffloadPlan, Any, float]:
+    """(lifetimes, plan, simulated step, the links' lower bound on any plan's step) of one trace."""
     lt = analyse(trace, roofline_op_durations_s(trace, hardware.gpu))
     offload_plan = plan_lifetimes(trace, lt, hardware, budget)
-    return lt, offload_plan, simulate_plan(lt, offload_plan, hardware.link_bytes_per_s())
+    bound = step_lower_bound_s(trace, lt, hardware, budget)
+    return lt, offload_plan, simulate_plan(lt, offload_plan, hardware.link_bytes_per_s()), bound
+
+
+def _bound_keys(bound_s: float, ideal_s: float) -> dict[str, float | None]:
+    """`step_lower_bound_s` (no plan on these links is faster; None: no link to move bytes
+    over) and `throughput_upper_bound` (ideal / bound)."""
+    if not math.isfinite(bound_s):
+        return {"step_lower_bound_s": None, "throughput_upper_bound": 0.0}
+    return {"step_lower_bound_s": bound_s, "throughput_upper_bound": ideal_s / bound_s if bound_s > 0 else 0.0}
 
 
 def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
@@ -52,22 +65,23 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     rank's (they shard by `hardware.gpus` themselves; `checkpointed_trace` is then the whole
     checkpointed step too); default `trace`."""
     budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
-    lt, offload_plan, sim = _planned(trace, hardware, budget)
+    lt, offload_plan, sim, bound = _planned(trace, hardware, budget)
     ideal_s = lt.step_s
     search: dict[str, dict[str, Any]] = {}
-    candidates = [("none", trace, lt, offload_plan, sim)]
+    candidates = [("none", trace, lt, offload_plan, sim, bound)]
     for name, alt in (alternatives or {}).items():
         candidates.append((name, alt, *_planned(alt, hardware, budget)))
-    for name, _tr, _lt, p, sm in candidates:
+    for name, _tr, _lt, p, sm, bd in candidates:
         search[name] = {
             "planned_step_s": sm.step_s,
             "throughput_vs_ideal": ideal_s / sm.step_s if sm.step_s > 0 else 0.0,
             "feasible": p.feasible and sm.within_budget,
             "urgent_transfers": sum(t.urgent for t in p.transfers),
             "plan_elapsed_s": p.plan_elapsed_s,
+            **_bound_keys(bd, ideal_s),
         }
     feasible = [c for c in candidates if search[c[0]]["feasible"]] or candidates[:1]
-    chosen, _tr, _lt, offload_plan, sim = min(feasible, key=lambda c: c[4].step_s)
+    chosen, _tr, _lt, offload_plan, sim, bound = min(feasible, key=lambda c: c[4].step_s)
     checkpointed = None
     if checkpointed_trace is not None:
         checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
@@ -81,6 +95,7 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
         "ideal_step_s": ideal_s,
         "planned_step_s": sim.step_s,
         "throughput_vs_ideal": ideal_s / sim.step_s if sim.step_s > 0 else 0.0,
+        **_bound_keys(bound, ideal_s),
         "feasible": offload_plan.feasible and sim.within_budget,
         "checkpointing": chosen,
         "stall_s": sim.stall_s,

@@ -1,0 +1,93 @@
+"""A lower bound on the step time of any offload plan in memplan's model, from link bandwidths.
+
+At op p at most `budget` bytes are on the device, so of the bytes live at p all but
+`budget` are away. Two consequences, on disjoint stretches of time:
+
+- **writes before p**: a buffer last written at op w (its allocation, or an in-place
+  update such as an optimizer step) and away at p was written out between the end of w
+  and the start of p: its copy elsewhere is stale until then. Take the k buffers live at
+  p written most recently; all but `budget` of their bytes crossed the write links in the
+  window since the oldest of those writes, so that window lasts at least (bytes - budget)
+  / write bandwidth, and the GPU stalled in it for at least that less the window's compute;
+- **reads after p**: a buffer away at p comes back before its next use r. Take the k buffers
+  live at p needed again soonest; all but `budget` of their bytes cross the read links
+  between p and the latest of those uses: the same argument after p.
+
+The two windows do not overlap, so the step takes at least the ideal compute plus both
+stalls, for the best k on each side; the bound is the largest over the ops of highest
+demand. Buffers the trace never writes (an input batch) may stay on the SSD from one step
+to the next and do not count on the write side. SSD and host links count at their combined
+bandwidth (host memory only when the hardware has some); capacities are ignored. The bound
+holds for memplan's model (a buffer written while on the device is written out whole on
+every offload) and says how close a plan is to the best any plan could do on those links.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memplan.offload.hardware import Hardware
+from memplan.offload.lifetimes import Lifetimes
+from memplan.trace.model import Trace
+
+
+def _stall_s(ages_s: np.ndarray, nbytes: np.ndarray, budget: float, bytes_per_s: float) -> float:
+    """max over k of (bytes of the k youngest - budget) / bandwidth - age of the k-th youngest."""
+    if ages_s.size == 0 or bytes_per_s <= 0:
+        return 0.0 if ages_s.size == 0 or nbytes.sum() <= budget else float("inf")
+    order = np.argsort(ages_s, kind="stable")
+    excess = np.cumsum(nbytes[order].astype(np.float64)) - budget
+    return max(0.0, float(np.max(excess / bytes_per_s - ages_s[order])))
+
+
+def step_lower_bound_s(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: int,
+                       *, top_ops: int = 64) -> float:
+    """Seconds no offload plan of `trace` within `budget_bytes` can beat on `hardware`'s links
+    (see the module docstring); `lt.step_s` when the budget holds the peak."""
+    n = lt.num_ops
+    step = lt.step_s
+    start = lt.op_start_s
+    links = hardware.link_bytes_per_s()
+    use_host = hardware.host_capacity_bytes > 0
+    write_bw = links["ssd_write"] + (links["host_write"] if use_host else 0.0)
+    read_bw = links["ssd_read"] + (links["host_read"] if use_host else 0.0)
+    budget = float(budget_bytes)
+    over = np.flatnonzero(lt.op_bytes > budget)
+    if over.size == 0:
+        return step
+    demand = over[np.argsort(-lt.op_bytes[over], kind="stable")[:top_ops]]
+
+    nbytes = trace.buffers["nbytes"]
+    # (buffer, op) of every write, sorted, keyed so one searchsorted finds a buffer's last write <= p
+    outs = trace.csr["op_outputs"]
+    out_op = np.repeat(np.arange(n), np.diff(trace.csr["op_outputs_ptr"]))
+    key_span = 2 * n + 2
+    wkey = np.unique(outs.astype(np.int64) * key_span + out_op)
+    wbuf, wop = wkey // key_span, wkey % key_span
+    last_write = np.full(trace.num_buffers, -1, np.int64)
+    last_write[wbuf] = wop  # ascending keys: the last assignment per buffer is its last write
+    # uses (reads and writes) per buffer, keyed the same way for the next use >= p
+    ukey = lt.use_ptr  # CSR over buffers
+    use_ops = lt.use_ops
+    first_use = np.where(np.diff(ukey) > 0, use_ops[np.minimum(ukey[:-1], max(use_ops.size - 1, 0))], -1)
+    use_key = np.repeat(np.arange(trace.num_buffers, dtype=np.int64), np.diff(ukey)) * key_span + use_ops
+
+    worst = 0.0
+    for p in demand.tolist():
+        live = np.flatnonzero((lt.live_first_op <= p) & (lt.live_last_op >= p))
+        # write side: the buffers written at some op, by the compute time since their last write
+        written = live[last_write[live] >= 0]
+        i = np.searchsorted(wkey, written * key_span + p, side="right") - 1
+        mine = (i >= 0) & (wbuf[np.maximum(i, 0)] == written)
+        w = np.where(mine, wop[np.maximum(i, 0)], last_write[written] - n)  # else: last step's last write
+        ages = np.maximum(start[p] - (np.floor_divide(w + 1, n) * step + start[(w + 1) % n]), 0.0)
+        before = _stall_s(ages, nbytes[written], budget, write_bw)
+        # read side: the buffers used again, by the compute time until their next use
+        j = np.searchsorted(use_key, live * key_span + p, side="left")
+        inside = (j < use_key.size) & (use_key[np.minimum(j, use_key.size - 1)] // key_span == live)
+        nxt = np.where(inside, use_ops[np.minimum(j, use_ops.size - 1)], first_use[live] + n)
+        again = (first_use[live] >= 0) & (inside | (lt.live_last_op[live] >= n))  # freed unused: never read
+        leads = np.maximum((nxt // n) * step + start[nxt % n] - start[p + 1], 0.0)
+        after = _stall_s(leads[again], nbytes[live][again], budget, read_bw)
+        worst = max(worst, before + after)
+    return step + worst

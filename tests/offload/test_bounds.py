@@ -1,0 +1,40 @@
+import numpy as np
+import pytest
+
+from memplan.offload.bounds import step_lower_bound_s
+from memplan.offload.lifetimes import analyse
+from memplan.offload.planner import plan_lifetimes
+from memplan.offload.simulate import simulate_plan
+
+from .test_planner import hardware
+
+A, B = 0, 1
+
+
+def two_activations(make_trace):
+    # A made at op 0, read at op 4; B made at op 1, read at op 3; 100 B each, ops of 1 s
+    ops = [{"alloc": [A]}, {"alloc": [B]}, {}, {"reads": [B], "free": [B]}, {"reads": [A], "free": [A]}]
+    tr = make_trace([100, 100], ["activation", "activation"], ops)
+    return tr, analyse(tr, np.ones(5))
+
+
+def test_the_bound_is_the_largest_write_plus_read_stall_around_one_op(make_trace):
+    # at op 1: A (written at op 0, no compute since) must leave before op 1 starts: 100 B at
+    # 50 B/s = 2 s of stall on the write side. At op 2: A written 1 s before, needed 1 s after:
+    # 1 s + 1 s. At op 3: A needed next at op 4, right after: 2 s on the read side.
+    tr, lt = two_activations(make_trace)
+    hw = hardware(ssd_bytes_per_s=50.0, pcie_bytes_per_s=100.0)
+    assert step_lower_bound_s(tr, lt, hw, 100) == pytest.approx(5.0 + 2.0)
+
+
+def test_the_bound_is_the_ideal_step_when_the_budget_holds_the_peak(make_trace):
+    tr, lt = two_activations(make_trace)
+    assert step_lower_bound_s(tr, lt, hardware(), 200) == lt.step_s == 5.0
+
+
+def test_the_plan_of_the_hand_case_is_no_faster_than_the_bound(make_trace):
+    tr, lt = two_activations(make_trace)
+    hw = hardware(ssd_bytes_per_s=50.0, pcie_bytes_per_s=100.0)
+    p = plan_lifetimes(tr, lt, hw, 100, min_nbytes=1)
+    assert p.feasible
+    assert simulate_plan(lt, p, hw.link_bytes_per_s()).step_s >= step_lower_bound_s(tr, lt, hw, 100)
