@@ -277,3 +277,14 @@ def test_each_round_pads_halfway_to_the_stalls_simulated_in_the_round_before(mak
     padding_s = stall_padding_s(excess_left, tr.ops["phase"], 100.0).sum()
     assert stalled_s > 0 and padding_s > 0
     assert p.rounds[1]["planned_stall_s"] == pytest.approx(0.5 * (0.0 + stalled_s) + padding_s)
+
+
+def test_rounds_end_after_patience_rounds_that_do_not_beat_the_fastest(make_trace):
+    tr, lt = optimizer_crunch(make_trace)
+    hw = hardware(ssd_bytes_per_s=100.0, pcie_bytes_per_s=100.0)
+    steps = [r["simulated_step_s"] for r in plan_lifetimes(tr, lt, hw, 250, min_nbytes=1, max_rounds=16,
+                                                            patience=16).rounds]
+    assert len(steps) == 16  # stalls remain in every round: only max_rounds stops it
+    fastest = steps.index(min(steps))  # the first round at the fastest step
+    p = plan_lifetimes(tr, lt, hw, 250, min_nbytes=1, max_rounds=16, patience=2)
+    assert [r["simulated_step_s"] for r in p.rounds] == steps[: fastest + 1 + 2]

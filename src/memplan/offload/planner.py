@@ -27,7 +27,8 @@ op is the mean of this round's and the stall the simulation measured there (the 
 the plan actually produced, damped), plus, for each run of ops (split by phase) that the
 overlapped greedy left over budget, the run's max excess / link bandwidth spread in
 proportion to each op's excess. The rounds stop when the overlapped greedy fits the
-budget and nothing waits, or after `max_rounds`; the fastest plan in simulation is kept.
+budget and nothing waits, after `patience` rounds in a row that are no faster than the
+fastest so far, or after `max_rounds`; the fastest plan in simulation is kept.
 
 The plan is op-indexed (offload after op a, prefetch at the start of op p), so a
 runtime can follow it whatever the real op times; the planned seconds are kept for
@@ -454,12 +455,14 @@ def plan_lifetimes(
     *,
     min_nbytes: int = 1 << 20,
     categories: tuple[str, ...] = CANDIDATE_CATEGORIES,
-    max_rounds: int = 8,
+    max_rounds: int = 16,
+    patience: int = 3,
 ) -> OffloadPlan:
     """Plan offloads of `trace` with lifetimes `lt` so device memory stays within `budget_bytes`.
 
     Up to `max_rounds` greedy rounds, each on the op timeline stretched by the planned
-    stalls of the rounds before (see the module docstring); the fastest in simulation wins.
+    stalls of the rounds before (see the module docstring), ending early after `patience`
+    rounds in a row that do not beat the fastest so far; the fastest in simulation wins.
     """
     from memplan.offload.simulate import simulate_plan
     from memplan.offload.validate import validate_plan
@@ -485,6 +488,7 @@ def plan_lifetimes(
     best: OffloadPlan | None = None
     best_step_s = math.inf
     rounds: list[dict[str, float]] = []
+    stale = 0  # rounds since the fastest so far
     for _ in range(max(1, max_rounds)):
         transfers, excess_left, usage = _plan_round(
             trace, _stretched(lt, pad), hardware, budget_bytes, candidates, category_names
@@ -506,8 +510,12 @@ def plan_lifetimes(
         step_s = sim.step_s
         rounds.append({"planned_stall_s": float(pad.sum()), "urgent": float(sum(t.urgent for t in transfers)),
                        "simulated_step_s": step_s})
-        if best is None or (candidate.feasible, -step_s) > (best.feasible, -best_step_s):
-            best, best_step_s = candidate, step_s
+        if best is None or (candidate.feasible, -step_s) > (best.feasible, -best_step_s * (1 - 1e-6)):
+            best, best_step_s, stale = candidate, step_s, 0
+        else:
+            stale += 1
+            if stale >= patience:
+                break
         if not excess_left.any() and sim.stall_s <= 1e-9 * lt.step_s:
             break  # the overlapped transfers fit and nothing waits: the ideal step
         # The next round plans on the timeline this one produced: each op's planned stall
