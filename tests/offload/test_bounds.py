@@ -38,3 +38,14 @@ def test_the_plan_of_the_hand_case_is_no_faster_than_the_bound(make_trace):
     p = plan_lifetimes(tr, lt, hw, 100, min_nbytes=1)
     assert p.feasible
     assert simulate_plan(lt, p, hw.link_bytes_per_s()).step_s >= step_lower_bound_s(tr, lt, hw, 100)
+
+
+def test_write_and_read_stalls_add_only_when_their_windows_fit_in_one_step():
+    from memplan.offload.bounds import _combined_stall_s
+
+    write = (np.array([1.0, 3.0]), np.array([2.0, 5.0]))  # (window span, least stall in it)
+    read = (np.array([1.0, 2.0]), np.array([1.0, 4.0]))
+    # step 5, op between them 1 s: read 1 s + write 3 s fit (1 + 1 + 3 = 5): 1 + 5 = 6
+    assert _combined_stall_s(write, read, 1.0, 5.0) == 6.0
+    # step 3: only read 1 s + write 1 s fit (1 + 1 + 1): 1 + 2 = 3, less than the write window alone
+    assert _combined_stall_s(write, read, 1.0, 3.0) == 5.0

@@ -13,9 +13,11 @@ At op p at most `budget` bytes are on the device, so of the bytes live at p all 
   live at p needed again soonest; all but `budget` of their bytes cross the read links
   between p and the latest of those uses: the same argument after p.
 
-The two windows do not overlap, so the step takes at least the ideal compute plus both
-stalls, for the best k on each side; the bound is the largest over the ops of highest
-demand. Buffers the trace never writes (an input batch) may stay on the SSD from one step
+Each window spans at most one step; the step is periodic, so a window's stall is stall of
+one step. A write window and a read window around the same op add up when together with
+that op they span at most one step's compute (disjoint arcs of the step); otherwise only
+the larger counts. The bound is the ideal compute plus the largest such stall over the ops
+of highest demand. Buffers the trace never writes (an input batch) may stay on the SSD from one step
 to the next and do not count on the write side. SSD and host links count at their combined
 bandwidth (host memory only when the hardware has some); capacities are ignored. The bound
 holds for memplan's model (a buffer written while on the device is written out whole on
@@ -31,13 +33,34 @@ from memplan.offload.lifetimes import Lifetimes
 from memplan.trace.model import Trace
 
 
-def _stall_s(ages_s: np.ndarray, nbytes: np.ndarray, budget: float, bytes_per_s: float) -> float:
-    """max over k of (bytes of the k youngest - budget) / bandwidth - age of the k-th youngest."""
-    if ages_s.size == 0 or bytes_per_s <= 0:
-        return 0.0 if ages_s.size == 0 or nbytes.sum() <= budget else float("inf")
-    order = np.argsort(ages_s, kind="stable")
+def _window_stalls(spans_s: np.ndarray, nbytes: np.ndarray, budget: float,
+                   bytes_per_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """(span of each window, least stall in it), windows growing with k: the k buffers of the
+    shortest spans, whose bytes less `budget` must cross a link of `bytes_per_s` within
+    the k-th span of compute."""
+    order = np.argsort(spans_s, kind="stable")
+    spans = spans_s[order]
     excess = np.cumsum(nbytes[order].astype(np.float64)) - budget
-    return max(0.0, float(np.max(excess / bytes_per_s - ages_s[order])))
+    if bytes_per_s > 0:
+        return spans, excess / bytes_per_s - spans
+    return spans, np.where(excess > 0, np.inf, -spans)
+
+
+def _combined_stall_s(write: tuple[np.ndarray, np.ndarray], read: tuple[np.ndarray, np.ndarray],
+                      gap_s: float, step_s: float) -> float:
+    """The most stall one step must hold: a write window, a read window, or both when the two,
+    with the op between them (`gap_s`), fit in one step's compute (they are then disjoint arcs
+    of the periodic step, so their stalls add)."""
+    (w_span, w_stall), (r_span, r_stall) = write, read
+    best = max(0.0, float(w_stall.max(initial=0.0)), float(r_stall.max(initial=0.0)))
+    if w_span.size and r_span.size:
+        w_best = np.maximum.accumulate(w_stall)  # best write stall within each span
+        room = step_s - gap_s - r_span  # the write span each read window leaves
+        k = np.searchsorted(w_span, room, side="right") - 1
+        ok = k >= 0
+        if ok.any():
+            best = max(best, float((r_stall[ok] + w_best[k[ok]]).max()))
+    return best
 
 
 def step_lower_bound_s(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: int,
@@ -74,20 +97,21 @@ def step_lower_bound_s(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_b
 
     worst = 0.0
     for p in demand.tolist():
-        live = np.flatnonzero((lt.live_first_op <= p) & (lt.live_last_op >= p))
+        live = np.flatnonzero((lt.live_first_op < p) & (lt.live_last_op >= p))
+        # live when op p starts (a buffer made or freed inside op p may never coexist with the others)
         # write side: the buffers written at some op, by the compute time since their last write
         written = live[last_write[live] >= 0]
         i = np.searchsorted(wkey, written * key_span + p, side="right") - 1
         mine = (i >= 0) & (wbuf[np.maximum(i, 0)] == written)
         w = np.where(mine, wop[np.maximum(i, 0)], last_write[written] - n)  # else: last step's last write
         ages = np.maximum(start[p] - (np.floor_divide(w + 1, n) * step + start[(w + 1) % n]), 0.0)
-        before = _stall_s(ages, nbytes[written], budget, write_bw)
+        before = _window_stalls(ages, nbytes[written], budget, write_bw)
         # read side: the buffers used again, by the compute time until their next use
         j = np.searchsorted(use_key, live * key_span + p, side="left")
         inside = (j < use_key.size) & (use_key[np.minimum(j, use_key.size - 1)] // key_span == live)
         nxt = np.where(inside, use_ops[np.minimum(j, use_ops.size - 1)], first_use[live] + n)
         again = (first_use[live] >= 0) & (inside | (lt.live_last_op[live] >= n))  # freed unused: never read
         leads = np.maximum((nxt // n) * step + start[nxt % n] - start[p + 1], 0.0)
-        after = _stall_s(leads[again], nbytes[live][again], budget, read_bw)
-        worst = max(worst, before + after)
+        after = _window_stalls(leads[again], nbytes[live][again], budget, read_bw)
+        worst = max(worst, _combined_stall_s(before, after, float(lt.op_durations_s[p]), step))
     return step + worst
