@@ -97,8 +97,8 @@ def step_lower_bound_s(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_b
 
     worst = 0.0
     for p in demand.tolist():
+        # live when op p starts (a buffer made inside op p need not coexist with the others)
         live = np.flatnonzero((lt.live_first_op < p) & (lt.live_last_op >= p))
-        # live when op p starts (a buffer made or freed inside op p may never coexist with the others)
         # write side: the buffers written at some op, by the compute time since their last write
         written = live[last_write[live] >= 0]
         i = np.searchsorted(wkey, written * key_span + p, side="right") - 1
