@@ -44,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from memplan.capture import capture_model
     from memplan.cli import print_json
     from memplan.errors import UserError
     from memplan.estimation.pipeline import capture_step
@@ -70,13 +69,14 @@ def run(args: argparse.Namespace) -> int:
         setup = dataclasses.replace(setup, optimizer_impl="loop")
         sys.stderr.write("memplan: offload plans a per-parameter optimizer step (--optimizer-impl loop)\n")
 
+    config = load_config(args.model)
+
     def captured(step_setup: Any, what: str) -> tuple[Trace, Trace]:
         """(the trace memplan plans, the whole step's trace) under `step_setup`."""
         sys.stderr.write(f"memplan: capturing {args.model}{what} on fake tensors ...\n")
+        step = capture_step(config, step_setup, "cuda")
         if args.zero == 0:
-            whole = capture_model(args.model, step_setup, fake=True, device="cuda")
-            return whole, whole
-        step = capture_step(load_config(args.model), step_setup, "cuda")
+            return step.trace, step.trace
         return rank_trace(step, Layout(world_size=args.gpus, zero=3), step_setup, 0), step.trace
 
     trace, whole = captured(setup, "")

@@ -90,10 +90,9 @@ def step_lower_bound_s(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_b
     last_write = np.full(trace.num_buffers, -1, np.int64)
     last_write[wbuf] = wop  # ascending keys: the last assignment per buffer is its last write
     # uses (reads and writes) per buffer, keyed the same way for the next use >= p
-    ukey = lt.use_ptr  # CSR over buffers
-    use_ops = lt.use_ops
-    first_use = np.where(np.diff(ukey) > 0, use_ops[np.minimum(ukey[:-1], max(use_ops.size - 1, 0))], -1)
-    use_key = np.repeat(np.arange(trace.num_buffers, dtype=np.int64), np.diff(ukey)) * key_span + use_ops
+    use_ptr, use_ops = lt.use_ptr, lt.use_ops  # CSR over buffers, ops ascending
+    first_use = np.where(np.diff(use_ptr) > 0, use_ops[np.minimum(use_ptr[:-1], max(use_ops.size - 1, 0))], -1)
+    use_key = np.repeat(np.arange(trace.num_buffers, dtype=np.int64), np.diff(use_ptr)) * key_span + use_ops
 
     worst = 0.0
     for p in demand.tolist():

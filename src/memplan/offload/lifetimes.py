@@ -143,7 +143,7 @@ def _trailing_frees(trace: Trace, free_op: np.ndarray) -> np.ndarray:
     kind = trace.events["kind"]
     free_event = trace.buffers["free_event"].astype(np.int64)
     # index of the last ALLOC event at or before each event (-1: none)
-    last_alloc = np.maximum.accumulate(np.where(kind == ALLOC, np.arange(kind.size), -1)) if kind.size else kind
+    last_alloc = np.maximum.accumulate(np.where(kind == ALLOC, np.arange(kind.size), -1))
     n = trace.num_ops
     op_end = np.append(trace.ops["first_event"].astype(np.int64)[1:], trace.num_events)  # one past each op's last event
     freed = (free_event >= 0) & (free_op >= 0) & (free_op < n)
