@@ -197,3 +197,16 @@ def test_an_x8_link_halves_the_channels_of_an_x16_link_of_its_generation():
     # 4x 990 PRO write 26 GB/s: within x8's 31.5, so the SSD keeps it and the host channel gets the rest
     assert x8.link_bytes_per_s()["ssd_write"] == x16.link_bytes_per_s()["ssd_write"] == 26e9
     assert x8.link_bytes_per_s()["host_write"] == pytest.approx(5.5e9)
+
+
+def test_evaluate_without_baselines_plans_the_same_and_leaves_them_empty(tiny_traces):
+    from memplan.offload.evaluate import evaluate
+
+    plain, _ = tiny_traces
+    hw = make_hardware("h100-80gb", nvme="4x990pro")
+    budget = int(0.6 * np.max(analyse(plain, np.ones(plain.num_ops)).op_bytes))
+    full, _ = evaluate(plain, hw, budget)
+    bare, _ = evaluate(plain, hw, budget, with_baselines=False)
+    assert set(full["baselines"]) == {"zero_offload", "zero_infinity", "torchtune_activations"}
+    assert bare["baselines"] == {}
+    assert bare["planned_step_s"] == full["planned_step_s"] and bare["feasible"] == full["feasible"]

@@ -52,7 +52,8 @@ def _bound_keys(bound_s: float, ideal_s: float) -> dict[str, float | None]:
 def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
              checkpointed_trace: Trace | None = None,
              alternatives: dict[str, Trace] | None = None,
-             baseline_trace: Trace | None = None) -> tuple[dict[str, Any], OffloadPlan]:
+             baseline_trace: Trace | None = None,
+             with_baselines: bool = True) -> tuple[dict[str, Any], OffloadPlan]:
     """Plan, simulate and compare; returns (the report, the plan).
 
     `checkpointed_trace`: the same step with full activation checkpointing, the ZeRO
@@ -63,7 +64,9 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     policy's figures are in `checkpointing_search`, and `plan_elapsed_s` is their sum.
     `baseline_trace`: the whole step the ZeRO baselines run on when `trace` is one FSDP2
     rank's (they shard by `hardware.gpus` themselves; `checkpointed_trace` is then the whole
-    checkpointed step too); default `trace`."""
+    checkpointed step too); default `trace`. `with_baselines=False` leaves `baselines` empty,
+    for a caller that runs them itself on other hardware (the benchmark gives them the
+    paper's 1.5 TB of host memory)."""
     budget = default_budget_bytes(hardware) if budget_bytes is None else int(budget_bytes)
     lt, offload_plan, sim, bound = _planned(trace, hardware, budget)
     ideal_s = lt.step_s
@@ -82,15 +85,17 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
         }
     feasible = [c for c in candidates if search[c[0]]["feasible"]] or candidates[:1]
     chosen, _tr, _lt, offload_plan, sim, bound = min(feasible, key=lambda c: c[4].step_s)
-    checkpointed = None
-    if checkpointed_trace is not None:
-        checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
-                                                    roofline_op_durations_s(checkpointed_trace, hardware.gpu)))
-    if baseline_trace is None:
-        baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
-    else:
-        whole = analyse(baseline_trace, roofline_op_durations_s(baseline_trace, hardware.gpu))
-        baselines = run_baselines(baseline_trace, whole, hardware, budget, checkpointed)
+    baselines = {}
+    if with_baselines:
+        checkpointed = None
+        if checkpointed_trace is not None:
+            checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
+                                                        roofline_op_durations_s(checkpointed_trace, hardware.gpu)))
+        if baseline_trace is None:
+            baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
+        else:
+            whole = analyse(baseline_trace, roofline_op_durations_s(baseline_trace, hardware.gpu))
+            baselines = run_baselines(baseline_trace, whole, hardware, budget, checkpointed)
     report = {
         "ideal_step_s": ideal_s,
         "planned_step_s": sim.step_s,
