@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_cases import README_EXAMPLE, at_live_peak_plus, columns, problems
 
-from memplan.layout import check_offsets, cpsat, native
+from memplan.layout import check_offsets, cpsat, exact, native
 from memplan.layout.exact import FOUND, NOT_FOUND, OFFSET_ORDER_HEURISTICS, TIMEOUT, solve_exact
 from memplan.layout.generate import tight_instance
 
@@ -72,17 +72,18 @@ def test_a_set_stop_token_stops_the_compiled_portfolio_at_once():
     start = time.monotonic()
     status, offsets, nodes, _, engine = ext.solve_portfolio(
         problem.lower.tolist(), problem.upper.tolist(), problem.nbytes.tolist(), problem.alignment.tolist(),
-        int(problem.capacity), 60.0, ["WZ"], list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, 60.0,
+        int(problem.capacity), 60.0, ["WZ"], list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, 60.0, True,
     )
     assert (status, offsets, engine) == (TIMEOUT, [], -1)
     assert nodes <= 2 * 256 and time.monotonic() - start < 5
 
 
 @needs_native
-def test_the_portfolio_takes_cpsats_packing_where_the_compiled_searches_stall():
+def test_the_portfolio_takes_cpsats_packing_where_the_compiled_searches_stall(monkeypatch):
     # 450 buffers cut from a rectangle: CP-SAT packs it in about a second on one core;
-    # the skyline search held to one order (no restarts) and the offset-order search
-    # do not within 15 s.
+    # the skyline search held to one order (no restarts, no time-reversed run) and the
+    # offset-order search do not within 15 s. CP-SAT runs with a core of its own.
+    monkeypatch.setattr(exact, "usable_cores", lambda: exact.CPSAT_MIN_CORES)
     problem, _ = tight_instance(450, seed=8)
     status, offsets, stats = solve_exact(
         problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
@@ -90,6 +91,19 @@ def test_the_portfolio_takes_cpsats_packing_where_the_compiled_searches_stall():
     )
     assert status == FOUND and stats["engine"] == "portfolio: cp-sat"
     check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
+
+
+@needs_native
+@pytest.mark.parametrize("cores, with_cpsat", [(2, False), (3, True)])
+def test_cpsat_joins_the_portfolio_only_with_a_core_of_its_own(monkeypatch, cores, with_cpsat):
+    monkeypatch.setattr(exact, "usable_cores", lambda: cores)
+    problem, _ = tight_instance(150, seed=0)
+    status, _, stats = solve_exact(
+        problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
+        deadline=time.monotonic() + 30, engine="portfolio",
+    )
+    assert status == FOUND
+    assert ("cpsat_branches" in stats) is with_cpsat
 
 
 def test_the_common_unit_keeps_alignments_that_divide_it_and_shrinks_for_others():

@@ -106,6 +106,20 @@ def test_the_portfolio_proves_tight_generated_instances_optimal():
         check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
 
 
+def test_the_portfolio_runs_the_skyline_search_time_reversed_where_the_forward_search_stalls():
+    # 450 buffers cut from a rectangle: the skyline search (all its orders and
+    # restarts) takes over 30 s forward and under a second on the time-reversed
+    # problem; the portfolio starts the reversed run once the offset-order search has
+    # had its share (20% of the 10 s), and its packing is the original problem's.
+    problem, _ = tight_instance(450, seed=15)
+    status, offsets, stats = solve_exact(
+        problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
+        deadline=time.monotonic() + 10, engine="portfolio",
+    )
+    assert status == FOUND and stats["engine"] == "portfolio: skyline (time-reversed)"
+    check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
+
+
 @pytest.mark.parametrize("engine", ["python", "native", "offset-order"])
 def test_twins_that_differ_only_in_alignment_are_both_tried(engine):
     # Capacity 2: the 2-aligned buffer must take offset 0 and the other offset 1; trying

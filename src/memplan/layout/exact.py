@@ -31,9 +31,10 @@ node for node when given one order (given several, it adds Luby restarts with ra
 orders after them: `RANDOM_RESTARTS`). The same file holds a
 second complete search with minimalloc's own branching (buffers at their lowest
 viable offset, in offset order), and `solve_exact` runs the two compiled searches
-side by side on two threads when it can build them, with OR-Tools CP-SAT
-(`memplan.layout.cpsat`) on a third (this module otherwise; this module is the
-reference of the skyline search).
+side by side on two threads when it can build them, the second going on with the
+skyline search on the time-reversed problem, and with OR-Tools CP-SAT
+(`memplan.layout.cpsat`) on a third where there are three cores or more (this module
+otherwise; this module is the reference of the skyline search).
 
 It answers a decision question; `memplan.layout.pack` turns it into minimisation.
 Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignments.
@@ -41,6 +42,7 @@ Assumes a checked problem: `lower < upper`, `nbytes > 0`, power-of-two alignment
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -357,12 +359,32 @@ RANDOM_RESTARTS = ("*",)
 # the buffer's sections.
 OFFSET_ORDER_HEURISTICS = ("WAT", "TAW", "TWA")
 
-# With CP-SAT in the portfolio, the offset-order search's time: this share of the
+# CP-SAT joins the portfolio, on a third thread, only where it has a core of its own:
+# on two cores it only slows the two compiled threads. Measured on the thirty
+# 450-buffer tight cuts (seeds 0-29, one core each): the skyline search proves 29
+# forward and 29 time-reversed, together all 30, each within 2.7 s by one direction
+# or the other; CP-SAT alone proves 9 within 10 s, none of them first, and with it
+# as a third thread on two cores the forward search's 2.6 s instance (seed 27) ran
+# past 5 s.
+CPSAT_MIN_CORES = 3
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# Besides the skyline search, the offset-order search's time: this share of the
 # attempt's limit, at least OFFSET_ORDER_MIN_S.
 OFFSET_ORDER_SHARE = 0.2
 OFFSET_ORDER_MIN_S = 0.5
 
 ENGINES = ("auto", "portfolio", "native", "offset-order", "python")
+# The compiled portfolio's answering engine, by its index + 1 (-1: none answered).
+PORTFOLIO_ENGINES = ("", "skyline", "offset-order", "skyline (time-reversed)")
 
 
 def _portfolio_with_cpsat(
@@ -394,14 +416,15 @@ def _portfolio_with_cpsat(
     worker = threading.Thread(target=run_cpsat, name="memplan-cpsat", daemon=True)
     worker.start()
     # The offset-order search answers minimalloc-like problems in a fraction of a
-    # second or rarely at all: past its share it stops and leaves its core (this
-    # machine class has two) to the skyline search and CP-SAT.
+    # second or rarely at all: past its share it stops, and its thread runs the
+    # skyline search on the time-reversed problem.
     offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_limit)
     status, offsets, nodes, backtracks, which = ext.solve_portfolio(
-        *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, offset_order_limit
+        *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, offset_order_limit,
+        RANDOM_RESTARTS[0] in skyline_orders,
     )
     with lock:
-        done.append((("", "skyline", "offset-order")[which + 1], status))
+        done.append((PORTFOLIO_ENGINES[which + 1], status))
     while worker.is_alive():
         model.stop()
         worker.join(0.01)
@@ -439,10 +462,15 @@ def solve_exact(
     - "offset-order": the compiled offset-order search (minimalloc's branching: each
       buffer at its lowest viable offset, in non-decreasing offset order);
     - "portfolio": both compiled searches at once, one thread each, and CP-SAT
-      (`memplan.layout.cpsat`) on a third when OR-Tools is installed and no
-      `max_nodes` is given; the first definite answer wins (the offset-order search is
+      (`memplan.layout.cpsat`) on a third when OR-Tools is installed, at least
+      `CPSAT_MIN_CORES` cores are usable and no `max_nodes` is given; the first
+      definite answer wins (the offset-order search is
       the strongest on minimalloc's challenging benchmarks, the skyline search and
-      CP-SAT each solve tight guillotine cuts the others cannot);
+      CP-SAT each solve tight guillotine cuts the others cannot). Given several orders,
+      the offset-order search's thread, once past its share of the time, runs the
+      skyline search on the time-reversed problem (same packings; the search's
+      canonical form is directional, so the two directions stall on different
+      instances);
     - "auto": the portfolio when the extension can be built, else "python".
 
     `max_nodes`: a budget of search nodes besides the deadline; past it the search
@@ -469,13 +497,15 @@ def solve_exact(
             status, offsets, nodes, backtracks = ext.solve(*args, skyline_orders, node_cap)
         elif engine == "offset-order":
             status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
-        elif max_nodes is None and cpsat.available():
+        elif max_nodes is None and cpsat.available() and usable_cores() >= CPSAT_MIN_CORES:
             return _portfolio_with_cpsat(ext, args, time_left, skyline_orders, lower, upper, nbytes, align, int(capacity))
         else:
+            mirrored = RANDOM_RESTARTS[0] in skyline_orders
+            offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_left) if mirrored else time_left
             status, offsets, nodes, backtracks, which = ext.solve_portfolio(
-                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, time_left
+                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, offset_order_limit, mirrored
             )
-            name = ("portfolio", "portfolio: skyline", "portfolio: offset-order")[which + 1]
+            name = "portfolio" + (f": {PORTFOLIO_ENGINES[which + 1]}" if which >= 0 else "")
         stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": name}
         if status == FOUND:
             return FOUND, np.asarray(offsets, dtype=np.int64), stats

@@ -13,7 +13,9 @@ within this capacity exist?):
 and `solve_portfolio`, which runs both at once on two threads and keeps the first
 definite answer: neither search dominates the other (the skyline search is the
 stronger on random guillotine cuts, the offset-order search on minimalloc's own
-challenging benchmarks). The file is compiled with `torch.utils.cpp_extension.load`
+challenging benchmarks). Past its share of the time, the offset-order search's thread
+runs the skyline search on the time-reversed problem, whose canonical form stalls on
+other instances than the forward one's. The file is compiled with `torch.utils.cpp_extension.load`
 (ninja, cached under `TORCH_EXTENSIONS_DIR`, keyed by the source's hash), as
 `memplan.runtime.build` compiles the planned allocator.
 
