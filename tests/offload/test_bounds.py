@@ -27,6 +27,19 @@ def test_the_bound_is_the_largest_write_plus_read_stall_around_one_op(make_trace
     assert step_lower_bound_s(tr, lt, hw, 100) == pytest.approx(5.0 + 2.0)
 
 
+def test_what_an_op_makes_itself_takes_budget_from_the_buffers_that_may_be_away(make_trace):
+    # A (100 B) made at op 0, read at op 4; op 2 makes and frees a 100 B temporary. Live
+    # at op 2's start: only A, which fits the 100 B budget; but during op 2 the temporary
+    # needs all of it, so A must be away: written during op 1 (2 s at 50 B/s, 1 s of
+    # compute: 1 s of stall) and read back during op 3 (the same): 5 + 2 s. (Before, only
+    # bytes live at the op's start counted: no stall at all.)
+    ops = [{"alloc": [A]}, {}, {"alloc": [B], "free": [B]}, {}, {"reads": [A], "free": [A]}]
+    tr = make_trace([100, 100], ["activation", "temporary"], ops)
+    lt = analyse(tr, np.ones(5))
+    hw = hardware(ssd_bytes_per_s=50.0, pcie_bytes_per_s=100.0)
+    assert step_lower_bound_s(tr, lt, hw, 100) == pytest.approx(7.0)
+
+
 def test_the_bound_is_the_ideal_step_when_the_budget_holds_the_peak(make_trace):
     tr, lt = two_activations(make_trace)
     assert step_lower_bound_s(tr, lt, hardware(), 200) == lt.step_s == 5.0

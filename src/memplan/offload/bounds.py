@@ -1,17 +1,21 @@
 """A lower bound on the step time of any offload plan in memplan's model, from link bandwidths.
 
-At op p at most `budget` bytes are on the device, so of the bytes live at p all but
-`budget` are away. Two consequences, on disjoint stretches of time:
+In memplan's model a buffer can be away during op p only if one of its inactive
+intervals (`lifetimes.analyse`) covers p, and each away buffer lowers the op's device
+bytes by exactly its size; so the buffers away at p are drawn from those candidates
+and hold at least `op_bytes[p] - budget` bytes (the bytes the op's own inputs and
+outputs need stay). Two consequences, on disjoint stretches of time:
 
 - **writes before p**: a buffer last written at op w (its allocation, or an in-place
   update such as an optimizer step) and away at p was written out between the end of w
-  and the start of p: its copy elsewhere is stale until then. Take the k buffers live at
-  p written most recently; all but `budget` of their bytes crossed the write links in the
-  window since the oldest of those writes, so that window lasts at least (bytes - budget)
-  / write bandwidth, and the GPU stalled in it for at least that less the window's compute;
-- **reads after p**: a buffer away at p comes back before its next use r. Take the k buffers
-  live at p needed again soonest; all but `budget` of their bytes cross the read links
-  between p and the latest of those uses: the same argument after p.
+  and the start of p: its copy elsewhere is stale until then. Take the k candidates
+  written most recently: of the bytes that must be away, all but those of the other
+  candidates are among them, crossed the write links in the window since the oldest of
+  those writes, so that window lasts at least (those bytes) / write bandwidth, and the
+  GPU stalled in it for at least that less the window's compute;
+- **reads after p**: a buffer away at p and used again comes back before that use. Take
+  the k candidates needed again soonest: the same argument after p (candidates freed
+  without another use never come back).
 
 Each window spans at most one step; the step is periodic, so a window's stall is stall of
 one step. A write window and a read window around the same op add up when together with
@@ -89,28 +93,28 @@ def step_lower_bound_s(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_b
     wbuf, wop = wkey // key_span, wkey % key_span
     last_write = np.full(trace.num_buffers, -1, np.int64)
     last_write[wbuf] = wop  # ascending keys: the last assignment per buffer is its last write
-    # uses (reads and writes) per buffer, keyed the same way for the next use >= p
-    use_ptr, use_ops = lt.use_ptr, lt.use_ops  # CSR over buffers, ops ascending
-    first_use = np.where(np.diff(use_ptr) > 0, use_ops[np.minimum(use_ptr[:-1], max(use_ops.size - 1, 0))], -1)
-    use_key = np.repeat(np.arange(trace.num_buffers, dtype=np.int64), np.diff(use_ptr)) * key_span + use_ops
-
+    inactive_b, after_op, before_op = lt.inactive_buffer, lt.inactive_after_op, lt.inactive_before_op
     worst = 0.0
     for p in demand.tolist():
-        # live when op p starts (a buffer made inside op p need not coexist with the others)
-        live = np.flatnonzero((lt.live_first_op < p) & (lt.live_last_op >= p))
-        # write side: the buffers written at some op, by the compute time since their last write
-        written = live[last_write[live] >= 0]
+        # the buffers that may be away at op p: an inactive interval covers it (this
+        # iteration's p or, for an interval that wraps, the next iteration's)
+        now = (after_op < p) & (p < before_op)
+        covers = now | ((after_op < p + n) & (p + n < before_op))
+        cand = inactive_b[covers]
+        cand_next = np.where(now[covers], before_op[covers], before_op[covers] - n)  # the next use, after p
+        # of the candidates' bytes, at most this many may stay on the device
+        room = budget - (float(lt.op_bytes[p]) - float(nbytes[cand].sum()))
+        # write side: the candidates written at some op, by the compute time since their last write
+        written = cand[last_write[cand] >= 0]
         i = np.searchsorted(wkey, written * key_span + p, side="right") - 1
         mine = (i >= 0) & (wbuf[np.maximum(i, 0)] == written)
         w = np.where(mine, wop[np.maximum(i, 0)], last_write[written] - n)  # else: last step's last write
         ages = np.maximum(start[p] - (np.floor_divide(w + 1, n) * step + start[(w + 1) % n]), 0.0)
-        before = _window_stalls(ages, nbytes[written], budget, write_bw)
-        # read side: the buffers used again, by the compute time until their next use
-        j = np.searchsorted(use_key, live * key_span + p, side="left")
-        inside = (j < use_key.size) & (use_key[np.minimum(j, use_key.size - 1)] // key_span == live)
-        nxt = np.where(inside, use_ops[np.minimum(j, use_ops.size - 1)], first_use[live] + n)
-        again = (first_use[live] >= 0) & (inside | (lt.live_last_op[live] >= n))  # freed unused: never read
+        before = _window_stalls(ages, nbytes[written], room, write_bw)
+        # read side: the candidates used again, by the compute time until that use
+        back = lt.inactive_returns[covers]
+        nxt = cand_next[back]
         leads = np.maximum((nxt // n) * step + start[nxt % n] - start[p + 1], 0.0)
-        after = _window_stalls(leads[again], nbytes[live][again], budget, read_bw)
+        after = _window_stalls(leads, nbytes[cand[back]], room, read_bw)
         worst = max(worst, _combined_stall_s(before, after, float(lt.op_durations_s[p]), step))
     return step + worst
