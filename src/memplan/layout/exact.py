@@ -392,6 +392,7 @@ def _portfolio_with_cpsat(
     args: tuple[Any, ...],
     time_limit: float,
     skyline_orders: list[str],
+    mirrored: bool,
     lower: np.ndarray,
     upper: np.ndarray,
     nbytes: np.ndarray,
@@ -400,7 +401,8 @@ def _portfolio_with_cpsat(
 ) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
     """The two compiled searches (two threads, in C++) and CP-SAT (a third) at once;
     the first definite answer stops the others. `args`: the compiled searches' problem
-    arguments, ending with `time_limit`."""
+    arguments, ending with `time_limit`; `mirrored`: the offset-order search's thread goes
+    on with the skyline search on the time-reversed problem."""
     model = cpsat.Decision(lower, upper, nbytes, align, capacity)
     token = ext.StopToken()
     done: list[tuple[str, int]] = []  # (engine, status) in the order they answered
@@ -420,8 +422,7 @@ def _portfolio_with_cpsat(
     # skyline search on the time-reversed problem.
     offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_limit)
     status, offsets, nodes, backtracks, which = ext.solve_portfolio(
-        *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, offset_order_limit,
-        RANDOM_RESTARTS[0] in skyline_orders,
+        *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, offset_order_limit, mirrored
     )
     with lock:
         done.append((PORTFOLIO_ENGINES[which + 1], status))
@@ -489,6 +490,7 @@ def solve_exact(
         engine = "portfolio" if native.available() else "python"
     if engine != "python":
         skyline_orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
+        mirrored = len(heuristics) > 1  # the full portfolio: restarts, and the time-reversed run
         time_left = max(0.0, deadline - time.monotonic())
         args = (lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity), time_left)
         ext = native.extension()
@@ -498,9 +500,9 @@ def solve_exact(
         elif engine == "offset-order":
             status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
         elif max_nodes is None and cpsat.available() and usable_cores() >= CPSAT_MIN_CORES:
-            return _portfolio_with_cpsat(ext, args, time_left, skyline_orders, lower, upper, nbytes, align, int(capacity))
+            return _portfolio_with_cpsat(ext, args, time_left, skyline_orders, mirrored, lower, upper, nbytes, align,
+                                         int(capacity))
         else:
-            mirrored = RANDOM_RESTARTS[0] in skyline_orders
             offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_left) if mirrored else time_left
             status, offsets, nodes, backtracks, which = ext.solve_portfolio(
                 *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, offset_order_limit, mirrored
