@@ -455,8 +455,8 @@ def plan_lifetimes(
     *,
     min_nbytes: int = 1 << 20,
     categories: tuple[str, ...] = CANDIDATE_CATEGORIES,
-    max_rounds: int = 16,
-    patience: int = 3,
+    max_rounds: int = 24,
+    patience: int = 4,
 ) -> OffloadPlan:
     """Plan offloads of `trace` with lifetimes `lt` so device memory stays within `budget_bytes`.
 
