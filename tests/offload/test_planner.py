@@ -74,6 +74,28 @@ def test_link_timeline_pushes_later_transfers_out():
     assert link.earliest_start(9.5, 0.5) == 12.0
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 99), st.integers(1, 30)), max_size=12),
+       st.integers(0, 99), st.integers(1, 60))
+def test_link_timeline_finds_the_earliest_and_latest_free_slot(busy, t, d):
+    # Reference: a slot can start at t0 or where a busy interval ends (earliest), and end at
+    # the deadline or where one starts (latest); take the best that overlaps no busy
+    # interval of the unrolled periods. Integer times: no rounding.
+    link = LinkTimeline(period_s=100.0, bytes_per_s=1.0)
+    for start, length in busy:
+        link.reserve(float(start), float(start + length))
+    spans = [(a + k * 100.0, b + k * 100.0) for a, b in zip(link._starts, link._ends) for k in (-1, 0, 1, 2, 3)]
+
+    def free(x: float) -> bool:
+        return all(x + d <= a or x >= b for a, b in spans)
+
+    earliest = min(x for x in [float(t)] + [b for _, b in spans if b >= t] + [math.inf] if x == math.inf or free(x))
+    assert link.earliest_start(float(t), float(d)) == earliest
+    latest = max(x for x in [float(t - d)] + [a - d for a, _ in spans if a - d <= t - d] + [-math.inf]
+                 if x == -math.inf or free(x))
+    assert link.latest_start(float(t), float(d)) == latest
+
+
 def test_host_memory_takes_what_the_ssd_link_cannot(make_trace):
     # two activations idle over ops 1..6 and a 200 B temporary at ops 2..3 (budget 200): after
     # the first, the busy SSD link leaves the second a window over op 3 only; the host link covers 2..5

@@ -137,43 +137,39 @@ class LinkTimeline:
     def duration_s(self, nbytes: int) -> float:
         return nbytes / self.bytes_per_s if self.bytes_per_s > 0 else math.inf
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The busy intervals unrolled over five periods (starts, ends, sorted), and the free
+        gap after and before each (inf past the last and before the first)."""
         if self._unrolled is None:
             s, e = np.asarray(self._starts), np.asarray(self._ends)
             shifts = [-1, 0, 1, 2, 3]
-            self._unrolled = (
-                np.concatenate([s + k * self.period_s for k in shifts]),
-                np.concatenate([e + k * self.period_s for k in shifts]),
-            )
+            starts = np.concatenate([s + k * self.period_s for k in shifts])
+            ends = np.concatenate([e + k * self.period_s for k in shifts])
+            between = starts[1:] - ends[:-1]
+            self._unrolled = (starts, ends, np.append(between, math.inf), np.concatenate([[math.inf], between]))
         return self._unrolled
 
     def earliest_start(self, t0: float, duration_s: float) -> float:
         """Earliest start >= t0 of a free slot of `duration_s`."""
-        starts, ends = self._arrays()
+        starts, ends, gap_after, _ = self._arrays()
         k = int(ends.searchsorted(t0, side="right"))  # first interval ending after t0
-        t = t0
-        if k < starts.size and starts[k] <= t0:
-            t = float(ends[k])
-            k += 1
-        gap_starts = np.concatenate([[t], ends[k:]])
-        gap_ends = np.concatenate([starts[k:], [math.inf]])
-        j = int((gap_ends - gap_starts >= duration_s).argmax())
-        return float(gap_starts[j])
+        if k == starts.size:
+            return t0
+        if starts[k] > t0 and starts[k] - t0 >= duration_s:
+            return t0  # the free time from t0 to the next interval is enough
+        # the first gap long enough after interval k (the last gap is endless)
+        return float(ends[k + int((gap_after[k:] >= duration_s).argmax())])
 
     def latest_start(self, deadline_s: float, duration_s: float) -> float:
         """Latest start of a free slot of `duration_s` that ends by `deadline_s`."""
-        starts, ends = self._arrays()
+        starts, ends, _, gap_before = self._arrays()
         k = int(starts.searchsorted(deadline_s, side="left")) - 1  # last interval starting before
-        t = deadline_s
-        if k >= 0 and ends[k] > deadline_s:
-            t = float(starts[k])
-            k -= 1
-        rev_starts = starts[k::-1] if k >= 0 else starts[:0]
-        rev_ends = ends[k::-1] if k >= 0 else ends[:0]
-        gap_ends = np.concatenate([[t], rev_starts])
-        gap_starts = np.concatenate([rev_ends, [-math.inf]])
-        j = int((gap_ends - gap_starts >= duration_s).argmax())
-        return float(gap_ends[j] - duration_s)
+        if k < 0:
+            return deadline_s - duration_s
+        if ends[k] <= deadline_s and deadline_s - ends[k] >= duration_s:
+            return deadline_s - duration_s  # the free time from interval k to the deadline is enough
+        # the last gap long enough before interval k (the first gap is endless)
+        return float(starts[k - int((gap_before[k::-1] >= duration_s).argmax())] - duration_s)
 
     def reserve(self, start_s: float, end_s: float) -> None:
         """Mark [start_s, end_s) busy (taken modulo the period)."""
