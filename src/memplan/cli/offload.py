@@ -71,21 +71,24 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.model)
 
-    def captured(step_setup: Any, what: str) -> tuple[Trace, Trace]:
-        """(the trace memplan plans, the whole step's trace) under `step_setup`."""
+    def captured(step_setup: Any, what: str, planned: bool = True) -> tuple[Trace | None, Trace]:
+        """(the trace memplan plans, None unless `planned`; the whole step's trace) under `step_setup`."""
         sys.stderr.write(f"memplan: capturing {args.model}{what} on fake tensors ...\n")
         step = capture_step(config, step_setup, "cuda")
-        if args.zero == 0:
-            return step.trace, step.trace
+        if args.zero == 0 or not planned:
+            return (step.trace if planned else None), step.trace
         return rank_trace(step, Layout(world_size=args.gpus, zero=3), step_setup, 0), step.trace
 
     trace, whole = captured(setup, "")
+    assert trace is not None
     checkpointed = planned_full = None
     alternatives = {}
     if setup.checkpointing == "none":
-        # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing
+        # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing;
+        # memplan plans this step too only when it searches the checkpointing policies
         planned_full, checkpointed = captured(dataclasses.replace(setup, checkpointing="full"),
-                                              " with full activation checkpointing (the ZeRO baselines')")
+                                              " with full activation checkpointing (the ZeRO baselines')",
+                                              planned=args.try_checkpointing)
     if args.try_checkpointing:
         for policy in RECOMPUTE_POLICIES:
             if policy == "full":
