@@ -112,8 +112,8 @@ def main() -> None:
             "'plan s' (pure offloading) includes every planned-stall round (docs/offload.md). A plan, memplan's "
             "or a baseline's, marked infeasible exceeds the device budget at some op in simulation. 'link bound': "
             "the most any pure-offloading plan could reach on these links (`memplan.offload.bounds`: around each "
-            "op over budget, all but the budget of the bytes live there were written out since their last write "
-            "and come back before their next use).",
+            "op over budget, the buffers idle there hold at least the op's bytes less the budget away; those were "
+            "written out since their last write and come back before their next use).",
             "",
             "| model | batch x seq | memplan host limit | peak w/o offload | ideal s | memplan s | memplan vs ideal "
             "| link bound | urgent "
