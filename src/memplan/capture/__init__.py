@@ -33,10 +33,6 @@ from memplan.trace.model import Trace
 __all__ = ["Recorder", "build_training_step", "capture", "capture_model", "set_microbatch"]
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [t for state in optimizer.state.values() for t in _tensors(state)]
-
-
 def _trainable_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     """Bytes of the parameters the optimizers step, rank-local shards for DTensors: what
     a data-parallel wrapper's gradient buckets hold (a gradient's storage can be larger:
@@ -56,18 +52,31 @@ def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
         rec.mark(p, "parameter", module=owner)
         if p.grad is not None:
             rec.mark(p.grad, "gradient", module=owner)
+            rec.name(p.grad, f"grad.{name}")
     for name, buf in model.named_buffers():
         rec.mark(buf, "other", module=name.rpartition(".")[0] or type(model).__name__)
 
 
-def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer) -> None:
+def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+    """Categories of the optimizer's tensors; with `names` (id of a parameter -> its qualified
+    name), also the names the offload runtime keys them by (`memplan.offload.runtime`)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             rec.mark(p, "parameter")
             if p.grad is not None:
                 rec.mark(p.grad, "gradient")
-    for t in _optimizer_tensors(optimizer):
-        rec.mark(t, "optimizer_state")
+                if id(p) in names:
+                    rec.name(p.grad, f"grad.{names[id(p)]}")
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            for t in _tensors(value):
+                rec.mark(t, "optimizer_state")
+                if id(p) in names:
+                    rec.name(t, f"state.{names[id(p)]}.{key}")
+
+
+def _parameter_names(models: list[torch.nn.Module]) -> dict[int, str]:
+    return {id(p): name for model in models for name, p in model.named_parameters()}
 
 
 @contextlib.contextmanager
@@ -75,6 +84,7 @@ def _recording_hooks(
     rec: Recorder, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> Iterator[None]:
     """Phase and category hooks active while the recorder runs."""
+    names = _parameter_names(models)
 
     def pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         rec.in_optimizer = True
@@ -84,9 +94,11 @@ def _recording_hooks(
                 rec.mark(p, "parameter")
                 if p.grad is not None:
                     rec.mark(p.grad, "gradient")
+                    if id(p) in names:
+                        rec.name(p.grad, f"grad.{names[id(p)]}")
 
     def post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        _mark_optimizer(rec, optimizer)
+        _mark_optimizer(rec, optimizer, names)
         rec.in_optimizer = False
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -96,15 +108,17 @@ def _recording_hooks(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def on_grad(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            rec.mark(param.grad, "gradient")
+            if id(param) in names:
+                rec.name(param.grad, f"grad.{names[id(param)]}")
+
     grad_hooks = []
     for model in models:
         for p in model.parameters():
             if p.requires_grad:
-                grad_hooks.append(
-                    p.register_post_accumulate_grad_hook(
-                        lambda param: rec.mark(param.grad, "gradient")
-                    )
-                )
+                grad_hooks.append(p.register_post_accumulate_grad_hook(on_grad))
     h_pre = register_optimizer_step_pre_hook(pre_step)
     h_post = register_optimizer_step_post_hook(post_step)
     try:
@@ -169,7 +183,7 @@ def _capture(
     for m in models:
         _mark_model(rec, m)
     for opt in optimizers:
-        _mark_optimizer(rec, opt)
+        _mark_optimizer(rec, opt, _parameter_names(models))
     for t in _tensors((args, kwargs, inputs)):
         rec.mark(t, "input")
     start = time.perf_counter()

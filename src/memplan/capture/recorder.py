@@ -133,6 +133,8 @@ class Recorder(TorchDispatchMode):
         self._modules: dict[str, int] = {"": 0}
         self._devices: dict[str, int] = {}
         self._saved: set[int] = set()  # buffers autograd saved for backward
+        self._saved_order: list[int] = []  # the same, in the order autograd first saved them
+        self._tensor_names: dict[int, str] = {}  # buffer -> the runtime's key (`name`)
         self._marked: dict[int, int] = {}  # buffer -> category forced by the runner
         self.record_flops = record_flops
         self.active = False
@@ -252,8 +254,14 @@ class Recorder(TorchDispatchMode):
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saved `tensor` for backward (called from a saved_tensors_hooks pack hook)."""
         idx = self._ids.get(tensor.untyped_storage())
-        if idx is not None:
+        if idx is not None and idx not in self._saved:
             self._saved.add(idx)
+            self._saved_order.append(idx)
+
+    def name(self, tensor: torch.Tensor, name: str) -> None:
+        """Name `tensor`'s storage as the offload runtime keys it (`grad.<fqn>`,
+        `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training."""
+        self._tensor_names.setdefault(self.buffer_of(tensor), name)
 
     # --- module tracking hooks -----------------------------------------------------------
     def _fwd_pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -420,6 +428,10 @@ class Recorder(TorchDispatchMode):
             devices=list(self._devices) or ["cpu"],
             meta=dict(meta or {}),
         )
+        if self._tensor_names:
+            trace.meta["tensor_names"] = {str(b): name for b, name in sorted(self._tensor_names.items())}
+        if self._saved_order:
+            trace.meta["saved_order"] = list(self._saved_order)
         if not self._fake and len(self._op_wall) == len(self._op_name):
             # measured op times for `offload.lifetimes.measured_op_durations_s` (real tensors only)
             trace.meta["op_wall_s"] = [float(f"{x:.4g}") for x in self._op_wall]

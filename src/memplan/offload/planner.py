@@ -52,6 +52,7 @@ import numpy as np
 from memplan.errors import UserError
 from memplan.offload.hardware import Hardware
 from memplan.offload.lifetimes import Lifetimes, analyse, roofline_op_durations_s
+from memplan.offload.schedule import TensorSchedule, tensor_schedule
 from memplan.trace.model import CATEGORY, Trace
 
 CANDIDATE_CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation")
@@ -97,6 +98,7 @@ class OffloadPlan:
     hardware: dict[str, Any] = field(default_factory=dict)
     planned_stall_s: float = 0.0  # seconds added to the op timeline the transfer times refer to
     rounds: list[dict[str, float]] = field(default_factory=list)  # per planning round: stall, urgent, simulated step
+    tensors: TensorSchedule = field(default_factory=TensorSchedule)  # what `memplan.offload.run` applies
 
     @property
     def offloaded_bytes(self) -> int:
@@ -116,6 +118,7 @@ class OffloadPlan:
             "planned_stall_s": self.planned_stall_s,
             "rounds": self.rounds,
             "hardware": self.hardware,
+            "tensors": self.tensors.to_json(),
             "transfers": [asdict(t) for t in self.transfers],
         }
 
@@ -522,6 +525,7 @@ def plan_lifetimes(
         pad = 0.5 * (pad + sim.op_stall_s) + stall_padding_s(excess_left, trace.ops["phase"], stream_bytes_per_s)
     assert best is not None
     best.rounds = rounds
+    best.tensors = tensor_schedule(trace, best.transfers, lt.num_ops)
     validate_plan(trace, best)
     best.plan_elapsed_s = time.perf_counter() - t0
     return best

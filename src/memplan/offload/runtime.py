@@ -253,6 +253,14 @@ def _movable(t: Any, min_nbytes: int) -> bool:
     )
 
 
+def _moves(key: str, t: Any, moved: dict[str, int] | None, min_nbytes: int) -> bool:
+    """Whether the gradient or state `t` (runtime key `key`) leaves: the plan's choice where
+    there is one (`moved`), else every one of at least `min_nbytes`; only if it can (`_movable`)."""
+    if moved is not None:
+        return key in moved and _movable(t, 0)
+    return _movable(t, min_nbytes)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, without going through numpy (which would pin the storage's size)."""
     nbytes = t.numel() * t.element_size()
@@ -283,6 +291,7 @@ class OffloadEngine:
         self.degraded: list[str] = []
         self.bytes_written = 0
         self.bytes_read = 0
+        self.keys_written: set[str] = set()  # every key written out since the engine started
         self.saved_tensors_hooks: Any = None  # set by `run` while activations are offloaded
         self._cuda_mover: Any = None  # cuda_io.CudaMover, made when the first CUDA tensor moves
 
@@ -376,6 +385,7 @@ class OffloadEngine:
 
             ready = cuda_io.ready_event()
         future = self.pool.submit(self._write, key, t, ready)
+        self.keys_written.add(key)
         self.pending[key] = future
         self.holding[key] = t
         return future
@@ -451,11 +461,12 @@ class _StateOffloader:
     """Optimizer states: out after each step, back (in the background) once backward starts."""
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 min_nbytes: int, offload_grads: bool) -> None:
+                 min_nbytes: int, offload_grads: bool, moved: dict[str, int] | None = None) -> None:
         self.engine = engine
         self.optimizer = optimizer
         self.min_nbytes = min_nbytes
         self.offload_grads = offload_grads
+        self.moved = moved  # a plan's keys -> first return op; None: every large state moves
         self.away: dict[str, torch.Tensor] = {}  # key -> tensor whose storage was released
         self.sizes: dict[str, int] = {}
         self.prefetches: list[Future] = []
@@ -472,8 +483,9 @@ class _StateOffloader:
         for p, state in self.optimizer.state.items():
             for name, t in state.items():
                 t = _local(t)
-                if _movable(t, self.min_nbytes):
-                    yield f"state.{self.names.get(id(p), id(p))}.{name}", t
+                key = f"state.{self.names.get(id(p), id(p))}.{name}"
+                if _moves(key, t, self.moved, self.min_nbytes):
+                    yield key, t
 
     def _after_step(self, *_: Any) -> None:
         futures = []
@@ -488,7 +500,9 @@ class _StateOffloader:
 
     def _on_grad(self, _p: torch.Tensor) -> None:
         if self.away and not self.prefetches:
-            for key, t in self.away.items():
+            order = sorted(self.away, key=lambda k: self.moved.get(k, 0)) if self.moved else list(self.away)
+            for key in order:  # the plan's order of return, where there is a plan
+                t = self.away[key]
                 t.untyped_storage().resize_(self.sizes[key])
                 self.prefetches.append(self.engine.prefetch_into(key, t))
 
@@ -525,11 +539,12 @@ class _StreamedOptimizer:
     """
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 min_nbytes: int, chunk_nbytes: int) -> None:
+                 min_nbytes: int, chunk_nbytes: int, moved: dict[str, int] | None = None) -> None:
         self.engine = engine
         self.optimizer = optimizer
         self.min_nbytes = min_nbytes
         self.chunk_nbytes = chunk_nbytes
+        self.moved = moved  # a plan's keys -> first return op; None: every large gradient and state moves
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.away: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (tensor, storage bytes)
         self.sending: dict[str, torch.Tensor] = {}  # written out (or being written), not yet released
@@ -538,8 +553,8 @@ class _StreamedOptimizer:
         self.original_step = optimizer.step
         optimizer.step = self.step  # type: ignore[method-assign]
 
-    def _big(self, t: Any) -> bool:
-        return _movable(_local(t), self.min_nbytes)
+    def _big(self, key: str, t: Any) -> bool:
+        return _moves(key, _local(t), self.moved, self.min_nbytes)
 
     def _send(self, key: str, t: torch.Tensor) -> None:
         """Write `t` out; `_reap` releases its storage, on the training thread, once written.
@@ -562,14 +577,15 @@ class _StreamedOptimizer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._reap()
-        if p.grad is not None and self._big(p.grad):
-            self._send(f"grad.{self.names.get(id(p), id(p))}", _local(p.grad))
+        key = f"grad.{self.names.get(id(p), id(p))}"
+        if p.grad is not None and self._big(key, p.grad):
+            self._send(key, _local(p.grad))
 
     def _tensors_of(self, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         name = self.names.get(id(p), id(p))
         out = [(f"grad.{name}", p.grad)] if p.grad is not None else []
         out += [(f"state.{name}.{k}", t) for k, t in self.optimizer.state.get(p, {}).items()]
-        return [(k, _local(t)) for k, t in out if self._big(t)]
+        return [(k, _local(t)) for k, t in out if self._big(k, t)]
 
     def _fetch(self, params: list[torch.Tensor]) -> list[Future]:
         futures = []
@@ -671,8 +687,8 @@ class _StepInBackward(_StreamedOptimizer):
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  min_nbytes: int, chunk_nbytes: int, resident_nbytes: int = 0,
-                 forward_prefetch_nbytes: int | None = None) -> None:
-        super().__init__(engine, model, optimizer, min_nbytes, chunk_nbytes)
+                 forward_prefetch_nbytes: int | None = None, moved: dict[str, int] | None = None) -> None:
+        super().__init__(engine, model, optimizer, min_nbytes, chunk_nbytes, moved)
         groups = optimizer.param_groups
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.order = [p for g in reversed(groups) for p in reversed(g["params"])]
@@ -766,11 +782,12 @@ class _StepInBackward(_StreamedOptimizer):
 class _Saved:
     """One offloaded storage: written once however many saved tensors view it, read back once."""
 
-    __slots__ = ("key", "nbytes", "refs", "version", "tensors", "raw", "offset", "future", "device")
+    __slots__ = ("key", "nbytes", "refs", "version", "tensors", "raw", "offset", "future", "device", "moved")
 
-    def __init__(self, key: str, nbytes: int, version: int) -> None:
+    def __init__(self, key: str, nbytes: int, version: int, moved: bool = True) -> None:
         self.key = key
         self.nbytes = nbytes
+        self.moved = moved  # False: a saved storage a plan keeps (tracked only to count storages)
         self.refs = 0  # packed handles not yet unpacked
         self.version = version
         self.tensors: list[weakref.ref] = []  # the packed tensors, while they live (deduplication)
@@ -794,12 +811,20 @@ class _ActivationOffloader:
     Backward reads ahead: when it unpacks a storage, the storages packed before it (the order
     backward needs them) are read in the background, up to `prefetch_nbytes` loaded and not
     yet used, into page-aligned storage (O_DIRECT needs no bounce copy). A storage is dropped,
-    and its file removed, at the last unpack of a tensor that views it."""
+    and its file removed, at the last unpack of a tensor that views it.
+
+    With a plan (`saved`: the sizes of the storages the traced forward saved, in the order it
+    first saved them, and whether the plan moves each), the k-th storage this forward saves
+    moves if the plan moves the traced forward's k-th, whatever its size; a storage whose size
+    differs from the traced one, or a forward that saves more storages, is an error: the plan
+    was made for another step."""
 
     def __init__(self, engine: OffloadEngine, model: torch.nn.Module, min_nbytes: int,
-                 max_inflight_nbytes: int = 64 << 20, prefetch_nbytes: int = 64 << 20) -> None:
+                 max_inflight_nbytes: int = 64 << 20, prefetch_nbytes: int = 64 << 20,
+                 saved: tuple[list[int], list[bool]] | None = None) -> None:
         self.engine = engine
         self.min_nbytes = min_nbytes
+        self.saved = saved
         self.max_inflight_nbytes = max_inflight_nbytes
         self.prefetch_nbytes = prefetch_nbytes
         self.kept = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -828,7 +853,7 @@ class _ActivationOffloader:
             or isinstance(t._base, torch.nn.Parameter)  # a view of one (a weight's transpose)
             or t.device.type not in ("cpu", "cuda")
             or t.layout != torch.strided
-            or t.untyped_storage().nbytes() < self.min_nbytes
+            or (self.saved is None and t.untyped_storage().nbytes() < self.min_nbytes)
             or t.untyped_storage().data_ptr() in self.kept
         ):
             return t
@@ -841,11 +866,14 @@ class _ActivationOffloader:
         entry = self._entry_for(t, ptr)
         if entry is None:
             self.count += 1
-            entry = _Saved(f"act.{self.count}", storage.nbytes(), t._version)
+            entry = _Saved(f"act.{self.count}", storage.nbytes(), t._version, self._planned(len(self.stack), storage))
             self.live[ptr] = entry
             self.stack.append(entry)
-            self.cursor = len(self.stack) - 1
             entry.device = t.device
+            if not entry.moved:
+                entry.tensors.append(weakref.ref(t))
+                return t
+            self.cursor = len(self.stack) - 1
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # held until written
             self.engine.offload(entry.key, whole)
             # back-pressure: the storages waiting to be written stay within `max_inflight_nbytes`
@@ -853,9 +881,26 @@ class _ActivationOffloader:
                 x.numel() * x.element_size() for x in self.engine.holding.values()
             ) > self.max_inflight_nbytes:
                 self.engine.wait(next(iter(self.engine.holding)))
+        if not entry.moved:
+            return t
         entry.tensors.append(weakref.ref(t))
         entry.refs += 1
         return (entry, t.dtype, t.shape, t.stride(), t.storage_offset())
+
+    def _planned(self, k: int, storage: Any) -> bool:
+        """Whether the k-th storage of this forward moves: always without a plan; with one,
+        as the plan moves the traced forward's k-th (checked to be the same size)."""
+        if self.saved is None:
+            return True
+        sizes, moved = self.saved
+        if k >= len(sizes):
+            raise OffloadError(f"this forward saves more storages for backward than the planned one ({len(sizes)}): "
+                               "the plan was made for another step; capture and plan this very step")
+        if storage.nbytes() != sizes[k]:
+            raise OffloadError(f"storage {k + 1} this forward saves for backward has {storage.nbytes()} bytes, the "
+                               f"planned step's has {sizes[k]}: the plan was made for another step; capture and plan "
+                               "this very step")
+        return moved[k]
 
     def _read(self, entry: _Saved) -> Future | None:
         """Start reading `entry` back into fresh page-aligned storage (on this thread: the
@@ -876,10 +921,13 @@ class _ActivationOffloader:
                 loaded += _aligned(entry.nbytes)
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if not self.unpacked and self.saved is not None and len(self.stack) < len(self.saved[0]):
+            raise OffloadError(f"this forward saved {len(self.stack)} storages for backward, the planned one "
+                               f"{len(self.saved[0])}: the plan was made for another step; capture and plan this very step")
+        self.unpacked = True
         if isinstance(packed, torch.Tensor):
             return packed
         self.engine.reap()
-        self.unpacked = True
         entry, dtype, shape, stride, offset = packed
         if entry.refs <= 0:
             raise OffloadError(f"saved tensor '{entry.key}' was unpacked twice (retain_graph is not supported "
@@ -926,8 +974,12 @@ def run(
 ) -> Iterator[OffloadEngine]:
     """Offload activations and optimizer states of `model`'s training to files under `directory`.
 
-    `plan` (an `OffloadPlan`) restricts what moves to the categories it offloads; with
-    None, every large activation and optimizer state moves. With `streamed_step`, gradients
+    `plan` (an `OffloadPlan` of a trace `memplan.capture` recorded of this very step) decides
+    what moves: the optimizer states (and, with `streamed_step`, gradients) it offloads, by
+    name, read back in the plan's order, and the saved storages it offloads, by their order
+    in the forward (`memplan.offload.schedule`); the rest stays. The runtime's own timing
+    applies: out after last use, back ahead of next use. With None, every activation and
+    optimizer state of at least `min_nbytes` moves. With `streamed_step`, gradients
     move too and the optimizer step streams states chunk by chunk (`_StreamedOptimizer`):
     the device then never holds every gradient and state at once. With `step_in_backward`,
     each parameter's update runs in backward as soon as its gradient is ready
@@ -937,21 +989,32 @@ def run(
     Yields the engine (its
     location table, bytes moved and degraded tensors are there to inspect).
     """
+    moved: dict[str, int] | None = None
+    saved: tuple[list[int], list[bool]] | None = None
     if plan is not None:
-        categories = {t.category for t in plan.transfers}
-        activations = activations and "activation" in categories
-        optimizer_states = optimizer_states and "optimizer_state" in categories
+        schedule = plan.tensors
+        if schedule.empty and plan.transfers:
+            raise OffloadError("this plan names no tensors of a live model (it was made from a modelled trace, or one "
+                               "captured without names): capture the training step with memplan.capture and plan "
+                               "that trace")
+        if resident_nbytes:
+            raise OffloadError("a plan decides which optimizer states stay: give either plan or resident_nbytes")
+        moved = schedule.moved
+        saved = (schedule.saved_nbytes, schedule.saved_moved)
+        activations = activations and any(schedule.saved_moved)
+        optimizer_states = optimizer_states and any(k.startswith(("state.", "grad.")) for k in moved)
     engine = OffloadEngine(FileStore(directory, direct=direct), workers=workers, checksum=checksum,
                            host_fallback=host_fallback, fault=fault)
     states: Any = None
     if optimizer_states and step_in_backward:
         states = _StepInBackward(engine, model, optimizer, min_nbytes, chunk_nbytes, resident_nbytes,
-                                 forward_prefetch_nbytes)
+                                 forward_prefetch_nbytes, moved)
     elif optimizer_states and streamed_step:
-        states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes)
+        states = _StreamedOptimizer(engine, model, optimizer, min_nbytes, chunk_nbytes, moved)
     elif optimizer_states:
-        states = _StateOffloader(engine, model, optimizer, min_nbytes, False)
-    acts = _ActivationOffloader(engine, model, min_nbytes, chunk_nbytes, chunk_nbytes) if activations else None
+        states = _StateOffloader(engine, model, optimizer, min_nbytes, False, moved)
+    acts = (_ActivationOffloader(engine, model, min_nbytes, chunk_nbytes, chunk_nbytes, saved)
+            if activations else None)
     try:
         with acts.hooks if acts is not None else contextlib.nullcontext():
             engine.saved_tensors_hooks = acts.hooks if acts is not None else None

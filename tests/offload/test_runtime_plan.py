@@ -1,0 +1,127 @@
+"""`memplan.offload.run(model, optimizer, plan)` applies a plan of the captured step: the
+named states and gradients it moves, the saved storages it moves (by their order in the
+forward), read back in the plan's order, and refuses a plan of another step."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from memplan import models
+from memplan.capture import capture
+from memplan.capture.step import build_training_step
+from memplan.offload import plan as make_plan
+from memplan.offload.hardware import make_hardware
+from memplan.offload.lifetimes import analyse, roofline_op_durations_s
+from memplan.offload.runtime import OffloadError, run
+from memplan.trace.model import CATEGORY
+
+HARDWARE = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
+
+
+def tiny_step(seq=32):
+    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=2, seq=seq), device="cpu")
+
+
+def captured_trace(seq=32, iterations=1):
+    step = tiny_step(seq)
+    step.run()  # the optimizer's states exist, as in every step after the first
+    return capture(step.run, model=step.model, optimizer=step.optimizer, inputs=step.batches,
+                   iterations=iterations)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return captured_trace()
+
+
+@pytest.fixture(scope="module")
+def planned(trace):
+    peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    p = make_plan(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)
+    assert p.feasible
+    return p
+
+
+def test_capture_names_every_state_and_gradient_as_the_runtime_keys_them(trace):
+    names = trace.meta["tensor_names"]
+    category = trace.buffers["category"]
+    step = tiny_step()
+    for fqn, p in step.model.named_parameters():
+        if p.requires_grad:
+            for key in (f"state.{fqn}.exp_avg", f"state.{fqn}.exp_avg_sq", f"grad.{fqn}"):
+                assert key in names.values(), key
+    for buffer, name in names.items():
+        expected = "gradient" if name.startswith("grad.") else "optimizer_state"
+        assert category[int(buffer)] == CATEGORY[expected], name
+
+
+def test_the_schedule_lists_one_forward_however_many_iterations_are_captured(trace):
+    two = captured_trace(iterations=2)
+    hw = HARDWARE
+    one_plan = make_plan(trace, hw, budget=10**12)
+    two_plan = make_plan(two, hw, budget=10**12)
+    assert one_plan.tensors.saved_nbytes == two_plan.tensors.saved_nbytes
+    assert len(one_plan.tensors.saved_nbytes) > 20  # a tiny GPT-2's forward saves dozens
+
+
+@pytest.mark.parametrize("mode", [{}, {"streamed_step": True}, {"step_in_backward": True}],
+                         ids=["default", "streamed", "in-backward"])
+def test_the_runtime_moves_exactly_what_the_plan_moves_and_trains_bit_identically(tmp_path, planned, mode):
+    assert any(planned.tensors.saved_moved) and not all(planned.tensors.saved_moved)
+    ref = tiny_step()
+    for _ in range(3):
+        ref.run()
+    off = tiny_step()
+    with run(off.model, off.optimizer, planned, directory=tmp_path, **mode) as engine:
+        for _ in range(3):
+            off.run()
+    named = {k for k in engine.keys_written if not k.startswith("act.")}
+    planned_states = {k for k in planned.tensors.moved if k.startswith("state.")}
+    planned_grads = {k for k in planned.tensors.moved if k.startswith("grad.")}
+    assert planned_states and planned_grads
+    expected = planned_states | (planned_grads if mode.get("streamed_step") else set())
+    assert named == expected
+    activations = sum(k.startswith("act.") for k in engine.keys_written)
+    assert activations == 3 * sum(planned.tensors.saved_moved)  # one key per moved storage per forward
+    for (name, a), (_, b) in zip(ref.model.named_parameters(), off.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_states_come_back_in_the_order_the_plan_brings_them_back(tmp_path, planned):
+    reads = []
+
+    def fault(op, key):
+        if op == "read" and key.startswith("state."):
+            reads.append(key)
+
+    off = tiny_step()
+    with run(off.model, off.optimizer, planned, directory=tmp_path, activations=False, workers=1, fault=fault):
+        for _ in range(2):
+            off.run()
+    planned_order = [k for k in planned.tensors.moved if k.startswith("state.")]
+    assert reads[-len(planned_order):] == planned_order  # the second step's reads
+    assert len(set(planned.tensors.moved[k] for k in planned_order)) > 1  # an order to follow
+
+
+def test_a_plan_of_another_step_is_refused_clearly(tmp_path, planned):
+    off = tiny_step(seq=48)
+    with pytest.raises(OffloadError, match="the plan was made for another step"):
+        with run(off.model, off.optimizer, planned, directory=tmp_path):
+            off.run()
+
+
+def test_a_plan_that_names_no_tensors_is_refused(tmp_path, planned):
+    unnamed = dataclasses.replace(planned, tensors=type(planned.tensors)())
+    off = tiny_step()
+    with pytest.raises(OffloadError, match="names no tensors"):
+        with run(off.model, off.optimizer, unnamed, directory=tmp_path):
+            pass
+
+
+def test_a_plan_and_resident_bytes_together_are_refused(tmp_path, planned):
+    off = tiny_step()
+    with pytest.raises(OffloadError, match="either plan or resident_nbytes"):
+        with run(off.model, off.optimizer, planned, directory=tmp_path, step_in_backward=True,
+                 resident_nbytes=1 << 20):
+            pass
