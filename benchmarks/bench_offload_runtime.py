@@ -19,16 +19,24 @@ load, which moves by the minute on this shared 2-core host, hits both alike:
 B's activation hooks are paused (`engine.paused()`) while A runs, so A trains exactly as
 it would alone.
 
+`--mode planned` applies a plan instead of the runtime's own rules: B's step (updates in
+backward, nothing moved) is captured on real tensors with each op's measured time, planned
+by `memplan.offload.plan` for this disk (bandwidth measured through the runtime's store)
+among optimizer states and saved activations, and `run(model, optimizer, plan,
+step_in_backward=True)` moves exactly what the plan moves.
+
 Writes the `offload_runtime` section of BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/bench_offload_runtime.py [--model gpt2-medium] [--shapes 1x128,4x256] [--pairs 6] [--dir /var/tmp] [--mode in-backward|streamed]
+    .venv/bin/python benchmarks/bench_offload_runtime.py [--model gpt2-medium] [--shapes 1x128,4x256] [--pairs 6] [--dir /var/tmp] [--mode in-backward|streamed|planned[,...]] [--plan-margin-mib 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import math
 import os
 import statistics
 import subprocess
@@ -39,10 +47,14 @@ import time
 import torch
 
 from benchmarks_md import write_section
+from memplan.capture import capture
 from memplan.capture.step import build_training_step
 from memplan.models import TrainingSetup, load_config
+from memplan.offload import plan as offload_plan
+from memplan.offload.hardware import Hardware, NvmeArray, make_hardware
+from memplan.offload.lifetimes import measured_op_durations_s
 from memplan.offload.measure import step_peak_bytes
-from memplan.offload.runtime import run
+from memplan.offload.runtime import FileStore, run
 
 
 class Stream:
@@ -76,8 +88,44 @@ def same_parameters(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
 
 
-def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int) -> tuple[str, list[float]]:
-    """One shape's A/B run: its table row and its pair ratios."""
+def disk_hardware(directory: str, nbytes: int = 512 << 20) -> Hardware:
+    """This machine's disk as the planner's NVMe: one file of `nbytes` written and read back
+    through the runtime's own store (O_DIRECT where allowed), timed."""
+    root = tempfile.mkdtemp(prefix="memplan-disk-", dir=directory)
+    store = FileStore(root)
+    data = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = (-data.data_ptr()) % 4096  # page-aligned, as the runtime's refilled storages are
+    view = memoryview(data[start:start + nbytes].numpy()).cast("B")
+    write_s, read_s = [], []
+    for i in range(3):  # medians of three: this VM's disk moves by the second
+        t0 = time.perf_counter()
+        path = store.write(f"probe{i}", view)
+        write_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        store.read(path, view)
+        read_s.append(time.perf_counter() - t0)
+        store.remove(path)
+    store.close()
+    os.rmdir(root)
+    base = make_hardware("h100-nvl-94gb", nvme="0")
+    disk = NvmeArray(1, nbytes / statistics.median(read_s), nbytes / statistics.median(write_s), math.inf,
+                     "this machine's disk")
+    return dataclasses.replace(base, nvme=disk)
+
+
+def planned_trace(b: Stream, directory: str):
+    """B's step captured on real tensors (measured op times) with its updates in backward and nothing
+    moved: the step `run(..., plan, step_in_backward=True)` will run."""
+    with run(b.step.model, b.step.optimizer, directory=directory, step_in_backward=True, min_nbytes=1 << 62,
+             activations=False):
+        torch.set_rng_state(b.rng)
+        trace = capture(b.step.run, model=b.step.model, optimizer=b.step.optimizer, inputs=b.step.batches)
+        b.rng = torch.get_rng_state()
+    return trace
+
+
+def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int, mode_name: str) -> tuple[str, list[float]]:
+    """One shape's A/B run in one offload mode: its table row and its pair ratios."""
     setup = TrainingSetup(batch=batch, seq=seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
     config = load_config(args.model)
 
@@ -88,27 +136,61 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int) -
     ref_s: list[float] = []
     off_s: list[float] = []
     identical = True
-    mode = ({"step_in_backward": True, "resident_nbytes": resident_mib << 20,
-             "forward_prefetch_nbytes": args.forward_prefetch_mib << 20} if args.mode == "in-backward"
-            else {"streamed_step": True})
-    with run(off.model, off.optimizer, directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
-             **mode) as engine:
-        with engine.paused():
-            a.run()
-        b.run()
+    planned = None
+    if mode_name == "planned":
+        # the plan: of B's second step, captured, with this disk's measured bandwidth and the
+        # op times measured in the capture; budget 50% of A's peak
+        a.run()
+        with run(off.model, off.optimizer, directory=directory, step_in_backward=True, min_nbytes=1 << 62,
+                 activations=False):
+            b.run()
+        a.run()
+        trace = planned_trace(b, directory)
         identical &= same_parameters(ref, off)
-        with engine.paused():
-            ref_peak = a.peak()
+        ref_peak = a.peak()
         budget = ref_peak // 2
-        # activations move only where the budget needs them: first a step with them kept
-        with engine.paused():
-            off_peak = b.peak()
-        kept_peak = off_peak
-        move_acts = off_peak > budget
-        if move_acts:  # one more profiled step of B, and one more step of A: they stay in lockstep
+        hardware = disk_hardware(args.dir)
+        # what the in-backward runtime moves: states and saved activations (parameters stay; gradients are
+        # consumed as they are made)
+        planned = offload_plan(trace, hardware, budget=budget - args.plan_margin_mib * (1 << 20),
+                               op_durations_s=measured_op_durations_s(trace),
+                               categories=("optimizer_state", "activation"))
+        print(f"{batch}x{seq}: plan: {len(planned.transfers)} transfers, {planned.offloaded_bytes / 2**30:.2f} GiB, "
+              f"planned peak {planned.peak_bytes_after / 2**30:.2f} GiB of a traced "
+              f"{planned.peak_bytes_before / 2**30:.2f} GiB, {planned.plan_elapsed_s:.1f} s; disk "
+              f"{hardware.nvme.write_bytes_per_s / 1e9:.2f} GB/s write, {hardware.nvme.read_bytes_per_s / 1e9:.2f} "
+              "GB/s read", file=sys.stderr)
+        mode: dict = {"step_in_backward": True}
+    elif mode_name == "in-backward":
+        mode = {"step_in_backward": True, "resident_nbytes": resident_mib << 20,
+                "forward_prefetch_nbytes": args.forward_prefetch_mib << 20}
+    else:
+        mode = {"streamed_step": True}
+    with run(off.model, off.optimizer, planned, directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
+             **mode) as engine:
+        if planned is None:
             with engine.paused():
                 a.run()
-            off_peak = b.peak()
+            b.run()
+            identical &= same_parameters(ref, off)
+            with engine.paused():
+                ref_peak = a.peak()
+            budget = ref_peak // 2
+            # activations move only where the budget needs them: first a step with them kept
+            with engine.paused():
+                off_peak = b.peak()
+            kept_peak = off_peak
+            move_acts = off_peak > budget
+            if move_acts:  # one more profiled step of B, and one more step of A: they stay in lockstep
+                with engine.paused():
+                    a.run()
+                off_peak = b.peak()
+        else:  # the plan decides which activations move; its first step starts with every state in
+            with engine.paused():  # memory (they leave after their update), so it is not the one measured
+                a.run()
+            b.run()
+            move_acts = any(planned.tensors.saved_moved)
+            off_peak = kept_peak = b.peak()
         identical &= same_parameters(ref, off)
         acts = engine.paused if not move_acts else contextlib.nullcontext
         print(f"{batch}x{seq}: peaks: no offload {ref_peak / 2**30:.2f} GiB, offload {off_peak / 2**30:.2f} GiB "
@@ -135,7 +217,11 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int) -
         for k in ref.optimizer.state[p]
         if isinstance(ref.optimizer.state[p][k], torch.Tensor)
     )
-    steps = (3 if move_acts else 2) + args.pairs
+    steps = (4 if planned is not None else 3 if move_acts else 2) + args.pairs
+    plan_note = "" if planned is None else (
+        f" (plan: {planned.offloaded_bytes / 2**30:.1f} GiB moved, planned peak {planned.peak_bytes_after / 2**30:.2f} "
+        f"GiB, {planned.plan_elapsed_s:.1f} s; disk {hardware.nvme.write_bytes_per_s / 1e9:.1f} / "
+        f"{hardware.nvme.read_bytes_per_s / 1e9:.1f} GB/s w/r)")
     fs = subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     ratios = [a / b for a, b in zip(ref_s, off_s)]
     ratio = statistics.median(ratios)
@@ -143,7 +229,7 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int) -
     row = (
         f"| {args.model} ({params / 1e6:.0f}M) | {batch}x{seq} "
         f"| {'activations moved' if move_acts else f'activations kept (peak {kept_peak / 2**30:.2f} GiB with them)'}, "
-        f"{args.mode}{f', {resident_mib} MiB of states kept (largest first), {args.forward_prefetch_mib} MiB read in forward' if args.mode == 'in-backward' else ''} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
+        f"{mode_name}{f', {resident_mib} MiB of states kept (largest first), {args.forward_prefetch_mib} MiB read in forward' if mode_name == 'in-backward' else ''}{plan_note} | {fs}, {'O_DIRECT' if direct else 'buffered'} "
         f"| {ref_peak / 2**30:.2f} GiB | {budget / 2**30:.2f} GiB | {off_peak / 2**30:.2f} GiB "
         f"| {'yes' if off_peak <= budget else 'NO'} | {'yes' if identical else 'NO'} ({steps} steps) "
         f"| {statistics.median(ref_s):.2f} ({min(ref_s):.2f}-{max(ref_s):.2f}) "
@@ -163,14 +249,19 @@ def main() -> None:
                         help="comma-separated BATCHxSEQ shapes, one row each (run one after the other)")
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--dir", default="/var/tmp")
-    parser.add_argument("--mode", choices=["in-backward", "streamed"], default="in-backward",
-                        help="in-backward: each update runs in backward (step_in_backward); streamed: the "
-                        "optimizer step streams gradients and states chunk by chunk (streamed_step)")
+    parser.add_argument("--mode", default="in-backward",
+                        help="comma-separated, a row per shape and mode: in-backward: each update runs in backward "
+                        "(step_in_backward); streamed: the optimizer step streams gradients and states chunk by chunk "
+                        "(streamed_step); planned: in backward, moving what memplan.offload.plan chose for the "
+                        "captured step")
     parser.add_argument("--resident-mib", default="0",
                         help="in-backward: MiB of optimizer states that stay in memory (budget permitting); one "
                         "value, or one per shape (comma-separated)")
     parser.add_argument("--forward-prefetch-mib", type=int, default=64,
                         help="in-backward: MiB of states read ahead during the forward (forward_prefetch_nbytes)")
+    parser.add_argument("--plan-margin-mib", type=int, default=128,
+                        help="planned: MiB the plan leaves below the budget for the runtime's read-ahead (64 MiB of "
+                        "states and 64 MiB of activations, where the plan brings each back just in time)")
     parser.add_argument("--no-write", action="store_true", help="print the rows, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     try:
@@ -190,17 +281,25 @@ def main() -> None:
         sys.stderr.write(f"bench_offload_runtime: --resident-mib {args.resident_mib!r}: give one MiB figure, "
                          f"or one per shape ({len(shapes)}), e.g. 750,2000\n")
         sys.exit(2)
+    modes = args.mode.split(",")
+    unknown = [m for m in modes if m not in ("in-backward", "streamed", "planned")]
+    if unknown:
+        sys.stderr.write(f"bench_offload_runtime: --mode {args.mode!r}: {', '.join(unknown)} is not a mode; "
+                         "give in-backward, streamed or planned (comma-separated)\n")
+        sys.exit(2)
     rows, all_ratios = [], []
     for (batch, seq), resident_mib in zip(shapes, resident):
-        row, ratios = measure(args, batch, seq, resident_mib)
-        rows.append(row)
-        all_ratios.append((f"{batch}x{seq}", ratios))
-        gc.collect()
+        for mode_name in modes:
+            row, ratios = measure(args, batch, seq, resident_mib, mode_name)
+            rows.append(row)
+            all_ratios.append((f"{batch}x{seq} {mode_name}", ratios))
+            gc.collect()
     if args.no_write:
         return
     cmd = (f".venv/bin/python benchmarks/bench_offload_runtime.py --model {args.model} --shapes {args.shapes} "
            f"--pairs {args.pairs} --dir {args.dir} --mode {args.mode} --resident-mib {args.resident_mib} "
-           f"--forward-prefetch-mib {args.forward_prefetch_mib}")
+           f"--forward-prefetch-mib {args.forward_prefetch_mib}"
+           + (f" --plan-margin-mib {args.plan_margin_mib}" if "planned" in modes else ""))
     section = "\n".join([
         "<!-- bench:offload_runtime -->",
         "## Offload runtime, real CPU training here (issue 8)",
@@ -215,7 +314,13 @@ def main() -> None:
         "ahead in backward's order, `--forward-prefetch-mib` of them already during the forward; the states of the "
         "largest parameters, `--resident-mib` of them, stay; refilled states are page-aligned, so O_DIRECT moves "
         "them with no bounce copy) or gradients to files too and the optimizer step streamed in 64 MiB chunks "
-        "(`streamed_step=True`, mode streamed). "
+        "(`streamed_step=True`, mode streamed). Mode planned: B's step (updates in backward) is captured on real "
+        "tensors, with each op's measured time, and planned by `memplan.offload.plan` for this disk (its bandwidth "
+        "measured through the runtime's store, medians of three 512 MiB writes and reads) and the budget less "
+        "`--plan-margin-mib` (the runtime reads states and activations 64 MiB ahead each, where the plan brings "
+        "them back just in time), among states and saved activations (what this runtime mode moves); "
+        "`run(model, optimizer, plan, step_in_backward=True)` then moves exactly the states and saved storages "
+        "the plan moves, and keeps the rest. "
         "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
         "one profiled step each (peak; where B's activations must move, a second profiled step of B and an "
         "untimed one of A), then timed pairs in alternating order (AB, BA, ...). "
