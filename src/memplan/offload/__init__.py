@@ -2,7 +2,8 @@
 
 `plan(trace, hardware, budget=...)` returns a validated `OffloadPlan`;
 `simulate_plan(...)` runs it through the event-driven simulator next to the baselines;
-`run(model, optimizer, plan)` applies a plan to real training.
+`run(model, optimizer, plan)` applies a plan of the captured step to real training, tensor by
+tensor (`OffloadPlan.tensors`, a `TensorSchedule`).
 """
 
 from memplan.offload.hardware import Hardware, make_hardware, parse_nvme_spec
@@ -14,6 +15,7 @@ from memplan.offload.lifetimes import (
 )
 from memplan.offload.planner import OffloadPlan, Transfer, plan
 from memplan.offload.runtime import run
+from memplan.offload.schedule import TensorSchedule
 from memplan.offload.validate import PlanError, validate_plan
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "Lifetimes",
     "OffloadPlan",
     "PlanError",
+    "TensorSchedule",
     "Transfer",
     "analyse",
     "make_hardware",
