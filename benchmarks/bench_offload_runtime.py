@@ -22,7 +22,7 @@ it would alone.
 `--mode planned` applies a plan instead of the runtime's own rules: B's step (updates in
 backward, nothing moved) is captured on real tensors with each op's measured time, planned
 by `memplan.offload.plan` for this disk (bandwidth measured through the runtime's store)
-among optimizer states and saved activations, and `run(model, optimizer, plan,
+among optimizer states (and saved activations where states alone cannot fit), and `run(model, optimizer, plan,
 step_in_backward=True)` moves exactly what the plan moves.
 
 Writes the `offload_runtime` section of BENCHMARKS.md.
@@ -321,7 +321,8 @@ def main() -> None:
         "tensors, with each op's measured time, and planned by `memplan.offload.plan` for this disk (its bandwidth "
         "measured through the runtime's store, medians of three 512 MiB writes and reads) and the budget less "
         "`--plan-margin-mib` (the runtime reads states and activations 64 MiB ahead each, where the plan brings "
-        "them back just in time), among states and saved activations (what this runtime mode moves); "
+        "them back just in time), among optimizer states alone, or states and saved activations where a plan of "
+        "states alone cannot fit (what this runtime mode moves, activations last as in its own rules); "
         "`run(model, optimizer, plan, step_in_backward=True)` then moves exactly the states and saved storages "
         "the plan moves, and keeps the rest. "
         "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
