@@ -3,6 +3,7 @@ named states and gradients it moves, the saved storages it moves (by their order
 forward), read back in the plan's order, and refuses a plan of another step."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ import torch
 from memplan import models
 from memplan.capture import capture
 from memplan.capture.step import build_training_step
+from memplan.cli import main
+from memplan.errors import UserError
+from memplan.models.build import instantiate, model_class
+from memplan.offload import load_plan
 from memplan.offload import plan as make_plan
 from memplan.offload.hardware import make_hardware
 from memplan.offload.lifetimes import analyse, roofline_op_durations_s
@@ -125,3 +130,47 @@ def test_a_plan_and_resident_bytes_together_are_refused(tmp_path, planned):
         with run(off.model, off.optimizer, planned, directory=tmp_path, step_in_backward=True,
                  resident_nbytes=1 << 20):
             pass
+
+
+def test_a_plan_for_another_model_is_refused(tmp_path, planned):
+    other = build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32), device="cpu")
+    with pytest.raises(OffloadError, match="parameters this model does not have"):
+        with run(other.model, other.optimizer, planned, directory=tmp_path):
+            pass
+
+
+def test_a_plan_written_as_json_loads_and_applies_the_same(tmp_path, planned):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(planned.to_json()))
+    loaded = load_plan(path)
+    assert loaded.tensors == planned.tensors and loaded.transfers == planned.transfers
+    off = tiny_step()
+    (tmp_path / "files").mkdir()
+    with run(off.model, off.optimizer, loaded, directory=tmp_path / "files") as engine:
+        for _ in range(2):
+            off.run()
+    assert {k for k in engine.keys_written if k.startswith("state.")} == {
+        k for k in planned.tensors.moved if k.startswith("state.")}
+
+
+@pytest.mark.parametrize("text, message", [("{", "is not JSON"), ("[]", "is not an offload plan"),
+                                           ('{"transfers": []}', "no 'budget_bytes'")])
+def test_a_damaged_plan_file_is_one_clear_error(tmp_path, text, message):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_plan(path)
+
+
+def test_the_cli_plan_names_the_registry_model_s_states(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--budget", "1GiB", "--plan-output", str(path), "--json"])
+    assert code == 0
+    plan = load_plan(path)
+    states = [k for k in plan.tensors.moved if k.startswith("state.")]
+    assert states and plan.tensors.saved_nbytes
+    config = models.load_config("gpt2")
+    with torch.device("meta"):
+        model = instantiate(model_class(config), config)
+    names = {name for name, _ in model.named_parameters()}
+    assert {k[len("state."):].rpartition(".")[0] for k in states} <= names

@@ -13,7 +13,7 @@ from memplan.offload.lifetimes import (
     measured_op_durations_s,
     roofline_op_durations_s,
 )
-from memplan.offload.planner import OffloadPlan, Transfer, plan
+from memplan.offload.planner import OffloadPlan, Transfer, load_plan, plan
 from memplan.offload.runtime import run
 from memplan.offload.schedule import TensorSchedule
 from memplan.offload.validate import PlanError, validate_plan
@@ -26,6 +26,7 @@ __all__ = [
     "TensorSchedule",
     "Transfer",
     "analyse",
+    "load_plan",
     "make_hardware",
     "measured_op_durations_s",
     "parse_nvme_spec",

@@ -45,6 +45,7 @@ import math
 import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,59 @@ class OffloadPlan:
             "tensors": self.tensors.to_json(),
             "transfers": [asdict(t) for t in self.transfers],
         }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> OffloadPlan:
+        """The plan `to_json` wrote (as `memplan offload --plan-output` does), e.g. to apply it
+        with `memplan.offload.run` in another process. Checked for shape here; the runtime
+        checks it against the live step (names and saved storages)."""
+        try:
+            tensors = doc.get("tensors") or {}
+            schedule = TensorSchedule(
+                moved={str(k): int(v) for k, v in (tensors.get("moved") or {}).items()},
+                saved_nbytes=[int(x) for x in tensors.get("saved_nbytes") or []],
+                saved_moved=[bool(x) for x in tensors.get("saved_moved") or []],
+            )
+            if len(schedule.saved_nbytes) != len(schedule.saved_moved):
+                raise ValueError("tensors.saved_nbytes and tensors.saved_moved differ in length")
+            fields = {f for f in Transfer.__dataclass_fields__}
+            transfers = []
+            for t in doc["transfers"]:
+                if set(t) != fields:
+                    raise ValueError(f"a transfer has keys {sorted(t)}, not {sorted(fields)}")
+                transfers.append(Transfer(**t))
+            return cls(
+                transfers=transfers,
+                budget_bytes=int(doc["budget_bytes"]),
+                num_ops=int(doc["num_ops"]),
+                ideal_step_s=float(doc["ideal_step_s"]),
+                peak_bytes_before=int(doc["peak_bytes_before"]),
+                peak_bytes_after=int(doc["peak_bytes_after"]),
+                feasible=bool(doc["feasible"]),
+                plan_elapsed_s=float(doc["plan_elapsed_s"]),
+                hardware=dict(doc.get("hardware") or {}),
+                planned_stall_s=float(doc.get("planned_stall_s", 0.0)),
+                rounds=list(doc.get("rounds") or []),
+                tensors=schedule,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise UserError(f"not an offload plan ({what}): write one with memplan offload --plan-output") from None
+
+
+def load_plan(path: str | Path) -> OffloadPlan:
+    """Read a plan written by `memplan offload --plan-output` (JSON)."""
+    import json
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read the plan {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UserError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{path} is not an offload plan: write one with memplan offload --plan-output")
+    return OffloadPlan.from_json(doc)
 
 
 class LinkTimeline:

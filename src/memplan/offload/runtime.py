@@ -261,6 +261,13 @@ def _moves(key: str, t: Any, moved: dict[str, int] | None, min_nbytes: int) -> b
     return _movable(t, min_nbytes)
 
 
+def _parameter_of(key: str) -> str:
+    """The parameter name in a runtime key: `grad.<name>` or `state.<name>.<state key>`."""
+    if key.startswith("grad."):
+        return key[len("grad."):]
+    return key[len("state."):].rpartition(".")[0] if key.startswith("state.") else key
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, without going through numpy (which would pin the storage's size)."""
     nbytes = t.numel() * t.element_size()
@@ -1000,6 +1007,11 @@ def run(
         if resident_nbytes:
             raise OffloadError("a plan decides which optimizer states stay: give either plan or resident_nbytes")
         moved = schedule.moved
+        params = {name for name, _ in model.named_parameters()}
+        unknown = [k for k in moved if _parameter_of(k) not in params]
+        if unknown:
+            raise OffloadError(f"the plan moves {len(unknown)} tensor(s) of parameters this model does not have "
+                               f"(e.g. {unknown[0]}): it was made for another model; capture and plan this very step")
         saved = (schedule.saved_nbytes, schedule.saved_moved)
         activations = activations and any(schedule.saved_moved)
         optimizer_states = optimizer_states and any(k.startswith(("state.", "grad.")) for k in moved)
