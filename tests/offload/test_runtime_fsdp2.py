@@ -17,9 +17,13 @@ def _rank_main(rank: int, workdir: str) -> None:
     import torch.distributed as dist
 
     from memplan import models
+    from memplan.offload import plan as make_plan
+    from memplan.offload.hardware import make_hardware
+    from memplan.offload.lifetimes import analyse, roofline_op_durations_s
     from memplan.offload.runtime import run
     from memplan.parallel import Layout
     from memplan.parallel.groundtruth import build_parallel_step
+    from memplan.parallel.traced import capture_parallel_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
@@ -29,11 +33,18 @@ def _rank_main(rank: int, workdir: str) -> None:
         ref = build_parallel_step(config, setup, layout)
         for _ in range(3):
             ref.run()
-        for name, mode in MODES.items():
+        # a plan of this rank's own step, captured on its real tensors (DTensor-aware recorder)
+        cap = build_parallel_step(config, setup, layout)
+        trace = capture_parallel_step(cap, warmup=1)
+        hardware = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
+        peak = int(analyse(trace, roofline_op_durations_s(trace, hardware.gpu)).op_bytes.max())
+        plan = make_plan(trace, hardware, budget=int(0.5 * peak), min_nbytes=1024)
+        for name, mode in {**MODES, **{f"planned {k}": v for k, v in MODES.items()}}.items():
             off = build_parallel_step(config, setup, layout)
-            directory = Path(workdir, f"{name}-{rank}")
+            directory = Path(workdir, f"{name}-{rank}".replace(" ", "-"))
             directory.mkdir()
-            with run(off.model, off.optimizer, directory=directory, min_nbytes=1024, checksum=True, **mode) as engine:
+            planned = {"plan": plan} if name.startswith("planned") else {"min_nbytes": 1024}
+            with run(off.model, off.optimizer, directory=directory, checksum=True, **planned, **mode) as engine:
                 for _ in range(3):
                     off.run()
             out[name] = {
@@ -47,6 +58,10 @@ def _rank_main(rank: int, workdir: str) -> None:
                 "read": engine.bytes_read,
                 "degraded": engine.degraded,
                 "left": os.listdir(directory),
+                "states_written": sorted(k for k in engine.keys_written if k.startswith("state.")),
+                "activations_written": sum(k.startswith("act.") for k in engine.keys_written),
+                "planned_states": sorted(k for k in plan.tensors.moved if k.startswith("state.")),
+                "planned_activations": 3 * sum(plan.tensors.saved_moved),
             }
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
@@ -70,3 +85,13 @@ def test_fsdp2_training_with_offloading_is_bit_identical_on_both_ranks(per_rank,
         out = rank[mode]
         assert out["identical"] and out["states_identical"], out
         assert out["written"] > 0 and out["read"] > 0 and out["left"] == [] and not out["degraded"], out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fsdp2_training_applies_a_plan_of_the_rank_s_captured_step_bit_identically(per_rank, mode):
+    for rank in per_rank:
+        out = rank[f"planned {mode}"]
+        assert out["identical"] and out["states_identical"], out
+        assert out["states_written"] == out["planned_states"] and out["planned_states"], out
+        assert out["activations_written"] == out["planned_activations"] > 0, out
+        assert out["left"] == [] and not out["degraded"], out

@@ -174,3 +174,29 @@ def test_the_cli_plan_names_the_registry_model_s_states(tmp_path, capsys):
         model = instantiate(model_class(config), config)
     names = {name for name, _ in model.named_parameters()}
     assert {k[len("state."):].rpartition(".")[0] for k in states} <= names
+
+
+def test_a_llama_plan_applies_where_q_k_v_each_save_a_view_of_one_input(tmp_path):
+    """Each projection saves its own 2-D view of the normed input, a view that dies with the op:
+    the runtime must still see one storage, as the trace does, or the plan's order slips."""
+
+    def llama():
+        return build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32),
+                                   device="cpu")
+
+    cap = llama()
+    cap.run()
+    trace = capture(cap.run, model=cap.model, optimizer=cap.optimizer, inputs=cap.batches)
+    peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    p = make_plan(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)
+    assert any(p.tensors.saved_moved)
+    ref = llama()
+    for _ in range(2):
+        ref.run()
+    off = llama()
+    with run(off.model, off.optimizer, p, directory=tmp_path) as engine:
+        for _ in range(2):
+            off.run()
+    assert sum(k.startswith("act.") for k in engine.keys_written) == 2 * sum(p.tensors.saved_moved)
+    for a, b in zip(ref.model.parameters(), off.model.parameters()):
+        assert torch.equal(a, b)

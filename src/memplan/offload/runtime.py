@@ -803,6 +803,15 @@ class _Saved:
         self.future: Future | None = None  # the prefetch in flight
         self.device = torch.device("cpu")
 
+    def remember(self, t: torch.Tensor) -> None:
+        """Keep weak references by which a later save of the same storage finds this entry: the
+        tensor and, for a view, its base. A view saved by one op dies as the op returns (Llama's
+        q, k and v projections each save their own 2-D view of one input), while its base lives
+        as long as any view of it: with the base, the three saves are one storage, as in the trace."""
+        self.tensors.append(weakref.ref(t))
+        if t._base is not None:
+            self.tensors.append(weakref.ref(t._base))
+
 
 class _ActivationOffloader:
     """saved_tensors_hooks: the storages of large saved tensors go out at pack and come back in backward.
@@ -878,7 +887,7 @@ class _ActivationOffloader:
             self.stack.append(entry)
             entry.device = t.device
             if not entry.moved:
-                entry.tensors.append(weakref.ref(t))
+                entry.remember(t)
                 return t
             self.cursor = len(self.stack) - 1
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # held until written
@@ -890,7 +899,7 @@ class _ActivationOffloader:
                 self.engine.wait(next(iter(self.engine.holding)))
         if not entry.moved:
             return t
-        entry.tensors.append(weakref.ref(t))
+        entry.remember(t)
         entry.refs += 1
         return (entry, t.dtype, t.shape, t.stride(), t.storage_offset())
 
