@@ -127,4 +127,8 @@ def run(args: argparse.Namespace) -> int:
     for name, b in report["baselines"].items():
         flag = f"  ({b['note']})" if b["feasible"] else f"  infeasible: {b['note']}"
         out.write(f"  {name:<22}{b['step_s']:.3f} s  {b['throughput_vs_ideal']:.1%} of ideal{flag}\n")
+    if args.plan_output:
+        out.write(f"  plan written to {args.plan_output}; apply it to this step's training with "
+                  f"memplan.offload.run(model, optimizer, memplan.offload.load_plan({args.plan_output!r}), "
+                  "directory=...)\n")
     return 0
