@@ -59,7 +59,7 @@ def _rank_main(rank: int, workdir: str) -> None:
                 "degraded": engine.degraded,
                 "left": os.listdir(directory),
                 "states_written": sorted(k for k in engine.keys_written if k.startswith("state.")),
-                "activations_written": sum(k.startswith("act.") for k in engine.keys_written),
+                "activations_written": engine.storages_written,
                 "planned_states": sorted(k for k in plan.tensors.moved if k.startswith("state.")),
                 "planned_activations": 3 * sum(plan.tensors.saved_moved),
             }

@@ -298,7 +298,8 @@ class OffloadEngine:
         self.degraded: list[str] = []
         self.bytes_written = 0
         self.bytes_read = 0
-        self.keys_written: set[str] = set()  # every key written out since the engine started
+        self.keys_written: set[str] = set()  # gradients and states written out since the engine started
+        self.storages_written = 0  # saved storages written out (a fresh key each, so counted, not kept)
         self.saved_tensors_hooks: Any = None  # set by `run` while activations are offloaded
         self._cuda_mover: Any = None  # cuda_io.CudaMover, made when the first CUDA tensor moves
 
@@ -392,7 +393,10 @@ class OffloadEngine:
 
             ready = cuda_io.ready_event()
         future = self.pool.submit(self._write, key, t, ready)
-        self.keys_written.add(key)
+        if key.startswith("act."):
+            self.storages_written += 1
+        else:
+            self.keys_written.add(key)
         self.pending[key] = future
         self.holding[key] = t
         return future
