@@ -57,16 +57,21 @@ def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
         rec.mark(buf, "other", module=name.rpartition(".")[0] or type(model).__name__)
 
 
+def _mark_gradient(rec: Recorder, p: torch.Tensor, names: dict[int, str]) -> None:
+    """`p`'s gradient, if it has one, and its name as the offload runtime keys it."""
+    if p.grad is not None:
+        rec.mark(p.grad, "gradient")
+        if id(p) in names:
+            rec.name(p.grad, f"grad.{names[id(p)]}")
+
+
 def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
     """Categories of the optimizer's tensors; with `names` (id of a parameter -> its qualified
     name), also the names the offload runtime keys them by (`memplan.offload.runtime`)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             rec.mark(p, "parameter")
-            if p.grad is not None:
-                rec.mark(p.grad, "gradient")
-                if id(p) in names:
-                    rec.name(p.grad, f"grad.{names[id(p)]}")
+            _mark_gradient(rec, p, names)
     for p, state in optimizer.state.items():
         for key, value in state.items():
             for t in _tensors(value):
@@ -92,10 +97,7 @@ def _recording_hooks(
         for group in optimizer.param_groups:
             for p in group["params"]:
                 rec.mark(p, "parameter")
-                if p.grad is not None:
-                    rec.mark(p.grad, "gradient")
-                    if id(p) in names:
-                        rec.name(p.grad, f"grad.{names[id(p)]}")
+                _mark_gradient(rec, p, names)
 
     def post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         _mark_optimizer(rec, optimizer, names)
@@ -108,17 +110,11 @@ def _recording_hooks(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def on_grad(param: torch.Tensor) -> None:
-        if param.grad is not None:
-            rec.mark(param.grad, "gradient")
-            if id(param) in names:
-                rec.name(param.grad, f"grad.{names[id(param)]}")
-
     grad_hooks = []
     for model in models:
         for p in model.parameters():
             if p.requires_grad:
-                grad_hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+                grad_hooks.append(p.register_post_accumulate_grad_hook(lambda q: _mark_gradient(rec, q, names)))
     h_pre = register_optimizer_step_pre_hook(pre_step)
     h_post = register_optimizer_step_post_hook(post_step)
     try:
