@@ -51,6 +51,7 @@ from memplan.capture import capture
 from memplan.capture.step import build_training_step
 from memplan.models import TrainingSetup, load_config
 from memplan.offload import plan as offload_plan
+from memplan.offload import runtime_categories
 from memplan.offload.hardware import Hardware, NvmeArray, make_hardware
 from memplan.offload.lifetimes import measured_op_durations_s
 from memplan.offload.measure import step_peak_bytes
@@ -153,7 +154,7 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int, m
         # what the in-backward runtime moves: states and saved activations (parameters stay; gradients are
         # consumed as they are made); states alone first, as the runtime's own rules do: an activation moved
         # costs a hook and a transfer per storage, many of them small
-        for categories in (("optimizer_state",), ("optimizer_state", "activation")):
+        for categories in (("optimizer_state",), runtime_categories()):
             planned = offload_plan(trace, hardware, budget=budget - args.plan_margin_mib * (1 << 20),
                                    op_durations_s=measured_op_durations_s(trace), categories=categories)
             if planned.feasible:

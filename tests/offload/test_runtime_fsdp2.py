@@ -18,9 +18,10 @@ def _rank_main(rank: int, workdir: str) -> None:
 
     from memplan import models
     from memplan.offload import plan as make_plan
+    from memplan.offload import runtime_categories
     from memplan.offload.hardware import make_hardware
     from memplan.offload.lifetimes import analyse, roofline_op_durations_s
-    from memplan.offload.runtime import run
+    from memplan.offload.runtime import OffloadError, run
     from memplan.parallel import Layout
     from memplan.parallel.groundtruth import build_parallel_step
     from memplan.parallel.traced import capture_parallel_step
@@ -38,7 +39,20 @@ def _rank_main(rank: int, workdir: str) -> None:
         trace = capture_parallel_step(cap, warmup=1)
         hardware = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
         peak = int(analyse(trace, roofline_op_durations_s(trace, hardware.gpu)).op_bytes.max())
-        plan = make_plan(trace, hardware, budget=int(0.5 * peak), min_nbytes=1024)
+        plan = make_plan(trace, hardware, budget=int(0.5 * peak), min_nbytes=1024, categories=runtime_categories())
+        # FSDP2's sharded gradients are views of one reduce-scatter buffer: a plan that moves one is refused
+        with_grads = make_plan(trace, hardware, budget=int(0.4 * peak), min_nbytes=1024,
+                               categories=runtime_categories(streamed_step=True))
+        off = build_parallel_step(config, setup, layout)
+        directory = Path(workdir, f"grads-{rank}")
+        directory.mkdir()
+        try:
+            with run(off.model, off.optimizer, with_grads, directory=directory, streamed_step=True):
+                off.run()
+            out["gradient plan"] = {"error": None}
+        except OffloadError as exc:
+            out["gradient plan"] = {"error": str(exc)}
+        out["gradient plan"]["planned_grads"] = sum(k.startswith("grad.") for k in with_grads.tensors.moved)
         for name, mode in {**MODES, **{f"planned {k}": v for k, v in MODES.items()}}.items():
             off = build_parallel_step(config, setup, layout)
             directory = Path(workdir, f"{name}-{rank}".replace(" ", "-"))
@@ -95,3 +109,10 @@ def test_fsdp2_training_applies_a_plan_of_the_rank_s_captured_step_bit_identical
         assert out["states_written"] == out["planned_states"] and out["planned_states"], out
         assert out["activations_written"] == out["planned_activations"] > 0, out
         assert out["left"] == [] and not out["degraded"], out
+
+
+def test_fsdp2_refuses_a_plan_that_moves_a_sharded_gradient(per_rank):
+    for rank in per_rank:
+        out = rank["gradient plan"]
+        assert out["planned_grads"] > 0, out
+        assert out["error"] is not None and "cannot leave by itself" in out["error"], out

@@ -14,7 +14,7 @@ from memplan.capture.step import build_training_step
 from memplan.cli import main
 from memplan.errors import UserError
 from memplan.models.build import instantiate, model_class
-from memplan.offload import load_plan
+from memplan.offload import load_plan, runtime_categories
 from memplan.offload import plan as make_plan
 from memplan.offload.hardware import make_hardware
 from memplan.offload.lifetimes import analyse, roofline_op_durations_s
@@ -40,12 +40,25 @@ def trace():
     return captured_trace()
 
 
-@pytest.fixture(scope="module")
-def planned(trace):
+def plan_for_runtime(trace, fraction, streamed_step=False):
+    """A plan of `trace` within `fraction` of its peak, among what the runtime mode moves."""
     peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
-    p = make_plan(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)
+    p = make_plan(trace, HARDWARE, budget=int(fraction * peak), min_nbytes=1024,
+                  categories=runtime_categories(streamed_step=streamed_step))
     assert p.feasible
     return p
+
+
+@pytest.fixture(scope="module")
+def planned(trace):
+    """States and saved activations: what every runtime mode moves."""
+    return plan_for_runtime(trace, 0.5)
+
+
+@pytest.fixture(scope="module")
+def planned_streamed(trace):
+    """Gradients too: what the streamed step moves."""
+    return plan_for_runtime(trace, 0.4, streamed_step=True)
 
 
 def test_capture_names_every_state_and_gradient_as_the_runtime_keys_them(trace):
@@ -71,7 +84,9 @@ def test_the_schedule_lists_one_forward_however_many_iterations_are_captured(tra
 
 @pytest.mark.parametrize("mode", [{}, {"streamed_step": True}, {"step_in_backward": True}],
                          ids=["default", "streamed", "in-backward"])
-def test_the_runtime_moves_exactly_what_the_plan_moves_and_trains_bit_identically(tmp_path, planned, mode):
+def test_the_runtime_moves_exactly_what_the_plan_moves_and_trains_bit_identically(tmp_path, planned,
+                                                                                   planned_streamed, mode):
+    planned = planned_streamed if mode.get("streamed_step") else planned
     assert any(planned.tensors.saved_moved) and not all(planned.tensors.saved_moved)
     ref = tiny_step()
     for _ in range(3):
@@ -83,9 +98,8 @@ def test_the_runtime_moves_exactly_what_the_plan_moves_and_trains_bit_identicall
     named = engine.keys_written
     planned_states = {k for k in planned.tensors.moved if k.startswith("state.")}
     planned_grads = {k for k in planned.tensors.moved if k.startswith("grad.")}
-    assert planned_states and planned_grads
-    expected = planned_states | (planned_grads if mode.get("streamed_step") else set())
-    assert named == expected
+    assert planned_states and (bool(planned_grads) == bool(mode.get("streamed_step")))
+    assert named == planned_states | planned_grads
     activations = engine.storages_written
     assert activations == 3 * sum(planned.tensors.saved_moved)  # one key per moved storage per forward
     for (name, a), (_, b) in zip(ref.model.named_parameters(), off.model.named_parameters()):
@@ -128,6 +142,23 @@ def test_a_plan_and_resident_bytes_together_are_refused(tmp_path, planned):
     with pytest.raises(OffloadError, match="either plan or resident_nbytes"):
         with run(off.model, off.optimizer, planned, directory=tmp_path, step_in_backward=True,
                  resident_nbytes=1 << 20):
+            pass
+
+
+def test_a_plan_that_moves_parameters_is_refused(tmp_path, trace):
+    peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    p = make_plan(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)  # every candidate category
+    assert p.tensors.unnamed.get("parameter", 0) > 0
+    off = tiny_step()
+    with pytest.raises(OffloadError, match="tensors the runtime does not move .* of parameters"):
+        with run(off.model, off.optimizer, p, directory=tmp_path, streamed_step=True):
+            pass
+
+
+def test_a_plan_that_moves_gradients_is_refused_without_the_streamed_step(tmp_path, planned_streamed):
+    off = tiny_step()
+    with pytest.raises(OffloadError, match="only streamed_step=True moves"):
+        with run(off.model, off.optimizer, planned_streamed, directory=tmp_path, step_in_backward=True):
             pass
 
 
@@ -186,8 +217,7 @@ def test_a_llama_plan_applies_where_q_k_v_each_save_a_view_of_one_input(tmp_path
     cap = llama()
     cap.run()
     trace = capture(cap.run, model=cap.model, optimizer=cap.optimizer, inputs=cap.batches)
-    peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
-    p = make_plan(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)
+    p = plan_for_runtime(trace, 0.7)
     assert any(p.tensors.saved_moved)
     ref = llama()
     for _ in range(2):

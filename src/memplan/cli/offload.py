@@ -127,7 +127,12 @@ def run(args: argparse.Namespace) -> int:
     for name, b in report["baselines"].items():
         flag = f"  ({b['note']})" if b["feasible"] else f"  infeasible: {b['note']}"
         out.write(f"  {name:<22}{b['step_s']:.3f} s  {b['throughput_vs_ideal']:.1%} of ideal{flag}\n")
-    if args.plan_output:
+    if args.plan_output and plan.tensors.unnamed:
+        what = ", ".join(f"{format_bytes(n)} of {c}s" for c, n in sorted(plan.tensors.unnamed.items()))
+        out.write(f"  plan written to {args.plan_output}: for the simulation only; it moves {what}, which "
+                  "memplan.offload.run does not move (plan with categories=memplan.offload.runtime_categories() "
+                  "for a plan it applies)\n")
+    elif args.plan_output:
         out.write(f"  plan written to {args.plan_output}; apply it to this step's training with "
                   f"memplan.offload.run(model, optimizer, memplan.offload.load_plan({args.plan_output!r}), "
                   "directory=...)\n")

@@ -15,7 +15,7 @@ from memplan.offload.lifetimes import (
 )
 from memplan.offload.planner import OffloadPlan, Transfer, load_plan, plan
 from memplan.offload.runtime import run
-from memplan.offload.schedule import TensorSchedule
+from memplan.offload.schedule import TensorSchedule, runtime_categories
 from memplan.offload.validate import PlanError, validate_plan
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "parse_nvme_spec",
     "plan",
     "roofline_op_durations_s",
+    "runtime_categories",
     "run",
     "validate_plan",
 ]

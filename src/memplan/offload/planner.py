@@ -134,6 +134,7 @@ class OffloadPlan:
                 moved={str(k): int(v) for k, v in (tensors.get("moved") or {}).items()},
                 saved_nbytes=[int(x) for x in tensors.get("saved_nbytes") or []],
                 saved_moved=[bool(x) for x in tensors.get("saved_moved") or []],
+                unnamed={str(k): int(v) for k, v in (tensors.get("unnamed") or {}).items()},
             )
             if len(schedule.saved_nbytes) != len(schedule.saved_moved):
                 raise ValueError("tensors.saved_nbytes and tensors.saved_moved differ in length")

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from memplan.errors import UserError
+from memplan.units import format_bytes
 
 ALIGN = 4096
 _DIR_PREFIX = "memplan-offload-"
@@ -256,9 +257,15 @@ def _movable(t: Any, min_nbytes: int) -> bool:
 def _moves(key: str, t: Any, moved: dict[str, int] | None, min_nbytes: int) -> bool:
     """Whether the gradient or state `t` (runtime key `key`) leaves: the plan's choice where
     there is one (`moved`), else every one of at least `min_nbytes`; only if it can (`_movable`)."""
-    if moved is not None:
-        return key in moved and _movable(t, 0)
-    return _movable(t, min_nbytes)
+    if moved is None:
+        return _movable(t, min_nbytes)
+    if key not in moved:
+        return False
+    if not _movable(t, 0):
+        raise OffloadError(f"the plan moves {key}, which cannot leave by itself (a view of another tensor, or not "
+                           "contiguous; FSDP2's sharded gradients are views of one reduce-scatter buffer): plan "
+                           "without it, e.g. with categories=memplan.offload.runtime_categories()")
+    return True
 
 
 def _parameter_of(key: str) -> str:
@@ -997,7 +1004,9 @@ def run(
     `plan` (an `OffloadPlan` of a trace `memplan.capture` recorded of this very step) decides
     what moves: the optimizer states (and, with `streamed_step`, gradients) it offloads, by
     name, read back in the plan's order, and the saved storages it offloads, by their order
-    in the forward (`memplan.offload.schedule`); the rest stays. The runtime's own timing
+    in the forward (`memplan.offload.schedule`); the rest stays. A plan that moves what this
+    mode does not (parameters; gradients without `streamed_step`) is refused: plan with
+    `categories=runtime_categories(streamed_step=...)`. The runtime's own timing
     applies: out after last use, back ahead of next use. With None, every activation and
     optimizer state of at least `min_nbytes` moves. With `streamed_step`, gradients
     move too and the optimizer step streams states chunk by chunk (`_StreamedOptimizer`):
@@ -1019,6 +1028,13 @@ def run(
                                "that trace")
         if resident_nbytes:
             raise OffloadError("a plan decides which optimizer states stay: give either plan or resident_nbytes")
+        if schedule.unnamed:
+            what = ", ".join(f"{format_bytes(n)} of {c}s" for c, n in sorted(schedule.unnamed.items()))
+            raise OffloadError(f"the plan moves tensors the runtime does not move ({what}): plan with "
+                               f"categories=memplan.offload.runtime_categories(streamed_step={streamed_step})")
+        if not streamed_step and any(k.startswith("grad.") for k in schedule.moved):
+            raise OffloadError("the plan moves gradients, which only streamed_step=True moves: run with it, or plan "
+                               "with categories=memplan.offload.runtime_categories()")
         moved = schedule.moved
         params = {name for name, _ in model.named_parameters()}
         unknown = [k for k in moved if _parameter_of(k) not in params]
@@ -1027,7 +1043,7 @@ def run(
                                f"(e.g. {unknown[0]}): it was made for another model; capture and plan this very step")
         saved = (schedule.saved_nbytes, schedule.saved_moved)
         activations = activations and any(schedule.saved_moved)
-        optimizer_states = optimizer_states and any(k.startswith(("state.", "grad.")) for k in moved)
+        optimizer_states = optimizer_states and bool(moved)
     engine = OffloadEngine(FileStore(directory, direct=direct), workers=workers, checksum=checksum,
                            host_fallback=host_fallback, fault=fault)
     states: Any = None

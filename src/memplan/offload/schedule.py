@@ -28,6 +28,13 @@ from memplan.trace.model import CATEGORY, Trace
 _NOT_SAVED_ACTIVATIONS = ("parameter", "gradient", "optimizer_state", "other")
 
 
+def runtime_categories(*, streamed_step: bool = False) -> tuple[str, ...]:
+    """The planner's candidate categories the runtime moves (`plan(..., categories=...)`):
+    optimizer states and saved activations, and gradients with `streamed_step` (in the other
+    modes a gradient stays until the update consumes it). Parameters never move."""
+    return ("gradient", "optimizer_state", "activation") if streamed_step else ("optimizer_state", "activation")
+
+
 @dataclass
 class TensorSchedule:
     """Which tensors a plan moves, by the names the runtime knows them by."""
@@ -35,6 +42,9 @@ class TensorSchedule:
     moved: dict[str, int] = field(default_factory=dict)  # runtime key -> first return op (num_ops: never back)
     saved_nbytes: list[int] = field(default_factory=list)  # one forward's saved storages, first-saving order
     saved_moved: list[bool] = field(default_factory=list)  # whether the plan moves each of them
+    # category -> bytes of planned transfers of buffers the runtime has no name for (parameters,
+    # buffers autograd never saved): the runtime cannot apply such a plan and refuses it
+    unnamed: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -42,7 +52,7 @@ class TensorSchedule:
 
     def to_json(self) -> dict[str, Any]:
         return {"moved": dict(self.moved), "saved_nbytes": list(self.saved_nbytes),
-                "saved_moved": list(self.saved_moved)}
+                "saved_moved": list(self.saved_moved), "unnamed": dict(self.unnamed)}
 
 
 def _first_forward(trace: Trace, order: list[int]) -> list[int]:
@@ -83,8 +93,15 @@ def tensor_schedule(trace: Trace, transfers: list[Any], num_ops: int) -> TensorS
     order = [int(i) for i in trace.meta.get("saved_order") or [] if not excluded[int(i)]]
     saved = _first_forward(trace, order)
     nbytes = trace.buffers["nbytes"]
+    # every forward (micro-batch) applies the first forward's choices, so any saved buffer counts as named
+    saved_anywhere = set(order)
+    unnamed: dict[str, int] = {}
+    for t in transfers:
+        if str(t.buffer) not in names and t.buffer not in saved_anywhere:
+            unnamed[t.category] = unnamed.get(t.category, 0) + int(t.nbytes)
     return TensorSchedule(
         moved=dict(sorted(moved.items(), key=lambda kv: (kv[1], kv[0]))),
         saved_nbytes=[int(nbytes[i]) for i in saved],
         saved_moved=[i in first_back for i in saved],
+        unnamed=unnamed,
     )
