@@ -115,10 +115,12 @@ def disk_hardware(directory: str, nbytes: int = 512 << 20) -> Hardware:
 
 
 def planned_trace(b: Stream, directory: str):
-    """B's step captured on real tensors (measured op times) with its updates in backward and nothing
-    moved: the step `run(..., plan, step_in_backward=True)` will run."""
+    """B's second step captured on real tensors (measured op times) with its updates in backward and
+    nothing moved: the step `run(..., plan, step_in_backward=True)` will run. The first (untimed) makes
+    the optimizer's states."""
     with run(b.step.model, b.step.optimizer, directory=directory, step_in_backward=True, min_nbytes=1 << 62,
              activations=False):
+        b.run()
         torch.set_rng_state(b.rng)
         trace = capture(b.step.run, model=b.step.model, optimizer=b.step.optimizer, inputs=b.step.batches)
         b.rng = torch.get_rng_state()
@@ -142,9 +144,6 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int, m
         # the plan: of B's second step, captured, with this disk's measured bandwidth and the
         # op times measured in the capture; budget 50% of A's peak
         a.run()
-        with run(off.model, off.optimizer, directory=directory, step_in_backward=True, min_nbytes=1 << 62,
-                 activations=False):
-            b.run()
         a.run()
         trace = planned_trace(b, directory)
         identical &= same_parameters(ref, off)
