@@ -24,7 +24,7 @@ from benchmarks_md import write_section  # noqa: E402
 from memplan.layout import cpsat, native, pack  # noqa: E402
 from memplan.layout.exact import CPSAT_MIN_CORES, usable_cores  # noqa: E402
 from memplan.layout.generate import tight_instance  # noqa: E402
-from memplan.trace.minimalloc import read_csv  # noqa: E402
+from memplan.layout.minimalloc_csv import read_csv  # noqa: E402
 
 BENCH = "layout_exact"
 

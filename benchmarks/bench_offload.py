@@ -20,10 +20,10 @@ import time
 
 from benchmarks_md import write_section
 from memplan.estimation.pipeline import capture_step
+from memplan.hardware.links import make_hardware
 from memplan.models import TrainingSetup, load_config
 from memplan.offload.baselines import run_baselines
 from memplan.offload.evaluate import default_budget_bytes, evaluate
-from memplan.offload.hardware import make_hardware
 from memplan.offload.lifetimes import analyse, roofline_op_durations_s
 from memplan.parallel.layout import Layout
 from memplan.parallel.transform import rank_trace

@@ -49,10 +49,10 @@ import torch
 from benchmarks_md import write_section
 from memplan.capture import capture
 from memplan.capture.step import build_training_step
+from memplan.hardware.links import Hardware, NvmeArray, make_hardware
 from memplan.models import TrainingSetup, load_config
 from memplan.offload import plan as offload_plan
 from memplan.offload import runtime_categories
-from memplan.offload.hardware import Hardware, NvmeArray, make_hardware
 from memplan.offload.lifetimes import measured_op_durations_s
 from memplan.offload.measure import step_peak_bytes
 from memplan.offload.runtime import FileStore, run

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 from memplan.errors import UserError
-from memplan.trace import ALLOC, FREE, from_events
-from memplan.trace.minimalloc import (
+from memplan.layout.minimalloc_csv import (
     problem_from_trace,
     read_csv,
     read_csv_text,
     to_csv_text,
     write_csv,
 )
+from memplan.trace import ALLOC, FREE, from_events
 
 EXAMPLE = "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n"
 

@@ -1,7 +1,7 @@
 """`memplan.estimate(model, setup, layout, device=...)` is the Python API of the issue."""
 
 import memplan
-import memplan.estimation.devices  # noqa: F401 - importing the package must not shadow the function
+import memplan.hardware.devices  # noqa: F401 - importing the package must not shadow the function
 from memplan import models
 from memplan.parallel import Layout
 

@@ -74,7 +74,7 @@ def test_a_given_cuda_context_replaces_the_profile_s_in_device_used(capsys):
     profile = json.loads(out)
     _, out, _ = run_cli(capsys, "estimate", "gpt2", *TINY, "--gpu", "v100-16gb", "--cuda-context", "1343MiB", "--json")
     eager = json.loads(out)
-    from memplan.estimation.devices import device_profile
+    from memplan.hardware.devices import device_profile
 
     context = device_profile("v100-16gb").cuda_context_bytes
     assert eager["device_used_bytes"] - profile["device_used_bytes"] == 1343 * 2**20 - context

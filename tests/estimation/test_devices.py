@@ -3,7 +3,7 @@
 import pytest
 
 from memplan.errors import UserError
-from memplan.estimation.devices import device_profile, list_devices
+from memplan.hardware.devices import device_profile, list_devices
 
 ISSUE_GPUS = ["h100-80gb", "h100-pcie-80gb", "h100-nvl-94gb", "h200-141gb", "a100-40gb", "a100-80gb",
               "a10g", "l4", "l40s", "rtx3090", "rtx4090", "v100-16gb", "v100-32gb", "t4"]

@@ -4,7 +4,7 @@ import pytest
 
 from memplan import models
 from memplan.estimation import estimate
-from memplan.estimation.layers import with_layers
+from memplan.models.depth import with_layers
 from memplan.parallel import Layout
 
 CASES = [

@@ -10,9 +10,10 @@ from layout_cases import README_EXAMPLE, at_live_peak_plus, columns, problems
 from memplan.layout import check_offsets, cpsat, exact, native
 from memplan.layout.exact import FOUND, NOT_FOUND, OFFSET_ORDER_HEURISTICS, TIMEOUT, solve_exact
 from memplan.layout.generate import tight_instance
+from memplan.native import missing_build_tools
 
 pytestmark = pytest.mark.skipif(not cpsat.available(), reason="OR-Tools is not installed")
-needs_native = pytest.mark.skipif(bool(native.missing_build_tools()), reason="no C++ compiler or ninja")
+needs_native = pytest.mark.skipif(bool(missing_build_tools()), reason="no C++ compiler or ninja")
 
 def test_cpsat_packs_minimallocs_example_in_12_and_proves_11_infeasible():
     lower, upper, nbytes, align = columns(README_EXAMPLE)

@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_cases import README_EXAMPLE, at_live_peak_plus, columns, problems
 
-from memplan.layout import check_offsets, native, pack
+from memplan.layout import check_offsets, pack
 from memplan.layout.exact import FOUND, NOT_FOUND, TIMEOUT, solve_exact
 from memplan.layout.generate import tight_instance
+from memplan.native import missing_build_tools
 
-pytestmark = pytest.mark.skipif(bool(native.missing_build_tools()), reason="no C++ compiler or ninja")
+pytestmark = pytest.mark.skipif(bool(missing_build_tools()), reason="no C++ compiler or ninja")
 
 @settings(max_examples=60, deadline=None)
 @given(problems(), st.integers(0, 40))

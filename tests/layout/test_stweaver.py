@@ -11,10 +11,11 @@ import memplan
 from memplan.alloc.planned import simulate_planned
 from memplan.cli import main
 from memplan.errors import UserError
-from memplan.layout import load_plan, native, plan, save_plan
+from memplan.layout import load_plan, plan, save_plan
 from memplan.layout.generate import tight_instance, training_trace
 from memplan.layout.greedy import greedy_shapes
 from memplan.layout.plan import requests_by_group
+from memplan.native import missing_build_tools
 from memplan.trace import ALLOC, CATEGORY, FREE, from_events, save, validate
 
 
@@ -226,7 +227,7 @@ def _trace_of(problem) -> object:
     return validate(from_events(kinds, problem.nbytes.tolist(), bufs))
 
 
-@pytest.mark.skipif(bool(native.missing_build_tools()), reason="no C++ compiler or ninja")
+@pytest.mark.skipif(bool(missing_build_tools()), reason="no C++ compiler or ninja")
 def test_the_offset_order_search_closes_the_gap_the_heuristics_leave():
     # 120 buffers cut from a full rectangle: optimum = live peak; greedy packings of
     # such cuts land 30-50% above it.

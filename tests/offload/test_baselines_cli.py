@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from memplan.cli import main
-from memplan.estimation.devices import device_profile
+from memplan.hardware.devices import device_profile
+from memplan.hardware.links import Hardware, NvmeArray, make_hardware, parse_nvme_spec
 from memplan.offload.baselines import ideal, layer_of, torchtune_activations
-from memplan.offload.hardware import Hardware, NvmeArray, make_hardware, parse_nvme_spec
 from memplan.offload.lifetimes import analyse
 from memplan.offload.simulate import Move, simulate
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from memplan.errors import UserError
-from memplan.estimation.devices import device_profile
+from memplan.hardware.devices import device_profile
 from memplan.offload.lifetimes import (
     analyse,
     measured_op_durations_s,

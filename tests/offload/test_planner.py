@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.errors import UserError
-from memplan.estimation.devices import device_profile
+from memplan.hardware.devices import device_profile
+from memplan.hardware.links import Hardware, NvmeArray
 from memplan.offload.bounds import step_lower_bound_s
-from memplan.offload.hardware import Hardware, NvmeArray
 from memplan.offload.lifetimes import analyse
 from memplan.offload.planner import LinkTimeline, Transfer, plan, plan_lifetimes
 from memplan.offload.simulate import simulate_plan

@@ -17,9 +17,9 @@ def _rank_main(rank: int, workdir: str) -> None:
     import torch.distributed as dist
 
     from memplan import models
+    from memplan.hardware.links import make_hardware
     from memplan.offload import plan as make_plan
     from memplan.offload import runtime_categories
-    from memplan.offload.hardware import make_hardware
     from memplan.offload.lifetimes import analyse, roofline_op_durations_s
     from memplan.offload.runtime import OffloadError, run
     from memplan.parallel import Layout

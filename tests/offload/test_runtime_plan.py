@@ -13,10 +13,10 @@ from memplan.capture import capture
 from memplan.capture.step import build_training_step
 from memplan.cli import main
 from memplan.errors import UserError
+from memplan.hardware.links import make_hardware
 from memplan.models.build import instantiate, model_class
 from memplan.offload import load_plan, runtime_categories
 from memplan.offload import plan as make_plan
-from memplan.offload.hardware import make_hardware
 from memplan.offload.lifetimes import analyse, roofline_op_durations_s
 from memplan.offload.runtime import OffloadError, run
 from memplan.trace.model import CATEGORY

@@ -2,7 +2,7 @@
 
 import pytest
 
-from memplan.runtime.build import missing_build_tools
+from memplan.native import missing_build_tools
 
 
 @pytest.fixture(scope="session")

@@ -47,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from memplan.cli import print_json
     from memplan.errors import UserError
     from memplan.estimation.pipeline import capture_step
+    from memplan.hardware.links import make_hardware
     from memplan.models import load_config, setup_from_args
     from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
-    from memplan.offload.hardware import make_hardware
     from memplan.parallel.layout import Layout
     from memplan.parallel.transform import rank_trace
     from memplan.trace.io import atomic_write

@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from memplan.errors import UserError
     from memplan.layout import pack
-    from memplan.trace.minimalloc import read_csv, write_csv
+    from memplan.layout.minimalloc_csv import read_csv, write_csv
     from memplan.units import format_bytes, parse_size
 
     if args.time_limit < 0:

@@ -26,11 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.cli.show import load_any
     from memplan.layout import plan, save_plan
+    from memplan.trace import load
     from memplan.units import format_bytes
 
-    trace = load_any(args.trace)
+    trace = load(args.trace)
     result = plan(trace, alignment_bytes=args.alignment, device=args.device)
     save_plan(result, args.output)
     doc = {

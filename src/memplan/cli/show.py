@@ -6,6 +6,7 @@ import argparse
 
 from memplan.cli import print_json
 from memplan.errors import UserError
+from memplan.trace import load
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,26 +21,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def load_any(path: str):  # noqa: ANN201 - returns memplan.trace.Trace
-    """A .memtrace file, or a PyTorch CUDA memory snapshot pickle."""
-    from pathlib import Path
-
-    from memplan.trace import load
-
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"trace file {p} does not exist")
-    with open(p, "rb") as fh:
-        head = fh.read(4)
-    if head[:2] == b"PK":  # .memtrace files are zip archives
-        return load(p)
-    try:
-        from memplan.trace.snapshot import load_snapshot
-    except ImportError:
-        raise UserError(f"{p} is not a .memtrace file") from None
-    return load_snapshot(p)
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -48,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top < 0:
         raise UserError("--top must be >= 0")
-    trace = load_any(args.trace)
+    trace = load(args.trace)
     summary = trace.summary(top=args.top)
     if args.json:
         print_json(summary)

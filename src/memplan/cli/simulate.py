@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from memplan.alloc import ALLOCATORS, simulate
-    from memplan.cli.show import load_any
+    from memplan.trace import load
     from memplan.units import parse_size
 
     if args.allocator not in ALLOCATORS:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         plan = _load_plan(args.plan)
     elif args.plan is not None:
         raise UserError("--plan is only used with --allocator planned")
-    trace = load_any(args.trace)
+    trace = load(args.trace)
     result = simulate(trace, args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, plan=plan,
                       memory_fraction=args.memory_fraction, segment_map=False, device=args.device)
     if args.json:

@@ -5,8 +5,8 @@ and `memplan.fit(model, gpu, gpus, setup)`; this package is named `estimation` s
 `memplan.estimate` can be the function.
 """
 
-from memplan.estimation.devices import DeviceProfile, device_profile, list_devices
 from memplan.estimation.fit import fit
 from memplan.estimation.pipeline import Estimate, RankEstimate, estimate
+from memplan.hardware.devices import DeviceProfile, device_profile, list_devices
 
 __all__ = ["DeviceProfile", "Estimate", "RankEstimate", "device_profile", "estimate", "fit", "list_devices"]

@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.estimation.devices import device_profile
-from memplan.estimation.layers import num_layers
 from memplan.estimation.pipeline import Estimate, estimate
+from memplan.hardware.devices import device_profile
+from memplan.models.depth import num_layers
 from memplan.parallel import Layout
 
 MICRO_BATCHES = (1, 2, 4)

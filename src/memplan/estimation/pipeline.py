@@ -19,7 +19,7 @@ tensors and adds only what a CPU trace cannot see):
    models the rest on it (`RankPlan.traced_transform`);
    TP that cannot be traced is refused (`UserError`) unless `parallel_tracing=False`;
    a cpu job traced on the fake group also gets gloo's all-gather staging buffers;
-3. add the GPU-only terms (`memplan.estimation.gpu_terms`: SDPA kernel workspaces,
+3. add the GPU-only terms (`memplan.trace.edit`: SDPA kernel workspaces,
    cuBLAS workspace) when the target is cuda;
 4. replay through the allocator simulator (512-B rounding, caching / expandable
    segments) for peak allocated (`max_memory_allocated`) and peak reserved
@@ -41,8 +41,11 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.estimation import gpu_terms, layers
-from memplan.estimation.devices import DeviceProfile, device_profile
+from memplan.estimation import layers
+from memplan.hardware.devices import DeviceProfile, device_profile
+from memplan.hardware.roofline import matmul_dtype, step_seconds
+from memplan.models.depth import num_layers, with_layers
+from memplan.trace import edit as trace_edit
 from memplan.trace.model import CATEGORY, Trace
 
 ESTIMATE_ALLOCATORS = ("caching", "expandable", "planned", "none")
@@ -176,17 +179,13 @@ def capture_step(config: Any, setup: Any, device: str) -> StepTrace:
                      sequence_length(setup, config), len(blocks))
 
 
-def _attention_dtype(setup: Any) -> str:
-    return setup.autocast if setup.autocast != "none" else setup.dtype
-
-
 def gpu_view(step: StepTrace, setup: Any, profile: DeviceProfile | None) -> Trace:
-    """The trace with the GPU-only buffers added (see `gpu_terms`)."""
-    extras = gpu_terms.attention_kernel_buffers(step.trace, dtype=_attention_dtype(setup), attn=setup.attn,
+    """The trace with the GPU-only buffers added (see `memplan.trace.edit`)."""
+    extras = trace_edit.attention_kernel_buffers(step.trace, dtype=matmul_dtype(setup), attn=setup.attn,
                                                 seq=step.seq, head_dim=step.head_dim)
     workspace = profile.cublas_workspace_bytes if profile is not None else 8_519_680
-    extras += gpu_terms.workspace_buffer(step.trace, workspace)
-    return gpu_terms.with_extra_buffers(step.trace, extras)
+    extras += trace_edit.workspace_buffer(step.trace, workspace)
+    return trace_edit.with_extra_buffers(step.trace, extras)
 
 
 @dataclass
@@ -324,7 +323,7 @@ def estimate(
         capacity = profile.capacity_bytes
     name = model if isinstance(model, str) else type(model).__name__
     config = models.load_config(model) if isinstance(model, str) else model
-    total_layers = layers.num_layers(config)
+    total_layers = num_layers(config)
     layout.check(config, setup)
 
     if parallel_tracing:
@@ -388,14 +387,14 @@ def estimate(
                 flops = float(layers.extrapolate(f[0], f[1], TRACE_BLOCKS, stage_layers))
                 moved = float(layers.extrapolate(b[0], b[1], TRACE_BLOCKS, stage_layers))
                 if profile is not None:
-                    r = [roofline_seconds(s.trace, profile, _attention_dtype(plan.setup)) for s in steps]
+                    r = [step_seconds(s.trace, profile, matmul_dtype(plan.setup)) for s in steps]
                     roofline = float(layers.extrapolate(r[0], r[1], TRACE_BLOCKS, stage_layers))
             else:
                 parameters = steps[0].parameters if layout.pp == 1 else models.count_parameters(config)
                 flops = float(np.nansum(steps[0].trace.ops["flops"]))
                 moved = float(np.nansum(steps[0].trace.ops["bytes_moved"]))
                 if profile is not None:
-                    roofline = roofline_seconds(steps[0].trace, profile, _attention_dtype(plan.setup))
+                    roofline = step_seconds(steps[0].trace, profile, matmul_dtype(plan.setup))
             if layout.pp > 1 and len(steps) == 2:
                 parameters = models.count_parameters(config)
         context = profile.cuda_context_bytes if (profile is not None and device == "cuda") else 0
@@ -418,13 +417,13 @@ def _device_view(trace: Trace, step: StepTrace, setup: Any, device: str, profile
     if device == "cuda":
         return gpu_view(StepTrace(trace, step.blocks_path, step.parameters, step.heads, step.head_dim, step.seq,
                                   step.layers), setup, profile)
-    return gpu_terms.with_extra_buffers(trace, checkpoint_rng_states(trace, step.blocks_path, setup))
+    return trace_edit.with_extra_buffers(trace, checkpoint_rng_states(trace, step.blocks_path, setup))
 
 
 CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state(): the CPU generator's mt19937 state
 
 
-def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: Any) -> list[gpu_terms.ExtraBuffer]:
+def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: Any) -> list[trace_edit.ExtraBuffer]:
     """The CPU RNG state `torch.utils.checkpoint` saves per checkpointed call
     (`preserve_rng_state=True`: full and attention-only checkpointing, not torchtitan's
     op-level policy), from the block's forward to the end of its backward. It is made by
@@ -436,7 +435,7 @@ def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: Any) -> list[gp
     if setup.checkpointing not in ("full", "selective"):
         return []
     device = int(np.bincount(trace.buffers["device"]).argmax()) if trace.num_buffers else 0
-    return [gpu_terms.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",
+    return [trace_edit.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",
                                   device=device)
             for spans in block_spans(trace, blocks_path).values() if "forward" in spans and "backward" in spans]
 
@@ -458,16 +457,7 @@ def _gloo_view(step: StepTrace) -> Trace:
     """A traced parallel cpu step plus gloo's all-gather staging buffers."""
     from memplan.parallel.traced import gloo_staging_buffers
 
-    return gpu_terms.with_extra_buffers(step.trace, gloo_staging_buffers(step.trace))
-
-
-def roofline_seconds(trace: Trace, profile: DeviceProfile, dtype: str) -> float:
-    """Sum over ops of max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth): the
-    roofline model of PyTorch's `RuntimeEstimator` (roofline mode), on one device."""
-    flops = np.nan_to_num(trace.ops["flops"], nan=0.0)
-    moved = np.nan_to_num(trace.ops["bytes_moved"], nan=0.0)
-    per_op = np.maximum(flops / profile.matmul_flops_per_s(dtype), moved / profile.memory_bandwidth_bytes_per_s)
-    return float(per_op.sum())
+    return trace_edit.with_extra_buffers(step.trace, gloo_staging_buffers(step.trace))
 
 
 def _cached_capture(config: Any, depth: int | None, setup: Any, device: str,
@@ -478,9 +468,9 @@ def _cached_capture(config: Any, depth: int | None, setup: Any, device: str,
 
     pipelined = layout is not None and layout.pp > 1
     if pipelined and depth is not None:  # `depth` blocks per stage: every stage's blocks are built
-        target = layers.with_layers(config, depth * layout.pp)
+        target = with_layers(config, depth * layout.pp)
     else:
-        target = layers.with_layers(config, depth) if depth is not None else config
+        target = with_layers(config, depth) if depth is not None else config
     key = (json.dumps(target.to_dict(), sort_keys=True, default=str), json.dumps(setup.to_dict(), sort_keys=True),
            device, json.dumps(layout.to_dict(), sort_keys=True) if layout is not None else None, rank)
     if cache is not None and key in cache:

@@ -15,9 +15,8 @@ definite answer: neither search dominates the other (the skyline search is the
 stronger on random guillotine cuts, the offset-order search on minimalloc's own
 challenging benchmarks). Past its share of the time, the offset-order search's thread
 runs the skyline search on the time-reversed problem, whose canonical form stalls on
-other instances than the forward one's. The file is compiled with `torch.utils.cpp_extension.load`
-(ninja, cached under `TORCH_EXTENSIONS_DIR`, keyed by the source's hash), as
-`memplan.runtime.build` compiles the planned allocator.
+other instances than the forward one's. The file is compiled by `memplan.native.build_extension`, the loader the planned
+allocator's build uses too.
 
 `available()` says whether the engines can be used (a compiler and ninja present, and
 the build succeeded); callers fall back to the Python search when they cannot.
@@ -33,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 
 from memplan.errors import UserError
-from memplan.runtime.build import missing_build_tools
+from memplan.native import build_extension
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +43,9 @@ EXTENSION = "memplan_offset_search"
 @cache
 def extension() -> ModuleType:
     """The compiled searches (`solve`, `solve_offset_order`, `solve_portfolio`)."""
-    missing = missing_build_tools()
-    if missing:
-        raise UserError("memplan's exact offset search compiles a small C++ extension and needs " + " and ".join(missing))
-    from torch.utils.cpp_extension import load
-
-    try:
-        return load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=["-O2", "-std=c++17"], verbose=False)
-    except (RuntimeError, OSError) as exc:
-        raise UserError(f"could not compile memplan's exact offset search: {str(exc).strip().splitlines()[-1]}") from exc
+    module = build_extension(EXTENSION, [SOURCE], purpose="memplan's exact offset search")
+    assert module is not None
+    return module
 
 
 @cache

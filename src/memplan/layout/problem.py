@@ -5,7 +5,7 @@ integer time axis, a size in bytes and an alignment; a solution gives each buffe
 offset so that buffers alive at the same time never overlap in address space. The
 decision form asks for every `offset + nbytes <= capacity`; the optimisation form for
 the smallest height `max(offset + nbytes)`. This is minimalloc's model (Moffitt,
-ASPLOS 2023; google/minimalloc), whose CSV format `memplan.trace.minimalloc` reads.
+ASPLOS 2023; google/minimalloc), whose CSV format `memplan.layout.minimalloc_csv` reads.
 
 Assumptions, checked by `Problem.check`:
 - ids are unique strings; `lower < upper`; `nbytes > 0`;

@@ -58,6 +58,7 @@ from memplan.layout.plan import (
     trace_fingerprint,
 )
 from memplan.layout.validate import check_offsets
+from memplan.trace.edit import device_view
 from memplan.trace.model import CATEGORY, PHASE, Trace
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,6 @@ def plan(
     Only one device is planned: buffers of other devices (and cpu) count as zero bytes,
     exactly as `memplan.simulate` views the trace (`device` picks one when it has several).
     """
-    from memplan.alloc.simulate import device_view
-
     start = time.monotonic()
     trace = device_view(trace, device)
     if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):

@@ -9,6 +9,7 @@ from memplan.models.build import (
     autocast,
     build_model,
     build_optimizer,
+    count_parameters,
     forward_loss,
     is_fake_mode_active,
     make_batch,
@@ -17,7 +18,6 @@ from memplan.models.build import (
 )
 from memplan.models.registry import (
     FactorySpec,
-    count_parameters,
     list_models,
     load_config,
     provenance,

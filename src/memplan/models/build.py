@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import UserError
-from memplan.models.registry import FactorySpec, load_config
+from memplan.models.registry import FactorySpec, as_config, load_config
 from memplan.models.setup import DEFAULT_MAX_SEQ, TrainingSetup
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -521,3 +521,14 @@ def autocast(setup: TrainingSetup, device: str = "cpu") -> contextlib.AbstractCo
     if setup.autocast == "none":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast])
+
+
+def count_parameters(spec: Any) -> int:
+    """Number of parameters of the model a spec builds (tied weights counted once).
+
+    Builds on the meta device: no memory, a fraction of a second even for 70B models.
+    """
+    config = as_config(spec)
+    with torch.device("meta"):
+        model = instantiate(model_class(config), config)
+    return sum(p.numel() for p in model.parameters())

@@ -153,7 +153,8 @@ def load_config(spec: str) -> Any:
     raise UserError(_unknown_model_message(spec))
 
 
-def _as_config(spec: Any) -> Any:
+def as_config(spec: Any) -> Any:
+    """The HF config a spec names (a registry name or config path); UserError for a factory."""
     if isinstance(spec, str):
         spec = load_config(spec)
     if isinstance(spec, FactorySpec):
@@ -170,7 +171,7 @@ def tiny_config(spec: Any, **overrides: Any) -> Any:
     128-token sliding window where the model has one. `overrides` are set last (config
     attribute names, e.g. `num_hidden_layers=4`).
     """
-    config = _as_config(spec)
+    config = as_config(spec)
     data = config.to_dict()
     hidden = config.hidden_size
     heads = config.num_attention_heads
@@ -231,18 +232,3 @@ def _canonical_keys(config: Any, values: dict[str, Any]) -> dict[str, Any]:
     """Map generic names (hidden_size) to the class's own keys (n_embd) for `from_dict`."""
     attribute_map = getattr(config, "attribute_map", {}) or {}
     return {attribute_map.get(k, k): v for k, v in values.items()}
-
-
-def count_parameters(spec: Any) -> int:
-    """Number of parameters of the model a spec builds (tied weights counted once).
-
-    Builds on the meta device: no memory, a fraction of a second even for 70B models.
-    """
-    import torch
-
-    from memplan.models.build import instantiate, model_class
-
-    config = _as_config(spec)
-    with torch.device("meta"):
-        model = instantiate(model_class(config), config)
-    return sum(p.numel() for p in model.parameters())

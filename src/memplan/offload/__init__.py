@@ -6,7 +6,7 @@
 tensor (`OffloadPlan.tensors`, a `TensorSchedule`).
 """
 
-from memplan.offload.hardware import Hardware, make_hardware, parse_nvme_spec
+from memplan.hardware.links import Hardware, make_hardware, parse_nvme_spec
 from memplan.offload.lifetimes import (
     Lifetimes,
     analyse,

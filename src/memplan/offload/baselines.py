@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from memplan.offload.hardware import Hardware, cpu_adam_params_per_s
+from memplan.hardware.links import Hardware, cpu_adam_params_per_s
 from memplan.offload.lifetimes import Lifetimes
 from memplan.offload.simulate import Move, SimResult, simulate
 from memplan.trace.model import CATEGORY, PHASE, Trace

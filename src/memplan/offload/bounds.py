@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memplan.offload.hardware import Hardware
+from memplan.hardware.links import Hardware
 from memplan.offload.lifetimes import Lifetimes
 from memplan.trace.model import Trace
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memplan.hardware.links import Hardware
 from memplan.offload.baselines import run_baselines
 from memplan.offload.bounds import step_lower_bound_s
-from memplan.offload.hardware import Hardware
 from memplan.offload.lifetimes import analyse, roofline_op_durations_s
 from memplan.offload.planner import OffloadPlan, plan_lifetimes
 from memplan.offload.simulate import simulate_plan

@@ -22,19 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.estimation.devices import DeviceProfile
+from memplan.hardware.devices import DeviceProfile
+from memplan.hardware.roofline import op_seconds
 from memplan.trace.model import ALLOC, Trace
 
 
 def roofline_op_durations_s(trace: Trace, gpu: DeviceProfile, dtype: str | None = None) -> np.ndarray:
-    """Per-op seconds on `gpu`: max(compute, memory traffic); unknown FLOPs or bytes count as 0."""
-    if dtype is None:
-        dtype = str(trace.meta.get("setup", {}).get("dtype", "fp32"))
-    flops = np.nan_to_num(trace.ops["flops"].astype(np.float64), nan=0.0)
-    moved = np.nan_to_num(trace.ops["bytes_moved"].astype(np.float64), nan=0.0)
-    compute_s = flops / gpu.matmul_flops_per_s(dtype)
-    memory_s = moved / gpu.memory_bandwidth_bytes_per_s
-    return np.maximum(compute_s, memory_s)
+    """Per-op seconds on `gpu` by the roofline of `memplan.hardware.roofline` (autocast honoured)."""
+    return op_seconds(trace, gpu, dtype)
 
 
 def measured_op_durations_s(trace: Trace, durations_s: np.ndarray | list[float] | None = None) -> np.ndarray:

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.offload.hardware import Hardware
+from memplan.hardware.links import Hardware
 from memplan.offload.lifetimes import Lifetimes, analyse, roofline_op_durations_s
 from memplan.offload.schedule import TensorSchedule, tensor_schedule
 from memplan.trace.model import CATEGORY, Trace

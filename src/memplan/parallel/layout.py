@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from memplan.errors import UserError
+from memplan.models.depth import num_layers
 
 SCHEDULES = ("1f1b", "interleaved")
 FSDP_PARAM_DTYPES = ("bf16", "fp16", "fp32")
@@ -86,8 +87,6 @@ class Layout:
             if kv % self.tp:
                 raise UserError(f"tp {self.tp} does not divide the {kv} key/value heads: pick a divisor of {kv}")
         if self.pp > 1:
-            from memplan.estimation.layers import num_layers
-
             blocks = num_layers(config) or 0
             chunks = self.pp * (INTERLEAVED_CHUNKS if self.schedule == "interleaved" else 1)
             if blocks % chunks:

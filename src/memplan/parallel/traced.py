@@ -25,7 +25,7 @@ free and a new allocation (the same instrumentation point PyTorch's own
 `FSDPMemTracker` relies on: FSDP2's internals, not the op stream).
 
 What the fake group cannot show: memory inside the communication backend. NCCL's
-are a device-profile term of the estimate (`memplan.estimation.devices`). gloo, the
+are a device-profile term of the estimate (`memplan.hardware.devices`). gloo, the
 CPU backend, allocates per all-gather one buffer of the output's size inside the op on
 the calling thread, then one on its own worker thread, freed when the collective
 completes (measured with torch.profiler on gloo runs; none for reduce-scatter). They
@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from memplan.capture import capture
 from memplan.capture.recorder import Recorder
-from memplan.estimation.gpu_terms import ExtraBuffer
+from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, FREE, Trace
 
 GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default")

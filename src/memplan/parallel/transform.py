@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from memplan.estimation.gpu_terms import ExtraBuffer, with_extra_buffers
+from memplan.trace.edit import ExtraBuffer, with_extra_buffers
 from memplan.trace.model import CATEGORY, PHASE, Trace
 
 NORM_PATTERN = re.compile(r"(norm|ln_|layernorm|ln\d|\.ln$)", re.IGNORECASE)

@@ -42,8 +42,8 @@ class ReportInputs:
 
 def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
     """Load and classify every input; UserError for unknown or mismatched ones."""
-    from memplan.cli.show import load_any
     from memplan.layout.plan import Plan
+    from memplan.trace import load
 
     inputs = ReportInputs()
     if not paths:
@@ -70,7 +70,7 @@ def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
             else:
                 getattr(inputs, kind + "s").append((path.name, doc))
         else:
-            inputs.traces.append((path.name, load_any(str(path))))
+            inputs.traces.append((path.name, load(str(path))))
     for name, plan in inputs.plans:
         if not inputs.traces:
             raise UserError(f"plan {name} needs the trace it was made for among the inputs")
@@ -130,7 +130,8 @@ def caching_addresses(trace: Trace, expandable: bool = False) -> tuple[Trace, np
     """Replay through the caching allocator; per buffer its block address (from 0) and size."""
     from memplan.alloc.caching import CachingAllocator
     from memplan.alloc.conf import AllocConf
-    from memplan.alloc.simulate import device_view, replay
+    from memplan.alloc.simulate import replay
+    from memplan.trace.edit import device_view
 
     view = device_view(trace)
     conf = AllocConf.parse("expandable_segments:True" if expandable else None)

@@ -1,6 +1,6 @@
 """The lifetime trace: data model, validation, files, importers and exporters."""
 
-from memplan.trace.io import load, save, save_json, to_json
+from memplan.trace.io import load, load_memtrace, save, save_json, to_json
 from memplan.trace.model import (
     ALLOC,
     CATEGORIES,
@@ -25,6 +25,7 @@ __all__ = [
     "TraceError",
     "from_events",
     "load",
+    "load_memtrace",
     "load_snapshot",
     "save",
     "save_json",

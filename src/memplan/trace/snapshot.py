@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.trace.io import FORMAT_NAME, FORMAT_VERSION, atomic_write
+from memplan.trace.memtrace import FORMAT_NAME, FORMAT_VERSION, atomic_write
 from memplan.trace.model import (
     ALLOC,
     BUFFER_COLUMNS,

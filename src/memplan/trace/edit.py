@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memplan.errors import UserError
 from memplan.trace.model import ALLOC, CATEGORY, FREE, PHASE, Trace
 from memplan.trace.validate import validate
 
@@ -187,3 +188,28 @@ def workspace_buffer(trace: Trace, nbytes: int) -> list[ExtraBuffer]:
         return []
     device = int(np.bincount(trace.buffers["device"]).argmax()) if trace.num_buffers else 0
     return [ExtraBuffer(nbytes=int(nbytes), alloc_before=0, free_before=-1, category="other", device=device)]
+
+def device_view(trace: Trace, device: str | None = None) -> Trace:
+    """The trace with buffers of every other device (cpu included) given zero bytes.
+
+    With one non-cpu device (or none) and no `device` asked for, the trace itself.
+    """
+    names = trace.devices
+    used = sorted({names[int(i)] for i in np.unique(trace.buffers["device"])}) if trace.num_buffers else []
+    if device is None:
+        accelerators = [name for name in used if name != "cpu"]
+        if len(accelerators) > 1:
+            raise UserError(f"the trace has buffers on {', '.join(accelerators)}: pick one with --device")
+        if not accelerators or len(used) == 1:
+            return trace
+        device = accelerators[0]
+    if device not in names:
+        raise UserError(f"device {device!r} is not in the trace (it has {', '.join(used) or 'no buffers'})")
+    keep = trace.buffers["device"] == names.index(device)
+    if bool(keep.all()):
+        return trace
+    buffers = dict(trace.buffers)
+    buffers["nbytes"] = np.where(keep, trace.buffers["nbytes"], 0)
+    return Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr,
+                 op_names=trace.op_names, modules=trace.modules, devices=trace.devices,
+                 meta=trace.meta)

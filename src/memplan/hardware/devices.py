@@ -64,7 +64,7 @@ class DeviceProfile:
 
 @lru_cache(maxsize=1)
 def _raw() -> dict[str, Any]:
-    text = (resources.files("memplan.estimation") / "devices.json").read_text(encoding="utf-8")
+    text = (resources.files("memplan.hardware") / "devices.json").read_text(encoding="utf-8")
     return json.loads(text)
 
 

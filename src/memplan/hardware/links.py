@@ -30,7 +30,7 @@ from importlib import resources
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.estimation.devices import DeviceProfile, device_profile
+from memplan.hardware.devices import DeviceProfile, device_profile
 from memplan.units import format_bytes, parse_size
 
 LINKS = ("ssd_write", "ssd_read", "host_write", "host_read")
@@ -38,7 +38,7 @@ LINKS = ("ssd_write", "ssd_read", "host_write", "host_read")
 
 @lru_cache(maxsize=1)
 def _raw() -> dict[str, Any]:
-    text = (resources.files("memplan.offload") / "hardware.json").read_text(encoding="utf-8")
+    text = (resources.files("memplan.hardware") / "links.json").read_text(encoding="utf-8")
     return json.loads(text)
 
 

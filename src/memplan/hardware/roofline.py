@@ -1,0 +1,44 @@
+"""The one roofline: how long each op of a trace takes on a GPU profile.
+
+An op takes max(FLOPs / peak matmul FLOP/s, bytes moved / memory bandwidth), as
+PyTorch's `torch.distributed._tools.runtime_estimator.RuntimeEstimator` does in its
+roofline mode (`_roofline_estimate`). Matmuls run in the autocast dtype when the step
+autocasts, else in the parameters' dtype. Unknown FLOPs or bytes count as 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from memplan.hardware.devices import DeviceProfile
+from memplan.trace.model import Trace
+
+
+def matmul_dtype(setup: Mapping[str, Any] | Any) -> str:
+    """The dtype a step's matmuls run in: its autocast dtype, else its parameters' dtype.
+
+    `setup` is a `TrainingSetup` or its dict form (what a trace keeps in `meta["setup"]`).
+    """
+    get = setup.get if isinstance(setup, Mapping) else lambda key, default: getattr(setup, key, default)
+    autocast = str(get("autocast", "none") or "none")
+    return autocast if autocast != "none" else str(get("dtype", "fp32"))
+
+
+def op_seconds(trace: Trace, profile: DeviceProfile, dtype: str | None = None) -> np.ndarray:
+    """Per-op seconds of `trace` on `profile`; `dtype` defaults to the trace's own setup's
+    matmul dtype (`matmul_dtype(trace.meta["setup"])`, fp32 without a setup)."""
+    if dtype is None:
+        dtype = matmul_dtype(trace.meta.get("setup") or {})
+    flops = np.nan_to_num(trace.ops["flops"].astype(np.float64), nan=0.0)
+    moved = np.nan_to_num(trace.ops["bytes_moved"].astype(np.float64), nan=0.0)
+    compute_s = flops / profile.matmul_flops_per_s(dtype)
+    memory_s = moved / profile.memory_bandwidth_bytes_per_s
+    return np.maximum(compute_s, memory_s)
+
+
+def step_seconds(trace: Trace, profile: DeviceProfile, dtype: str | None = None) -> float:
+    """The whole step's roofline time: the sum of `op_seconds`."""
+    return float(op_seconds(trace, profile, dtype).sum())
