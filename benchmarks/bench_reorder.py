@@ -1,4 +1,4 @@
-"""Benchmark: operator reordering of whole training steps (memplan.order, issue 7).
+"""Benchmark: operator reordering of whole training steps (memplan.order, docs/reorder.md).
 
 For each model and batch, traces the whole training step (forward, loss, backward,
 AdamW; a CUDA job's defaults: foreach optimizer, split per parameter) on fake tensors
@@ -33,8 +33,8 @@ CASES = [
     ("opt-350m", "opt-350m", 1024, (1, 32)),
 ]
 
-# Beyond the issue's cases: short sequences, where the optimizer phase (gradients and
-# AdamW temporaries) rather than the saved activations sets the peak.
+# Beyond the main cases: short sequences, where the optimizer phase (gradients and
+# AdamW temporaries) rather than the saved activations sets the peak (docs/reorder.md §5).
 SHORT_CASES = [
     ("gpt2", "gpt2", 128, (1,)),
     ("gpt2-xl", "gpt2-xl", 128, (1,)),
@@ -175,7 +175,7 @@ def write_section(
             f"{_gib(r['inductor'])} | {_gib(r['optimized'])} | {100 * red:.1f}% | {100 * red_i:.1f}% | "
             f"{_gib(r['lower_bound'])} | {r['optimize_s']:.1f} | {r['total_s']:.1f} |"
         )
-    lines += ["", f"The issue's cases (first {len(rows)} rows): {_summary(rows)}."]
+    lines += ["", f"Main cases (first {len(rows)} rows): {_summary(rows)}."]
     if short_rows:
         lines += ["", f"Short sequences (last {len(short_rows)} rows, seq 128): {_summary(short_rows)}."]
     lines += ["<!-- /bench:reorder -->"]
@@ -188,7 +188,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--only", nargs="*", default=None, help="labels to run (default all)")
-    parser.add_argument("--no-short", action="store_true", help="only the issue's cases (no seq-128 rows)")
+    parser.add_argument("--no-short", action="store_true", help="only the main cases (no seq-128 rows)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
     import logging

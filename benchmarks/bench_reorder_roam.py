@@ -1,4 +1,4 @@
-"""Benchmark: memplan reorder on ROAM's own benchmark set (issue 7, facts.md §5).
+"""Benchmark: memplan reorder on ROAM's own benchmark set (docs/sources.md §5).
 
 ROAM (Shu et al., arXiv 2310.19295; public code HuiyaoShu/ROAM) reports 15.9% less
 theoretical peak than PyTorch's order on average (up to 41%) over 14 runs: alexnet,
@@ -12,8 +12,8 @@ memplan's order, and the proven lower bound.
 
 Inputs: images 3x224x224, 1000 classes, cross-entropy loss, torchvision models built
 with `weights=None`; roberta-base (transformers, masked-LM loss) at seq 512, the seq of
-`bench_reorder.py`'s roberta-base rows and the model's maximum (ROAM's seq is not in
-facts.md). Batch-norm buffers (running mean/var, batch counter) are persistent state,
+`bench_reorder.py`'s roberta-base rows and the model's maximum (ROAM does not state
+its seq). Batch-norm buffers (running mean/var, batch counter) are persistent state,
 updated in place by the forward pass, as in eager PyTorch.
 
 torchvision is a benchmark-only dependency (`pip install torchvision==0.28.0`). With a
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_reorder import _summary, progress_line, reproduce_command, run_case  # noqa: E402 - after the path insert
 
-# ROAM's figures on this set (facts.md §5): theoretical peak vs PyTorch's order
+# ROAM's figures on this set (docs/sources.md §5): theoretical peak vs PyTorch's order
 ROAM_MEAN_REDUCTION = 0.159
 ROAM_MAX_REDUCTION = 0.41
 # ROAM's per-run reductions, from its repository (HuiyaoShu/ROAM): 1 - results/ours_mem_ss.csv
@@ -219,9 +219,9 @@ def write_section(rows: list[tuple[str, int, int | None, dict]], extra_rows: lis
         "",
         f"Command: `{command}`",
         "",
-        "ROAM's 14 runs (facts.md §5): torchvision alexnet, vgg11, mnasnet0_5, mobilenet_v2,",
+        "ROAM's 14 runs (docs/sources.md §5): torchvision alexnet, vgg11, mnasnet0_5, mobilenet_v2,",
         "efficientnet_b0, vit_b_16 (weights=None, 3x224x224 images, 1000 classes, cross-entropy)",
-        f"and roberta-base (transformers, masked-LM loss, seq {ROBERTA_SEQ}: ROAM's seq is not in facts.md;",
+        f"and roberta-base (transformers, masked-LM loss, seq {ROBERTA_SEQ}: ROAM does not state its seq;",
         "512 is the model's maximum and the seq of the `reorder` table's roberta-base rows), each",
         "at batch 1 and 32. Whole training step with foreach Adam (as ROAM), fp32, traced on fake",
         "tensors with a CUDA job's defaults; otherwise the definitions and pipeline of the",

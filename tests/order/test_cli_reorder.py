@@ -1,4 +1,4 @@
-"""`memplan reorder`: the JSON the issue asks for, and one-line errors for bad input."""
+"""`memplan reorder`: its JSON report, and one-line errors for bad input."""
 
 from __future__ import annotations
 

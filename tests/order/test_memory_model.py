@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memplan.errors import MemplanBug
 from memplan.order import capture_step_graph, peak_of_order
 from memplan.order.graph import INPUT, INTERMEDIATE
-from memplan.order.validate import OrderError, validate_order
+from memplan.order.validate import OrderBug, validate_order
 
 F32 = 4
 
@@ -110,7 +111,7 @@ def test_the_validator_rejects_a_write_moved_before_an_earlier_read():
     i, j = names.index("mul_1"), names.index("add_")
     swapped = list(names)
     swapped[i], swapped[j] = swapped[j], swapped[i]
-    with pytest.raises(OrderError):
+    with pytest.raises(OrderBug):
         validate_order(graph.gm, swapped)
 
 
@@ -120,8 +121,9 @@ def test_the_validator_rejects_an_operator_before_its_input():
 
     graph = _graph(step, torch.ones(4))
     names = [node.name for node in graph.ops]
-    with pytest.raises(OrderError):
+    with pytest.raises(OrderBug):
         validate_order(graph.gm, names[::-1])
+    assert issubclass(OrderBug, MemplanBug)  # memplan's own mistake, not bad input
 
 
 def test_the_validator_recomputes_the_models_peak():

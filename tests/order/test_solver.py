@@ -20,6 +20,7 @@ from memplan.order.graph import split_foreach
 from memplan.order.memory import last_uses
 from memplan.order.solve import _solve_window, hoist_updates, key_points, optimize_order
 from memplan.order.validate import validate_order
+from memplan.trace.model import PHASE, PHASES
 
 
 def two_branches(x):
@@ -223,11 +224,10 @@ def test_early_updates_run_each_update_right_after_its_gradient():
     graph = capture_step_graph(step, x)
     order = hoist_updates(graph, program_order(graph))
     position = {v: p for p, v in enumerate(order)}
-    from memplan.order.graph import BACKWARD, OPTIMIZER
-
-    last_backward = max(position[v] for v in range(graph.num_ops) if graph.phase[v] == BACKWARD)
-    first_update = min(position[v] for v in range(graph.num_ops) if graph.phase[v] == OPTIMIZER)
+    last_backward = max(position[v] for v in range(graph.num_ops) if graph.phase[v] == PHASE["backward"])
+    first_update = min(position[v] for v in range(graph.num_ops) if graph.phase[v] == PHASE["optimizer"])
     assert first_update < last_backward  # the last layer's update runs inside the backward pass
+    assert {PHASES[p] for p in graph.phase} == {"forward", "backward", "optimizer"}  # the trace's codes
 
 
 def test_a_step_that_keeps_zeroed_gradients_is_refused_before_tracing():

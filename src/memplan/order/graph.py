@@ -14,7 +14,8 @@ that graph with `make_fx` and derives from it what a scheduler needs:
   order), plus the program order of random operators (so dropout draws the same
   numbers in any order);
 - phases: forward up to the loss, backward, optimizer (from the first write to a
-  persistent storage), which the Inductor-style baselines keep apart.
+  persistent storage), which the Inductor-style baselines keep apart. Phase codes are
+  the trace's (`memplan.trace.model.PHASE`), so a code means the same in both.
 
 Capture: the graph is not functionalised: in-place optimizer updates stay in-place, so
 the graph executes as a GraphModule with the memory behaviour of eager PyTorch, and
@@ -26,8 +27,8 @@ of two ways:
   states as graph constants (the very tensor objects, so running the GraphModule
   updates them in place) and leaves them untouched while tracing;
 - `capture_model_step(spec, setup)`: the model, optimizer and batch are all built in
-  one `FakeTensorMode` (facts.md §5: an optimizer built over real parameters and traced
-  with fake inputs drops its update), for any model size.
+  one `FakeTensorMode` (an optimizer built over real parameters and traced with fake
+  inputs drops its update from the graph: docs/sources.md §5), for any model size.
 
 Assumptions: the step's optimizer state exists before tracing (one warm-up step),
 otherwise its lazy creation is traced as part of every step; the step reads no tensor
@@ -39,17 +40,27 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan import models
+from memplan.capture.cuda_kernels import kernels_as_on_cuda
+from memplan.capture.step import build_training_step
 from memplan.errors import UserError
-
-FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2
-PHASE_NAMES = ("forward", "backward", "optimizer")
+from memplan.trace.model import PHASE
 
 PERSISTENT, INPUT, INTERMEDIATE = 0, 1, 2
 
@@ -63,6 +74,8 @@ class StepGraph:
     storage `i` reads, writes or returns a view of (a storage dies after its last use).
     Storage `s` has `storage_nbytes[s]` and `storage_kind[s]` (PERSISTENT, INPUT,
     INTERMEDIATE); `live_out` are storages the graph returns (alive to the end).
+    `phase[i]` is the code of `i`'s phase in `memplan.trace.model.PHASE` (forward,
+    backward or optimizer).
     """
 
     gm: fx.GraphModule
@@ -144,102 +157,157 @@ def _is_random(target: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def analyse(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph:
-    """Scheduling facts of a traced step (see `StepGraph` and the module docstring)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+@dataclass
+class _Storages:
+    """The storages of a graph, numbered in the order they are first seen."""
 
-    storage_nbytes: list[int] = []
-    storage_kind: list[int] = []
+    nbytes: list[int] = field(default_factory=list)
+    kind: list[int] = field(default_factory=list)
+
+    def new(self, nbytes: int, kind: int) -> int:
+        self.nbytes.append(nbytes)
+        self.kind.append(kind)
+        return len(self.nbytes) - 1
+
+
+@dataclass
+class _OpStorages:
+    """Per operator (program order): the storages it creates, touches and writes."""
+
+    ops: list[fx.Node] = field(default_factory=list)
+    creates: list[list[int]] = field(default_factory=list)
+    uses: list[list[int]] = field(default_factory=list)
+    writes: list[list[int]] = field(default_factory=list)
+    live_out: set[int] = field(default_factory=set)
+    scalar_reads: int = 0
+
+
+def step_graph(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph:
+    """The `StepGraph` of a traced step: its scheduling facts (see the module docstring)."""
+    storages = _Storages()
+    facts = _op_storages(gm, storages)
+    preds = _dependencies(facts.ops, facts.uses, facts.writes)
+    phase = _phases(facts.ops, preds, facts.writes, storages.kind)
+    return StepGraph(
+        gm=gm,
+        ops=facts.ops,
+        preds=[sorted(p) for p in preds],
+        creates=facts.creates,
+        uses=facts.uses,
+        storage_nbytes=storages.nbytes,
+        storage_kind=storages.kind,
+        live_out=facts.live_out,
+        phase=phase,
+        scalar_reads=facts.scalar_reads,
+        meta=dict(meta or {}),
+    )
+
+
+def _op_storages(gm: fx.GraphModule, storages: _Storages) -> _OpStorages:
+    """Walk `gm`'s nodes in program order, numbering storages in `storages`: inputs and
+    graph constants (one storage per distinct constant storage) are persistent, every
+    fresh operator output is intermediate, aliases share their argument's storage."""
     const_storage: dict[Any, int] = {}
     node_storage: dict[fx.Node, Any] = {}
-
-    def new_storage(nbytes: int, kind: int) -> int:
-        storage_nbytes.append(nbytes)
-        storage_kind.append(kind)
-        return len(storage_nbytes) - 1
-
-    ops: list[fx.Node] = []
-    creates: list[list[int]] = []
-    uses: list[list[int]] = []
-    writes: list[list[int]] = []
-    live_out: set[int] = set()
-    scalar_reads = 0
+    facts = _OpStorages()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
-                node_storage[node] = new_storage(_storage_nbytes(val), INPUT)
+                node_storage[node] = storages.new(_storage_nbytes(val), INPUT)
             continue
         if node.op == "get_attr":
             obj = getattr(gm, node.target)
             if isinstance(obj, torch.Tensor):
                 key = StorageWeakRef(obj.untyped_storage())
                 if key not in const_storage:
-                    const_storage[key] = new_storage(_storage_nbytes(obj), PERSISTENT)
+                    const_storage[key] = storages.new(_storage_nbytes(obj), PERSISTENT)
                 node_storage[node] = const_storage[key]
             continue
         if node.op == "output":
             for leaf in _flatten_nodes(node.args):
-                live_out.update(_flatten_storages(node_storage.get(leaf)))
+                facts.live_out.update(_flatten_storages(node_storage.get(leaf)))
             continue
         if node.op != "call_function":
             raise UserError(f"cannot schedule fx node {node.name} of kind {node.op}")
 
-        ops.append(node)
-        args = _tensor_args(node)
-        arg_storage = [(leaf, j, node_storage.get(leaf)) for leaf, j in args]
+        facts.ops.append(node)
+        arg_storage = [(leaf, j, node_storage.get(leaf)) for leaf, j in _tensor_args(node)]
         made: list[int] = []
         written: list[int] = []
-        val = node.meta.get("val")
         if node.target is operator.getitem:
             source = node_storage.get(node.args[0])
             item = source[node.args[1]] if isinstance(source, (list, tuple)) else source
             node_storage[node] = item
         elif node.target is torch.ops.aten._local_scalar_dense.default:
-            scalar_reads += 1
+            facts.scalar_reads += 1
         else:
-            schema = getattr(node.target, "_schema", None)
-            alias_of: dict[str, Any] = {}
-            if schema is not None:
-                for j, sarg in enumerate(schema.arguments):
-                    info = sarg.alias_info
-                    if info is None:
-                        continue
-                    for _leaf, jj, st in arg_storage:
-                        if jj == j and st is not None:
-                            for name in info.before_set:
-                                alias_of.setdefault(name, st)
-                            if info.is_write:
-                                written.extend(_flatten_storages(st))
-            returns = list(schema.returns) if schema is not None else []
-
-            def storage_for(value: Any, ret_index: int, returns: list = returns, alias_of: dict = alias_of,
-                            made: list = made) -> Any:
-                info = returns[ret_index].alias_info if ret_index < len(returns) else None
-                if info is not None:
-                    for name in info.before_set:
-                        if name in alias_of:
-                            return alias_of[name]
-                if isinstance(value, torch.Tensor):
-                    s = new_storage(_storage_nbytes(value), INTERMEDIATE)
-                    made.append(s)
-                    return s
-                if isinstance(value, (list, tuple)):
-                    return [storage_for(v, ret_index) for v in value]
-                return None
-
-            if isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and len(returns) == 1):
-                node_storage[node] = storage_for(val, 0)
-            elif isinstance(val, (list, tuple)):
-                node_storage[node] = [storage_for(v, k) for k, v in enumerate(val)]
+            _call_storages(node, arg_storage, node_storage, storages, made, written)
         touched = set()
         for _leaf, _j, st in arg_storage:
             touched.update(_flatten_storages(st))
         touched.update(_flatten_storages(node_storage.get(node)))
-        creates.append(made)
-        uses.append(sorted(touched))
-        writes.append(sorted(set(written)))
+        facts.creates.append(made)
+        facts.uses.append(sorted(touched))
+        facts.writes.append(sorted(set(written)))
+    return facts
 
+
+def _call_storages(
+    node: fx.Node,
+    arg_storage: list[tuple[fx.Node, int | None, Any]],
+    node_storage: dict[fx.Node, Any],
+    storages: _Storages,
+    made: list[int],
+    written: list[int],
+) -> None:
+    """Set `node_storage[node]` for an operator call from its schema's alias sets: a
+    return in an argument's alias set (`Tensor(a)`) shares that argument's storage, any
+    other tensor gets a new storage (appended to `made`); arguments in a written alias
+    set (`Tensor(a!)`) go to `written`."""
+    schema = getattr(node.target, "_schema", None)
+    alias_of: dict[str, Any] = {}
+    if schema is not None:
+        for j, sarg in enumerate(schema.arguments):
+            info = sarg.alias_info
+            if info is None:
+                continue
+            for _leaf, jj, st in arg_storage:
+                if jj == j and st is not None:
+                    for name in info.before_set:
+                        alias_of.setdefault(name, st)
+                    if info.is_write:
+                        written.extend(_flatten_storages(st))
+    returns = list(schema.returns) if schema is not None else []
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and len(returns) == 1):
+        node_storage[node] = _return_storage(val, 0, returns, alias_of, storages, made)
+    elif isinstance(val, (list, tuple)):
+        node_storage[node] = [_return_storage(v, k, returns, alias_of, storages, made) for k, v in enumerate(val)]
+
+
+def _return_storage(
+    value: Any, ret_index: int, returns: list, alias_of: dict[str, Any], storages: _Storages, made: list[int]
+) -> Any:
+    """Storage (or nested list of storages) of the value of return `ret_index`."""
+    info = returns[ret_index].alias_info if ret_index < len(returns) else None
+    if info is not None:
+        for name in info.before_set:
+            if name in alias_of:
+                return alias_of[name]
+    if isinstance(value, torch.Tensor):
+        s = storages.new(_storage_nbytes(value), INTERMEDIATE)
+        made.append(s)
+        return s
+    if isinstance(value, (list, tuple)):
+        return [_return_storage(v, ret_index, returns, alias_of, storages, made) for v in value]
+    return None
+
+
+def _dependencies(ops: list[fx.Node], uses: list[list[int]], writes: list[list[int]]) -> list[set[int]]:
+    """Predecessors of each operator: data edges; the read-after-write, write-after-read
+    and write-after-write hazards on each storage, in program order; and the program
+    order of random operators."""
     index_of = {node: i for i, node in enumerate(ops)}
     preds: list[set[int]] = [set() for _ in ops]
     last_writer: dict[int, int] = {}
@@ -264,25 +332,12 @@ def analyse(gm: fx.GraphModule, meta: dict[str, Any] | None = None) -> StepGraph
                 preds[i].add(last_random)
             last_random = i
         preds[i].discard(i)
-    phase = _phases(ops, preds, writes, storage_kind)
-    return StepGraph(
-        gm=gm,
-        ops=ops,
-        preds=[sorted(p) for p in preds],
-        creates=creates,
-        uses=uses,
-        storage_nbytes=storage_nbytes,
-        storage_kind=storage_kind,
-        live_out=live_out,
-        phase=phase,
-        scalar_reads=scalar_reads,
-        meta=dict(meta or {}),
-    )
+    return preds
 
 
 def _phases(ops: list[fx.Node], preds: list[set[int]], writes: list[list[int]], kind: list[int]) -> list[int]:
     """Forward up to the loss, backward from the gradient seed, optimizer from the first
-    write to a persistent storage (program order)."""
+    write to a persistent storage (program order); codes of `memplan.trace.model.PHASE`."""
     seed = next(
         (i for i, n in enumerate(ops)
          if n.target is torch.ops.aten.ones_like.default
@@ -296,11 +351,11 @@ def _phases(ops: list[fx.Node], preds: list[set[int]], writes: list[list[int]], 
     phase = []
     for i in range(len(ops)):
         if first_update is not None and i >= first_update:
-            phase.append(OPTIMIZER)
+            phase.append(PHASE["optimizer"])
         elif seed is not None and i >= seed:
-            phase.append(BACKWARD)
+            phase.append(PHASE["backward"])
         else:
-            phase.append(FORWARD)
+            phase.append(PHASE["forward"])
     return phase
 
 
@@ -432,12 +487,9 @@ def _pick_overload(packet: Any, names: list[str], args: tuple[Any, ...], kwargs:
 
 
 def _trace(step_fn: Callable[..., Any], inputs: tuple[Any, ...]) -> fx.GraphModule:
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     try:
         return make_fx(step_fn)(*inputs)
-    except (DataDependentOutputException, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
         raise UserError(
             "the step cannot be traced as one graph: it depends on tensor values "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); remove data-dependent "
@@ -504,7 +556,7 @@ def reachable_tensors(step_fn: Callable[..., Any], depth: int = 4) -> list[torch
                 visit(value, level - 1)
 
     visit(step_fn, depth)
-    return [t for t in found.values() if not isinstance(t, torch._subclasses.fake_tensor.FakeTensor)]
+    return [t for t in found.values() if not isinstance(t, FakeTensor)]
 
 
 def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> StepGraph:
@@ -513,8 +565,6 @@ def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> Ste
     Runs on fake tensors: nothing of the real model or optimizer changes. The graph's
     constants are the real parameters and states, so `gm(*inputs)` runs a real step.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # FakeTensorMode runs an operator for real when none of its inputs is fake (an
     # optimizer's `buf.mul_(momentum)` on real state), so the real state the step can
     # reach is saved first and put back after tracing.
@@ -534,7 +584,7 @@ def capture_step_graph(step_fn: Callable[..., Any], *example_inputs: Any) -> Ste
         with torch.no_grad():
             for tensor, value in saved:
                 tensor.copy_(value)
-    graph = analyse(gm, {"foreach_split": split})
+    graph = step_graph(gm, {"foreach_split": split})
     if graph.scalar_reads:
         raise UserError(
             f"the step reads {graph.scalar_reads} tensor value(s) on the host (.item(), bool(tensor): "
@@ -553,14 +603,6 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
     `optimizer.step()` and `zero_grad(set_to_none=True)`. `device="cuda"` takes CUDA's
     defaults (foreach optimizer) on fake cpu tensors.
     """
-    import time
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memplan import models
-    from memplan.capture.cuda_kernels import kernels_as_on_cuda
-    from memplan.capture.step import build_training_step
-
     setup = setup if setup is not None else models.TrainingSetup()
     if setup.grad_accum != 1:
         raise UserError("reorder traces one micro-batch per step: use --grad-accum 1")
@@ -587,4 +629,4 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
             gm = _trace(train_step, (step.batches[0],))
         split = split_foreach(gm)
     meta = {**step.meta, "trace_s": round(time.perf_counter() - start, 3), "foreach_split": split}
-    return analyse(gm, meta)
+    return step_graph(gm, meta)

@@ -1,9 +1,9 @@
 """The memory of a training step run in a given operator order.
 
-ROAM's theoretical peak (Shu et al., arXiv 2310.19295, §3): walk the order; when an
-operator runs, its new storages are allocated while its inputs are still alive (that
-sum is a candidate for the peak); then every storage whose last use was this operator
-is freed. Persistent storages (parameters, buffers, optimizer states, the step's
+ROAM's theoretical peak (Shu et al., arXiv 2310.19295; docs/sources.md §5): walk the
+order; when an operator runs, its new storages are allocated while its inputs are
+still alive (that sum is a candidate for the peak); then every storage whose last use
+was this operator is freed. Persistent storages (parameters, buffers, optimizer states, the step's
 inputs) are alive throughout and sit under the transient peak. Storages the graph
 returns live to the end. This is also what a GraphModule does at run time: fx code
 generation drops each value right after its last user.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memplan.layout import pack
 from memplan.order.graph import INTERMEDIATE, StepGraph
 
 
@@ -33,10 +34,6 @@ class OrderMemory:
     peak_bytes: int
     persistent_bytes: int
     peak_position: int
-
-    @property
-    def transient_peak_bytes(self) -> int:
-        return self.peak_bytes - self.persistent_bytes
 
 
 def last_uses(graph: StepGraph, order: Sequence[int]) -> np.ndarray:
@@ -100,8 +97,6 @@ def lifetimes(graph: StepGraph, order: Sequence[int]) -> list[tuple[int, int, in
 
 def layout_peak(graph: StepGraph, order: Sequence[int], time_limit_s: float = 5.0, alignment: int = 1) -> int:
     """Persistent bytes plus the height of an offset packing of the intermediates."""
-    from memplan.layout import pack
-
     rows = [(lo, hi, n, alignment) for lo, hi, n in lifetimes(graph, order)]
     if not rows:
         return graph.persistent_bytes

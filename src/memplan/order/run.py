@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from memplan.errors import UserError
 from memplan.order.graph import StepGraph, capture_step_graph
 from memplan.order.solve import OrderResult, optimize_order
 
@@ -78,8 +79,6 @@ def reorder(
     fake tensors and leaves the model and optimizer untouched. Raises `UserError` for a
     step that depends on tensor values or a time limit that is not positive.
     """
-    from memplan.errors import UserError
-
     if not time_limit_s or time_limit_s <= 0:
         raise UserError(f"the time limit must be more than 0 seconds, not {time_limit_s}")
     graph = capture_step_graph(step_fn, *example_inputs)

@@ -31,19 +31,23 @@ peak), which shares no code with this module.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from memplan.errors import UserError
 from memplan.order.baselines import inductor_order, program_order, topological_sort_lpmf
-from memplan.order.graph import BACKWARD, INTERMEDIATE, OPTIMIZER, StepGraph
+from memplan.order.graph import INTERMEDIATE, StepGraph
 from memplan.order.memory import last_uses, memory_timeline, peak_of_order
+from memplan.order.validate import OrderBug, validate_order
+from memplan.trace.model import PHASE
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +127,11 @@ def hoist_updates(graph: StepGraph, base: Sequence[int]) -> list[int]:
     rank = {v: r for r, v in enumerate(base)}
     succs = graph.succs()
     indegree = [len(p) for p in graph.preds]
-    import heapq
-
+    optimizer = PHASE["optimizer"]
     heap: list[tuple[int, int, int]] = []
     for v in range(graph.num_ops):
         if indegree[v] == 0:
-            heapq.heappush(heap, (0 if graph.phase[v] == OPTIMIZER else 1, rank[v], v))
+            heapq.heappush(heap, (0 if graph.phase[v] == optimizer else 1, rank[v], v))
     order: list[int] = []
     while heap:
         _urgent, _r, v = heapq.heappop(heap)
@@ -136,7 +139,7 @@ def hoist_updates(graph: StepGraph, base: Sequence[int]) -> list[int]:
         for w in succs[v]:
             indegree[w] -= 1
             if indegree[w] == 0:
-                heapq.heappush(heap, (0 if graph.phase[w] == OPTIMIZER else 1, rank[w], w))
+                heapq.heappush(heap, (0 if graph.phase[w] == optimizer else 1, rank[w], w))
     if len(order) != graph.num_ops:
         raise RuntimeError("hoist_updates: the dependency graph has a cycle")
     return order
@@ -154,7 +157,7 @@ def key_points(graph: StepGraph, ignore_sources: bool = True) -> list[int]:
     """
     n = graph.num_ops
     counted = [True] * n
-    seed = next((v for v in range(n) if graph.phase[v] == BACKWARD), None)
+    seed = next((v for v in range(n) if graph.phase[v] == PHASE["backward"]), None)
     if ignore_sources and seed is not None:
         connected = {seed}
         stack = [seed]
@@ -194,7 +197,7 @@ def key_points(graph: StepGraph, ignore_sources: bool = True) -> list[int]:
 
 def _loss_position(graph: StepGraph, order: Sequence[int]) -> int:
     for p, v in enumerate(order):
-        if graph.phase[v] == BACKWARD:
+        if graph.phase[v] == PHASE["backward"]:
             return p
     return len(order) // 2
 
@@ -231,8 +234,45 @@ def _solve_window(
     nodes = list(order[a:b])
     n = len(nodes)
     local = {v: i for i, v in enumerate(nodes)}
+    creator, users = _window_storages(graph, nodes)
+    sizes = [graph.storage_nbytes[s] for s in users]
+    unit = math.gcd(*sizes) if sizes else 1
+    model = cp_model.CpModel()
+    pos = [model.new_int_var(0, n - 1, f"p{i}") for i in range(n)]
+    model.add_all_different(pos)
+    for v in nodes:
+        for u in graph.preds[v]:
+            if u in local:
+                model.add(pos[local[u]] < pos[local[v]])
+    intervals, demands, current_rows = _storage_intervals(
+        graph, model, pos, local, creator, users, last, b, n, unit
+    )
+    current = np.zeros(n, dtype=np.int64)
+    for lo, hi, nb in current_rows:
+        current[lo:hi + 1] += nb
+    current_peak = int(current.max()) if n else 0
+    if not intervals:
+        return None, current_peak, current_peak
+    capacity = model.new_int_var(0, int(sum(demands)), "peak")
+    model.add_cumulative(intervals, demands, capacity)
+    model.minimize(capacity)
+    for i in range(n):
+        model.add_hint(pos[i], i)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.num_workers = 1
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, current_peak, current_peak
+    solved_peak = int(solver.value(capacity)) * unit
+    new = sorted(nodes, key=lambda v: solver.value(pos[local[v]]))
+    return new, solved_peak, current_peak
+
+
+def _window_storages(graph: StepGraph, nodes: list[int]) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """The window's creator of each storage it creates, and the users in the window of
+    each non-empty intermediate storage it touches (no users: created, never used)."""
     nbytes = graph.storage_nbytes
-    # storages touched in the window: (start, end) as local positions or variables
     creator: dict[int, int] = {}
     for v in nodes:
         for s in graph.creates[v]:
@@ -245,15 +285,26 @@ def _solve_window(
     for s in creator:
         if nbytes[s] > 0:
             users.setdefault(s, [])
-    sizes = [nbytes[s] for s in users]
-    unit = math.gcd(*sizes) if sizes else 1
-    model = cp_model.CpModel()
-    pos = [model.new_int_var(0, n - 1, f"p{i}") for i in range(n)]
-    model.add_all_different(pos)
-    for v in nodes:
-        for u in graph.preds[v]:
-            if u in local:
-                model.add(pos[local[u]] < pos[local[v]])
+    return creator, users
+
+
+def _storage_intervals(
+    graph: StepGraph,
+    model: Any,
+    pos: list[Any],
+    local: dict[int, int],
+    creator: dict[int, int],
+    users: dict[int, list[int]],
+    last: np.ndarray,
+    b: int,
+    n: int,
+    unit: int,
+) -> tuple[list[Any], list[int], list[tuple[int, int, int]]]:
+    """One CP-SAT interval per storage of the window, from its creator (or the window's
+    start) to its last use (or the window's end if used after it), with its demand in
+    `unit`s; and the same rows (start, end, bytes) in the current order. Storages alive
+    across the whole window are a constant under it and left out."""
+    nbytes = graph.storage_nbytes
     intervals, demands = [], []
     current_rows = []
     for s, us in users.items():
@@ -287,26 +338,16 @@ def _solve_window(
         intervals.append(model.new_interval_var(start, size, end + 1, f"i{s}"))
         demands.append(nbytes[s] // unit)
         current_rows.append((cur_start, cur_end, nbytes[s]))
-    current = np.zeros(n, dtype=np.int64)
-    for lo, hi, nb in current_rows:
-        current[lo:hi + 1] += nb
-    current_peak = int(current.max()) if n else 0
-    if not intervals:
-        return None, current_peak, current_peak
-    capacity = model.new_int_var(0, int(sum(demands)), "peak")
-    model.add_cumulative(intervals, demands, capacity)
-    model.minimize(capacity)
-    for i in range(n):
-        model.add_hint(pos[i], i)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
-    solver.parameters.num_workers = 1
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, current_peak, current_peak
-    solved_peak = int(solver.value(capacity)) * unit
-    new = sorted(nodes, key=lambda v: solver.value(pos[local[v]]))
-    return new, solved_peak, current_peak
+    return intervals, demands, current_rows
+
+
+@dataclass
+class _Search:
+    """The optimiser's state: the best order so far, its peak and the run's figures."""
+
+    order: list[int]
+    peak_bytes: int
+    stats: dict[str, object]
 
 
 def optimize_order(
@@ -317,8 +358,6 @@ def optimize_order(
     workers: int = 2,
 ) -> OrderResult:
     """memplan's order for `graph` (see the module docstring), validated."""
-    from memplan.order.validate import validate_order
-
     if not time_limit_s or time_limit_s <= 0:
         raise UserError(f"the time limit must be more than 0 seconds, not {time_limit_s}")
     if node_limit < 2:
@@ -329,6 +368,41 @@ def optimize_order(
     baseline = peak_of_order(graph, program).peak_bytes
     inductor, inductor_peaks = inductor_order(graph)
     inductor_peak = peak_of_order(graph, inductor).peak_bytes
+    search = _starting_search(graph, program, inductor, inductor_peaks, deadline)
+    keys = set(key_points(graph)) if graph.num_ops <= 40000 else set()
+    search.stats.update({"key_points": len(keys), "windows_solved": 0, "windows_improved": 0, "rounds": 0})
+    rounds_without_gain = 0
+    round_index = 0
+    while time.perf_counter() < deadline - 0.1 and rounds_without_gain < 2:
+        shift = (node_limit // 2) if round_index % 2 else 0
+        round_index += 1
+        gained = _search_round(graph, search, keys, node_limit, shift, deadline, window_time_limit_s, workers)
+        if gained is None:
+            break
+        rounds_without_gain = 0 if gained else rounds_without_gain + 1
+    search.stats["rounds"] = round_index
+    result_peak = validate_order(graph.gm, [graph.ops[v].name for v in search.order])
+    if result_peak != search.peak_bytes:
+        raise OrderBug(f"reorder: the validator's peak {result_peak} differs from the solver's {search.peak_bytes}")
+    return OrderResult(
+        order=search.order,
+        baseline_peak_bytes=baseline,
+        inductor_peak_bytes=inductor_peak,
+        optimized_peak_bytes=search.peak_bytes,
+        lower_bound_bytes=lower_bound_bytes(graph),
+        num_nodes=graph.num_ops,
+        elapsed_s=round(time.perf_counter() - start, 3),
+        verified=True,
+        stats=search.stats,
+    )
+
+
+def _starting_search(
+    graph: StepGraph, program: list[int], inductor: list[int], inductor_peaks: dict[str, int], deadline: float
+) -> _Search:
+    """The lowest-peak candidate (module docstring, step 1): program order,
+    Inductor-style and, time allowing, whole-graph LPMF, each with and without early
+    weight updates; ties go to the first name alphabetically."""
     candidates = {
         "program": program,
         "inductor": inductor,
@@ -341,57 +415,41 @@ def optimize_order(
         candidates["lpmf+early-updates"] = hoist_updates(graph, lpmf)
     peaks = {name: peak_of_order(graph, o).peak_bytes for name, o in candidates.items()}
     start_name = min(peaks, key=lambda k: (peaks[k], k))
-    order = list(candidates[start_name])
-    best_peak = peaks[start_name]
-    log.info("reorder: start from %s (%d bytes); candidates %s", start_name, best_peak, peaks)
-    keys = set(key_points(graph)) if graph.num_ops <= 40000 else set()
-    stats: dict[str, object] = {
-        "start": start_name, "candidate_peaks": peaks, "inductor_peaks": inductor_peaks,
-        "key_points": len(keys), "windows_solved": 0, "windows_improved": 0, "rounds": 0,
-    }
-    rounds_without_gain = 0
-    round_index = 0
-    while time.perf_counter() < deadline - 0.1 and rounds_without_gain < 2:
-        shift = (node_limit // 2) if round_index % 2 else 0
-        round_index += 1
-        timeline = memory_timeline(graph, order)
-        transient_peak = int(timeline.max()) if len(timeline) else 0
-        last = last_uses(graph, order)
-        slices = [(a, b) for a, b in windows(graph, order, node_limit, keys, shift)
-                  if int(timeline[a:b].max()) >= transient_peak]
-        if not slices:
-            break
-        remaining = deadline - time.perf_counter()
-        per_window = min(window_time_limit_s, max(0.05, remaining * workers / max(1, len(slices))))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_solve_window, graph, order, a, b, last, per_window) for a, b in slices]
-            results = [f.result() for f in futures]
-        stats["windows_solved"] = int(stats["windows_solved"]) + len(slices)  # type: ignore[arg-type]
-        trial = list(order)
-        improved = 0
-        for (a, b), (new, solved, current) in zip(slices, results):
-            if new is not None and solved < current:
-                trial[a:b] = new
-                improved += 1
-        trial_peak = peak_of_order(graph, trial).peak_bytes
-        if improved and trial_peak < best_peak:
-            order, best_peak = trial, trial_peak
-            stats["windows_improved"] = int(stats["windows_improved"]) + improved  # type: ignore[arg-type]
-            rounds_without_gain = 0
-        else:
-            rounds_without_gain += 1
-    stats["rounds"] = round_index
-    result_peak = validate_order(graph.gm, [graph.ops[v].name for v in order])
-    if result_peak != best_peak:
-        raise RuntimeError(f"reorder: the validator's peak {result_peak} differs from the solver's {best_peak}")
-    return OrderResult(
-        order=order,
-        baseline_peak_bytes=baseline,
-        inductor_peak_bytes=inductor_peak,
-        optimized_peak_bytes=best_peak,
-        lower_bound_bytes=lower_bound_bytes(graph),
-        num_nodes=graph.num_ops,
-        elapsed_s=round(time.perf_counter() - start, 3),
-        verified=True,
-        stats=stats,
-    )
+    log.info("reorder: start from %s (%d bytes); candidates %s", start_name, peaks[start_name], peaks)
+    stats: dict[str, object] = {"start": start_name, "candidate_peaks": peaks, "inductor_peaks": inductor_peaks}
+    return _Search(list(candidates[start_name]), peaks[start_name], stats)
+
+
+def _search_round(
+    graph: StepGraph, search: _Search, keys: set[int], node_limit: int, shift: int, deadline: float,
+    window_time_limit_s: float, workers: int,
+) -> bool | None:
+    """One round (module docstring, steps 3-4): solve the windows at the step's peak in
+    parallel, stitch the improved ones, keep the result if it lowers the peak. Returns
+    whether it did, or None when no window reaches the peak."""
+    order = search.order
+    timeline = memory_timeline(graph, order)
+    transient_peak = int(timeline.max()) if len(timeline) else 0
+    last = last_uses(graph, order)
+    slices = [(a, b) for a, b in windows(graph, order, node_limit, keys, shift)
+              if int(timeline[a:b].max()) >= transient_peak]
+    if not slices:
+        return None
+    remaining = deadline - time.perf_counter()
+    per_window = min(window_time_limit_s, max(0.05, remaining * workers / max(1, len(slices))))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_solve_window, graph, order, a, b, last, per_window) for a, b in slices]
+        results = [f.result() for f in futures]
+    search.stats["windows_solved"] = int(search.stats["windows_solved"]) + len(slices)  # type: ignore[arg-type]
+    trial = list(order)
+    improved = 0
+    for (a, b), (new, solved, current) in zip(slices, results):
+        if new is not None and solved < current:
+            trial[a:b] = new
+            improved += 1
+    trial_peak = peak_of_order(graph, trial).peak_bytes
+    if improved and trial_peak < search.peak_bytes:
+        search.order, search.peak_bytes = trial, trial_peak
+        search.stats["windows_improved"] = int(search.stats["windows_improved"]) + improved  # type: ignore[arg-type]
+        return True
+    return False
