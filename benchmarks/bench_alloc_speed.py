@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from benchmarks_md import write_section
-from memplan.alloc import AllocConf, CachingAllocator, replay, simulate
+from memplan.alloc import AllocConf, CachingAllocator, record_replay, replay
 from memplan.trace import from_events
 
 BENCH = "alloc_speed"
@@ -87,16 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     trace = training_like_trace(args.events)
     rows = []
     for label, conf in (("caching", AllocConf()), ("expandable", AllocConf(expandable_segments=True))):
-        replay_s, simulate_s = [], []
+        record_s, replay_s = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            replay(trace, CachingAllocator(conf))
-            replay_s.append(time.perf_counter() - start)
+            record_replay(trace, CachingAllocator(conf))
+            record_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            result = simulate(trace, label)
-            simulate_s.append(time.perf_counter() - start)
-        rows.append((label, statistics.median(replay_s), statistics.median(simulate_s), result))
-        print(f"{label}: replay {statistics.median(replay_s):.2f} s, simulate {statistics.median(simulate_s):.2f} s "
+            result = replay(trace, label)
+            replay_s.append(time.perf_counter() - start)
+        rows.append((label, statistics.median(record_s), statistics.median(replay_s), result))
+        print(f"{label}: record {statistics.median(record_s):.2f} s, replay {statistics.median(replay_s):.2f} s "
               f"(peak reserved {result.peak_reserved_bytes / 2**30:.2f} GiB)", file=sys.stderr)
     lines = [
         f"<!-- bench:{BENCH} -->",
@@ -106,15 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Synthetic training-like trace, {trace.num_events:,} events ({trace.num_buffers:,} buffers); "
         f"median of {args.repeats} runs on {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}. *replay*: the event loop alone; *simulate*: `memplan.simulate` "
-        "(replay, series, segment map at the peak rebuilt from the log, independent check). Target: <= 10 s.",
+        f"{platform.python_version()}. *record*: the event loop alone (`memplan.alloc.record_replay`); "
+        "*replay*: `memplan.replay` (the event loop, series, segment map at the peak rebuilt from the log, "
+        "independent check). Target: <= 10 s.",
         "",
-        "| allocator | events | replay (s) | simulate (s) | peak reserved (GiB) | fragmentation |",
+        "| allocator | events | record (s) | replay (s) | peak reserved (GiB) | fragmentation |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for label, replay_median, simulate_median, result in rows:
+    for label, record_median, replay_median, result in rows:
         lines.append(
-            f"| {label} | {trace.num_events:,} | {replay_median:.2f} | {simulate_median:.2f} | "
+            f"| {label} | {trace.num_events:,} | {record_median:.2f} | {replay_median:.2f} | "
             f"{result.peak_reserved_bytes / 2**30:.2f} | {result.fragmentation:.1%} |"
         )
     lines.append(f"<!-- /bench:{BENCH} -->")

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
-from memplan.alloc import simulate  # noqa: E402
+from memplan.alloc import replay  # noqa: E402
 from memplan.capture import capture_model  # noqa: E402
 from memplan.models.setup import TrainingSetup  # noqa: E402
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             trace = capture_model(model, TrainingSetup(**fields), fake=True, device=args.device)
             capture_s = time.perf_counter() - start
-            results = {name: simulate(trace, name, segment_map=False) for name in ("caching", "expandable", "ideal")}
+            results = {name: replay(trace, name, segment_map=False) for name in ("caching", "expandable", "ideal")}
             print(f"{model} / {label}: {trace.num_events:,} events, capture {capture_s:.1f} s", file=sys.stderr)
             rows.append((model, label, fields, trace.num_events, results))
     gib = 2**30

@@ -1,7 +1,7 @@
 """Static planning (STWeaver) vs the caching allocator on captured training steps.
 
 Captures three iterations of each training step with fake tensors on a fake `cuda`
-device, plans it (`memplan.plan`: iterations 0 and 1, iteration 1 replayed for 2),
+device, plans it (`memplan.plan_addresses`: iterations 0 and 1, iteration 1 replayed for 2),
 and replays the whole trace through caching, expandable segments and the plan.
 Also one stage of a 1F1B pipeline (captured with `memplan.capture.pipeline`), a
 small Mixtral whose expert token counts change every iteration (a real CPU run with
@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
 from memplan import models  # noqa: E402
-from memplan.alloc import simulate  # noqa: E402
+from memplan.alloc import replay  # noqa: E402
 from memplan.capture import capture, capture_model  # noqa: E402
 from memplan.capture.pipeline import capture_pipeline_stage  # noqa: E402
 from memplan.capture.step import build_training_step  # noqa: E402
-from memplan.layout import plan  # noqa: E402
+from memplan.layout import plan_addresses  # noqa: E402
 from memplan.layout.generate import training_trace  # noqa: E402
 from memplan.models.setup import TrainingSetup  # noqa: E402
 
@@ -40,10 +40,10 @@ SETUPS = {
 
 def measure(label: str, trace) -> tuple:
     start = time.perf_counter()
-    result = plan(trace)
+    result = plan_addresses(trace)
     plan_s = time.perf_counter() - start
-    runs = {name: simulate(trace, name, segment_map=False) for name in ("caching", "expandable")}
-    runs["planned"] = simulate(trace, "planned", plan=result)
+    runs = {name: replay(trace, name, segment_map=False) for name in ("caching", "expandable")}
+    runs["planned"] = replay(trace, "planned", plan=result)
     lower = trace.peak()[0]
     print(f"{label}: {trace.num_buffers:,} buffers, plan {plan_s:.2f} s, {runs['planned'].extra}", file=sys.stderr)
     return label, trace.num_buffers, lower, runs, plan_s

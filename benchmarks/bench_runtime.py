@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memplan  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
-from memplan.layout.plan import Plan  # noqa: E402
+from memplan.layout.plan import AddressPlan  # noqa: E402
 from memplan.runtime.build import cpu_extension  # noqa: E402
 
 COUNT = 2000
@@ -69,7 +69,7 @@ class Recording:
 
 def allocation_rows() -> list[list[str]]:
     rows = []
-    empty_plan = Plan("none", 0, 64, [])
+    empty_plan = AddressPlan("none", 0, 64, [])
     for nbytes in SIZES:
         def loop(nbytes=nbytes):
             alloc_loop(nbytes)

@@ -1,11 +1,11 @@
-"""The caching allocator's rules, one hand-computed case each (facts.md section 1)."""
+"""The caching allocator's rules, one hand-computed case each (docs/sources.md §1)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from memplan.alloc import AllocConf, CachingAllocator, OutOfMemory, allocation_size, simulate
+from memplan.alloc import AllocConf, CachingAllocator, OutOfMemory, allocation_size, replay
 from memplan.errors import UserError
 from memplan.trace import ALLOC, FREE, from_events
 
@@ -134,7 +134,7 @@ def test_free_coalesces_with_both_neighbours_back_into_one_segment() -> None:
 def test_a_freed_block_is_reused_only_on_its_own_stream() -> None:
     trace = trace_of([("a", 0), ("f", 0), ("a", 1), ("f", 1), ("a", 2)],
                      [12 * MiB, 12 * MiB, 12 * MiB], streams=[0, 1, 0])
-    result = simulate(trace, "caching")
+    result = replay(trace, "caching")
     assert result.num_cuda_malloc == 2
     assert result.peak_reserved_bytes == 24 * MiB
     assert result.segments == 2
@@ -235,7 +235,7 @@ def test_out_of_memory_reports_the_event_and_the_request() -> None:
     # x and y split one 20 MiB segment; freeing x leaves a split (unreleasable) block.
     trace = trace_of([("a", 0), ("a", 1), ("f", 0), ("a", 2), ("f", 1), ("f", 2)],
                      [4 * MiB, 4 * MiB, 13 * MiB])
-    result = simulate(trace, "caching", capacity=30 * MiB)
+    result = replay(trace, "caching", capacity=30 * MiB)
     assert result.oom is not None
     assert result.oom["event"] == 3 and result.oom["request_bytes"] == 13 * MiB
     assert result.oom["alloc_bytes"] == 14 * MiB and result.oom["reserved_bytes"] == 20 * MiB
@@ -246,14 +246,14 @@ def test_out_of_memory_reports_the_event_and_the_request() -> None:
 def test_with_enough_capacity_there_is_no_out_of_memory() -> None:
     trace = trace_of([("a", 0), ("a", 1), ("f", 0), ("a", 2), ("f", 1), ("f", 2)],
                      [4 * MiB, 4 * MiB, 13 * MiB])
-    result = simulate(trace, "caching", capacity=34 * MiB)
+    result = replay(trace, "caching", capacity=34 * MiB)
     assert result.oom is None and result.peak_reserved_bytes == 34 * MiB
 
 
 # --- statistics ---------------------------------------------------------------------
 def test_statistics_of_a_small_replay() -> None:
     trace = trace_of([("a", 0), ("a", 1), ("f", 0), ("f", 1)], [1000, 5 * MiB])
-    result = simulate(trace, "caching")
+    result = replay(trace, "caching")
     assert result.requested_bytes.tolist() == [1000, 1000 + 5 * MiB, 5 * MiB, 0]
     assert result.allocated_bytes.tolist() == [1024, 1024 + 5 * MiB, 5 * MiB, 0]
     assert result.reserved_bytes.tolist() == [2 * MiB, 22 * MiB, 22 * MiB, 22 * MiB]
@@ -267,14 +267,14 @@ def test_statistics_of_a_small_replay() -> None:
 
 def test_ideal_allocator_reserves_exactly_the_live_bytes() -> None:
     trace = trace_of([("a", 0), ("a", 1), ("f", 0), ("f", 1)], [1000, 5 * MiB])
-    result = simulate(trace, "ideal")
+    result = replay(trace, "ideal")
     assert result.peak_reserved_bytes == result.peak_allocated_bytes == 1000 + 5 * MiB
     assert result.fragmentation == 0.0
 
 
 def test_zero_byte_buffers_never_reach_the_allocator() -> None:
     trace = trace_of([("a", 0), ("f", 0)], [0])
-    result = simulate(trace, "caching")
+    result = replay(trace, "caching")
     assert result.peak_reserved_bytes == 0 and result.num_cuda_malloc == 0
 
 
@@ -282,7 +282,7 @@ def test_cpu_buffers_are_left_out_of_the_device_allocator() -> None:
     trace = trace_of([("a", 0), ("a", 1), ("f", 0), ("f", 1)], [1000, 5 * MiB])
     trace.devices = ["cpu", "cuda:0"]
     trace.buffers["device"] = np.array([0, 1], np.int16)
-    result = simulate(trace, "caching")
+    result = replay(trace, "caching")
     assert result.peak_requested_bytes == 5 * MiB and result.peak_reserved_bytes == 20 * MiB
     assert result.events_replayed == 4  # event numbers are kept
 
@@ -292,5 +292,5 @@ def test_several_devices_need_a_choice() -> None:
     trace.devices = ["cuda:0", "cuda:1"]
     trace.buffers["device"] = np.array([0, 1], np.int16)
     with pytest.raises(UserError, match="--device"):
-        simulate(trace, "caching")
-    assert simulate(trace, "caching", device="cuda:1").peak_reserved_bytes == 20 * MiB
+        replay(trace, "caching")
+    assert replay(trace, "caching", device="cuda:1").peak_reserved_bytes == 20 * MiB

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.alloc import AllocConf, CachingAllocator, OutOfMemory, simulate
+from memplan.alloc import AllocConf, CachingAllocator, OutOfMemory, replay
 from memplan.alloc.caching import segment_map_from_log
 from memplan.trace import ALLOC, FREE, from_events
 
@@ -86,8 +86,8 @@ def test_live_blocks_never_overlap_and_counters_are_ordered(seq, conf_text, capa
 @given(event_sequences(), st.sampled_from(CONFS), st.sampled_from([None, 60 * MiB]))
 def test_replays_are_deterministic_and_pass_the_independent_check(seq, conf_text, capacity) -> None:
     trace = make_trace(seq)
-    first = simulate(trace, "caching", alloc_conf=conf_text, capacity=capacity)  # runs check_replay
-    second = simulate(trace, "caching", alloc_conf=conf_text, capacity=capacity)
+    first = replay(trace, "caching", alloc_conf=conf_text, capacity=capacity)  # runs check_replay
+    second = replay(trace, "caching", alloc_conf=conf_text, capacity=capacity)
     assert first.to_json() == second.to_json()
     assert np.array_equal(first.reserved_bytes, second.reserved_bytes)
     assert first.segment_map == second.segment_map
@@ -118,6 +118,6 @@ def test_segment_map_rebuilt_from_the_log_equals_the_live_one(seq, conf_text) ->
 @given(event_sequences())
 def test_no_allocator_reserves_less_than_the_ideal_one(seq) -> None:
     trace = make_trace(seq)
-    ideal = simulate(trace, "ideal").peak_reserved_bytes
-    assert simulate(trace, "caching").peak_reserved_bytes >= ideal
-    assert simulate(trace, "expandable").peak_reserved_bytes >= ideal
+    ideal = replay(trace, "ideal").peak_reserved_bytes
+    assert replay(trace, "caching").peak_reserved_bytes >= ideal
+    assert replay(trace, "expandable").peak_reserved_bytes >= ideal

@@ -111,11 +111,13 @@ def test_the_portfolio_runs_the_skyline_search_time_reversed_where_the_forward_s
     # 450 buffers cut from a rectangle: the skyline search (all its orders and
     # restarts) takes over 30 s forward and under a second on the time-reversed
     # problem; the portfolio starts the reversed run once the offset-order search has
-    # had its share (20% of the 10 s), and its packing is the original problem's.
+    # had its share (20% of the time limit), and its packing is the original problem's.
+    # The share is measured in seconds inside the C++ portfolio, so the limit is 30 s:
+    # three times what an unloaded 2-core host needs, for a CI host shared with others.
     problem, _ = tight_instance(450, seed=15)
     status, offsets, stats = solve_exact(
         problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
-        deadline=time.monotonic() + 10, engine="portfolio",
+        deadline=time.monotonic() + 30, engine="portfolio",
     )
     assert status == FOUND and stats["engine"] == "portfolio: skyline (time-reversed)"
     check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)

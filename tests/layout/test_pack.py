@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from memplan.cli import main
 from memplan.errors import UserError
-from memplan.layout import LayoutError, Problem, check_offsets, greedy_offsets, pack
+from memplan.layout import LayoutBug, Problem, check_offsets, greedy_offsets, pack
 from memplan.layout.generate import tight_instance
 
 EXAMPLE = [(0, 3, 4), (3, 9, 4), (0, 9, 4), (9, 21, 4), (0, 21, 4)]
@@ -62,7 +62,7 @@ def test_infeasible_capacity_above_the_live_peak_is_proven_by_search():
 
 
 def test_validator_catches_two_live_buffers_that_overlap():
-    with pytest.raises(LayoutError, match="overlap"):
+    with pytest.raises(LayoutBug, match="overlap"):
         check_offsets([0, 1], [2, 3], [4, 4], [0, 2])
 
 
@@ -71,9 +71,9 @@ def test_validator_accepts_buffers_that_touch_in_time_or_space():
 
 
 def test_validator_catches_a_broken_alignment_and_capacity():
-    with pytest.raises(LayoutError, match="alignment"):
+    with pytest.raises(LayoutBug, match="alignment"):
         check_offsets([0], [1], [4], [2], alignment=[4])
-    with pytest.raises(LayoutError, match="capacity"):
+    with pytest.raises(LayoutBug, match="capacity"):
         check_offsets([0], [1], [4], [2], capacity=5)
 
 

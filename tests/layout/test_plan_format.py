@@ -7,12 +7,12 @@ import pytest
 
 from memplan.errors import UserError
 from memplan.layout.plan import (
+    AddressPlan,
     DynamicWindow,
     IterationPlan,
-    Plan,
-    load_plan,
+    load_address_plan,
     requests_by_group,
-    save_plan,
+    save_address_plan,
     trace_fingerprint,
 )
 from memplan.trace import ALLOC, FREE, from_events
@@ -28,7 +28,7 @@ def two_iteration_trace(second_size=20):
 
 
 def small_plan(trace):
-    return Plan(
+    return AddressPlan(
         trace_fingerprint=trace_fingerprint(trace, [-1, 0, 1]),
         arena_bytes=28,
         alignment_bytes=1,
@@ -50,8 +50,8 @@ def test_requests_are_grouped_by_iteration_with_prologue_first():
 def test_plan_round_trips_through_a_file(tmp_path):
     trace = two_iteration_trace()
     plan = small_plan(trace)
-    save_plan(plan, tmp_path / "p.json")
-    again = load_plan(tmp_path / "p.json")
+    save_address_plan(plan, tmp_path / "p.json")
+    again = load_address_plan(tmp_path / "p.json")
     assert again.to_json() == plan.to_json()
 
 
@@ -73,11 +73,11 @@ def test_a_file_that_is_not_a_plan_is_refused(tmp_path):
     path = tmp_path / "x.json"
     path.write_text(json.dumps({"format": "something"}))
     with pytest.raises(UserError, match="not a memplan plan"):
-        load_plan(path)
+        load_address_plan(path)
 
 
 def test_an_offset_outside_the_arena_is_refused():
     doc = small_plan(two_iteration_trace()).to_json()
     doc["iterations"][1]["offset"] = [100]
     with pytest.raises(UserError, match="outside"):
-        Plan.from_json(doc)
+        AddressPlan.from_json(doc)

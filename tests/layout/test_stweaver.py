@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memplan
-from memplan.alloc.planned import simulate_planned
+from memplan.alloc.planned import replay_planned
 from memplan.cli import main
 from memplan.errors import UserError
-from memplan.layout import load_plan, plan, save_plan
+from memplan.layout import load_address_plan, plan_addresses, save_address_plan
 from memplan.layout.generate import tight_instance, training_trace
 from memplan.layout.greedy import greedy_shapes
 from memplan.layout.plan import requests_by_group
@@ -21,13 +21,13 @@ from memplan.trace import ALLOC, CATEGORY, FREE, from_events, save, validate
 
 def test_plan_of_a_training_trace_meets_the_live_lower_bound():
     trace = training_trace(iterations=3, microbatches=2, layers=4)
-    result = plan(trace)
+    result = plan_addresses(trace)
     assert result.arena_bytes == result.lower_bound_bytes == trace.peak()[0]
 
 
 def test_weights_and_optimizer_states_sit_in_the_fixed_region_at_the_bottom():
     trace = training_trace(iterations=2, layers=2)
-    result = plan(trace)
+    result = plan_addresses(trace)
     prologue = result.for_iteration(-1)
     assert sorted(prologue.offset.tolist()) == [0, 4 << 20]  # two weights, stacked from 0
     assert result.stats["fixed_bytes"] >= 2 * (4 << 20)
@@ -35,25 +35,25 @@ def test_weights_and_optimizer_states_sit_in_the_fixed_region_at_the_bottom():
 
 def test_the_plan_is_periodic_iteration_1_is_replayed_for_later_ones():
     trace = training_trace(iterations=4)
-    result = plan(trace)
+    result = plan_addresses(trace)
     assert result.groups == [-1, 0, 1]
     assert result.for_iteration(3) is result.for_iteration(1)
 
 
 def test_planned_replay_serves_every_static_request_from_the_arena():
     trace = training_trace(iterations=4, microbatches=2, layers=3)
-    replay = memplan.simulate(trace, "planned", plan=plan(trace))
+    replay = memplan.replay(trace, "planned", plan=plan_addresses(trace))
     assert replay.extra["fallback_requests"] == 0 and replay.extra["dynamic_requests"] == 0
     assert replay.peak_reserved_bytes == trace.peak()[0]
-    caching = memplan.simulate(trace, "caching")
+    caching = memplan.replay(trace, "caching")
     assert replay.peak_reserved_bytes < caching.peak_reserved_bytes
 
 
 def test_requests_whose_size_varies_use_the_dynamic_space_within_one_percent():
     trace = training_trace(iterations=4, dynamic=True, seed=1)
-    result = plan(trace)
+    result = plan_addresses(trace)
     assert result.stats["dynamic_requests"] > 0 and result.dynamic_space
-    replay = simulate_planned(trace, result)
+    replay = replay_planned(trace, result)
     assert replay.extra["dynamic_requests"] > 0
     assert replay.peak_reserved_bytes <= 1.01 * trace.peak()[0]
 
@@ -67,29 +67,29 @@ def test_a_buffer_live_across_the_iteration_boundary_wraps_into_the_period():
     # iteration 0: buffers 0 (temp), 1 (grad, freed in it1); iteration 1: 2 (temp)?
     trace = from_events(kinds, [512, 1024, 2048, 512, 1024, 2048], bufs)
     trace.buffers["iteration"][:] = [0, 0, 0, 1, 1, 1]
-    result = plan(trace)
-    replay = simulate_planned(trace, result)
+    result = plan_addresses(trace)
+    replay = replay_planned(trace, result)
     assert replay.extra["fallback_requests"] == 0
 
 
 def test_a_plan_for_another_trace_is_refused():
-    result = plan(training_trace(layers=3))
+    result = plan_addresses(training_trace(layers=3))
     with pytest.raises(UserError, match="another trace"):
-        simulate_planned(training_trace(layers=4), result)
+        replay_planned(training_trace(layers=4), result)
 
 
 def test_plan_files_replay_from_disk(tmp_path):
     trace = training_trace()
-    save_plan(plan(trace), tmp_path / "p.json")
-    replay = simulate_planned(trace, str(tmp_path / "p.json"))
-    assert replay.peak_reserved_bytes == load_plan(tmp_path / "p.json").arena_bytes
+    save_address_plan(plan_addresses(trace), tmp_path / "p.json")
+    replay = replay_planned(trace, str(tmp_path / "p.json"))
+    assert replay.peak_reserved_bytes == load_address_plan(tmp_path / "p.json").arena_bytes
 
 
 def test_requests_beyond_the_plan_go_to_the_fallback():
     trace = training_trace(iterations=2, layers=2)
-    result = plan(trace)
+    result = plan_addresses(trace)
     result.iterations[-1].offset[:] = -1  # nothing planned for iteration 1
-    replay = simulate_planned(trace, result)
+    replay = replay_planned(trace, result)
     assert replay.extra["fallback_requests"] == requests_by_group(trace)[1].shape[0]
     assert replay.num_cuda_malloc > 1
 
@@ -100,7 +100,7 @@ def test_a_hundred_thousand_buffer_trace_plans_within_30_s():
     trace = training_trace(iterations=2, microbatches=8, layers=900)
     assert trace.num_buffers >= 100_000
     start = time.monotonic()
-    result = plan(trace)
+    result = plan_addresses(trace)
     assert time.monotonic() - start <= 30
     assert result.arena_bytes <= 1.01 * trace.peak()[0]
 
@@ -133,8 +133,8 @@ def test_planned_replay_never_overlaps_and_stays_at_or_above_the_live_peak(sizes
     trace = validate(from_events(kinds, nbytes, bufs))
     trace.buffers["iteration"][:] = its
     trace.buffers["category"][:] = CATEGORY["activation"]
-    result = plan(trace)
-    replay = simulate_planned(trace, result)  # checks reserved >= allocated >= requested
+    result = plan_addresses(trace)
+    replay = replay_planned(trace, result)  # checks reserved >= allocated >= requested
     assert replay.extra["fallback_requests"] == 0
     assert replay.peak_reserved_bytes == result.arena_bytes >= trace.peak()[0]
 
@@ -159,7 +159,7 @@ def test_cli_plan_of_a_missing_trace_exits_2(tmp_path, capsys):
 
 def test_plan_offsets_never_collide_in_the_validator():
     trace = training_trace(iterations=3, microbatches=3, layers=5, dynamic=True)
-    result = plan(trace)
+    result = plan_addresses(trace)
     for it in result.iterations:
         assert (it.offset[it.offset >= 0] % 512 == 0).all()
         assert np.all(it.offset + it.nbytes <= result.arena_bytes)
@@ -191,11 +191,11 @@ def test_a_pipeline_stage_plan_beats_greedy_by_size_with_micro_batch_staircases(
     # (within 0.3% of its live peak), and the staircases are not the method chosen
     trace = capture_pipeline_stage(config, TrainingSetup(batch=2, seq=128, dtype="bf16"), stages=4, stage=0,
                                    microbatches=8, iterations=3, device="cpu")
-    result = plan(trace)
+    result = plan_addresses(trace)
     assert result.stats["method"].startswith("cross-phase staircases")
     assert result.stats["cross_phase_groups"] == 16  # one per (iteration, micro-batch), iterations 0 and 1
     assert result.arena_bytes < 0.95 * result.stats["greedy_height"]
-    replay = simulate_planned(trace, result)
+    replay = replay_planned(trace, result)
     assert replay.extra["fallback_requests"] == 0 and replay.peak_reserved_bytes == result.arena_bytes
 
 
@@ -206,10 +206,10 @@ def test_a_request_made_before_its_previous_copy_is_freed_gets_a_twin_slot():
     bufs = [0, 1, 1, 2, 0, 3, 3, 4, 2, 5, 5, 6, 4]
     trace = from_events(kinds, [1024, 4096, 1024, 4096, 1024, 4096, 1024], bufs)
     trace.buffers["iteration"][:] = [0, 0, 1, 1, 2, 2, 3]
-    result = plan(trace)
+    result = plan_addresses(trace)
     assert result.stats["twin_slots"] == 1
     assert result.for_iteration(1).offset[0] == -1  # served from its two slots
-    replay = simulate_planned(trace, result)
+    replay = replay_planned(trace, result)
     assert replay.extra["fallback_requests"] == 0 and replay.num_cuda_malloc == 1
 
 
@@ -232,7 +232,7 @@ def test_the_offset_order_search_closes_the_gap_the_heuristics_leave():
     # 120 buffers cut from a full rectangle: optimum = live peak; greedy packings of
     # such cuts land 30-50% above it.
     problem, _ = tight_instance(120, seed=3)
-    result = plan(_trace_of(problem))
+    result = plan_addresses(_trace_of(problem))
     tried = result.stats["layouts_tried"]
     assert min(v for k, v in tried.items() if k != "offset-order search") > problem.capacity
     assert result.stats["method"] == "offset-order search"

@@ -9,11 +9,11 @@ import torch
 
 import memplan
 from memplan.errors import UserError
-from memplan.layout.plan import DynamicWindow, IterationPlan, Plan
+from memplan.layout.plan import AddressPlan, DynamicWindow, IterationPlan
 
 
 def make_plan(groups, arena_bytes, windows=(), alignment_bytes=64):
-    return Plan(
+    return AddressPlan(
         trace_fingerprint="test",
         arena_bytes=arena_bytes,
         alignment_bytes=alignment_bytes,

@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import strategies as st
 
-# facts.md §4: minimalloc's README example, optimum 12 (offsets 8, 8, 4, 4, 0).
+# docs/sources.md §4: minimalloc's README example, optimum 12 (offsets 8, 8, 4, 4, 0).
 README_EXAMPLE = [(0, 3, 4, 1), (3, 9, 4, 1), (0, 9, 4, 1), (9, 21, 4, 1), (0, 21, 4, 1)]
 
 

@@ -1,34 +1,38 @@
 """Allocator simulators: replay a trace through PyTorch's caching allocator, expandable
-segments, a static plan or the ideal allocator, and report reserved memory and
-fragmentation (`simulate`). `CachingAllocator` is the replayable model itself."""
+segments, a static address plan or the ideal allocator, and report reserved memory and
+fragmentation (`replay`, returning an `AllocReplay`). `CachingAllocator` is the
+replayable model itself; `AllocConf` parses `PYTORCH_CUDA_ALLOC_CONF` and owns the
+allocator's size rounding (`AllocConf.round_size`)."""
 
 from memplan.alloc.caching import Block, CachingAllocator, OutOfMemory, allocation_size
-from memplan.alloc.check import ReplayCheckError, check_replay
+from memplan.alloc.check import ReplayBug, check_replay
 from memplan.alloc.conf import AllocConf
-from memplan.alloc.result import SimResult, fragmentation_of
+from memplan.alloc.planned import replay_planned
+from memplan.alloc.result import AllocReplay, fragmentation_of
 from memplan.alloc.simulate import (
     ALLOCATORS,
-    Replay,
+    ReplayRecord,
+    record_replay,
     replay,
-    simulate,
-    simulate_caching,
-    simulate_ideal,
+    replay_caching,
+    replay_ideal,
 )
 
 __all__ = [
     "ALLOCATORS",
     "AllocConf",
+    "AllocReplay",
     "Block",
     "CachingAllocator",
     "OutOfMemory",
-    "Replay",
-    "ReplayCheckError",
-    "SimResult",
+    "ReplayBug",
+    "ReplayRecord",
     "allocation_size",
     "check_replay",
     "fragmentation_of",
+    "record_replay",
     "replay",
-    "simulate",
-    "simulate_caching",
-    "simulate_ideal",
+    "replay_caching",
+    "replay_ideal",
+    "replay_planned",
 ]

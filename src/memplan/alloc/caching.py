@@ -5,7 +5,8 @@ Follows `c10/cuda/CUDACachingAllocator.cpp` (DeviceCachingAllocator: `malloc`,
 `try_merge_blocks`, `release_available_cached_blocks`, `release_cached_blocks`,
 `garbage_collect_cached_blocks`, and for `expandable_segments:True`
 `find_expandable_block`, `map_block`, `unmap_block`), rule for rule; the rules are
-summarised in docs/allocators.md and design/facts.md section 1.
+summarised in docs/allocators.md. Request sizes are rounded by `memplan.alloc.conf`
+(`round_size`), the one owner of that rule.
 
 Use it as an object when you replay events yourself (the planned replay uses it as
 its fallback):
@@ -44,9 +45,8 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
-from memplan.alloc.conf import UNLIMITED, AllocConf
+from memplan.alloc.conf import K_MIN_BLOCK_SIZE, UNLIMITED, AllocConf, round_size_plain
 
-K_MIN_BLOCK_SIZE = 512
 K_SMALL_SIZE = 1 << 20  # largest "small" request
 K_SMALL_BUFFER = 2 << 20  # small-pool segment size, small-pool expandable page
 K_MIN_LARGE_ALLOC = 10 << 20  # requests below this get a K_LARGE_BUFFER segment
@@ -200,10 +200,7 @@ class CachingAllocator:
     def malloc(self, buffer: int, nbytes: int, stream: int = 0, event: int = -1) -> Block:
         """Serve `buffer`'s request of `nbytes` on `stream`; raise OutOfMemory if impossible."""
         self._event = event
-        if self._plain_rounding:
-            size = 512 if nbytes < 512 else (nbytes + 511) & ~511
-        else:
-            size = self.conf.round_size(nbytes)
+        size = round_size_plain(nbytes) if self._plain_rounding else self.conf.round_size(nbytes)
         small = size <= K_SMALL_SIZE
         pool = 1 if small else 0
         block = self._get_free_block(pool, stream, size)
@@ -275,10 +272,6 @@ class CachingAllocator:
         self._insert_free(block)
 
     # --- views --------------------------------------------------------------------
-    def block_of(self, buffer: int) -> Block:
-        """The block now allocated to `buffer`."""
-        return self._live[buffer]
-
     def live_blocks(self) -> list[Block]:
         """Every allocated block, in address order."""
         return sorted(self._live.values(), key=lambda b: b.addr)

@@ -13,8 +13,12 @@ Options that change nothing a trace replay can see (`release_lock_on_cudamalloc`
 the `pinned_*` host-memory options, `backend:native`) are accepted and ignored;
 `backend:cudaMallocAsync` is refused because that allocator is not modelled.
 
-Also here: `round_size`, the allocator's request rounding (512-byte multiples, or
-power-of-two divisions), since it depends only on the configuration.
+Also here, as the one owner of the allocator's size rounding (`c10/cuda/
+CUDACachingAllocator.cpp`: `kMinBlockSize`, `round_size`,
+`roundup_power2_next_division`): `AllocConf.round_size` (512-byte multiples, or
+power-of-two divisions, since it depends on the configuration), `round_size_plain`
+(the same without divisions) and `align_up_to_min_block` (an offset or size up to the
+next 512-byte boundary). Every other part of `memplan.alloc` rounds through these.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from memplan.errors import UserError
 
 MiB = 1024 * 1024
-K_MIN_BLOCK_SIZE = 512  # every request is rounded to at least this
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every request is rounded to a multiple of this, at least one
 K_LARGE_BUFFER = 20 * MiB  # minimum of max_split_size_mb and max_non_split_rounding_mb
 NUM_ROUNDUP_INTERVALS = 16  # power-of-two intervals from 1 MiB up to 64 GiB
 ROUNDUP_START_LOG2 = 20  # the first interval is [1 MiB, 2 MiB)
@@ -67,7 +71,17 @@ class AllocConf:
         divisions = self.divisions_for(nbytes)
         if divisions > 1 and nbytes > K_MIN_BLOCK_SIZE * divisions:
             return roundup_power2_next_division(nbytes, divisions)
-        return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        return align_up_to_min_block(nbytes)
+
+
+def align_up_to_min_block(nbytes: int) -> int:
+    """The smallest multiple of K_MIN_BLOCK_SIZE that is >= `nbytes` (0 stays 0)."""
+    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
+def round_size_plain(nbytes: int) -> int:
+    """`round_size` with no roundup_power2_divisions: at least K_MIN_BLOCK_SIZE, in its multiples."""
+    return K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else align_up_to_min_block(nbytes)
 
 
 def roundup_power2_next_division(nbytes: int, divisions: int) -> int:

@@ -13,7 +13,7 @@ def _empty_series() -> np.ndarray:
 
 
 @dataclass
-class SimResult:
+class AllocReplay:
     """Statistics of one replay of a trace through one allocator.
 
     - `peak_*_bytes`: maxima over the replayed events of the three counters:

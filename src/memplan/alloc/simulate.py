@@ -1,4 +1,4 @@
-"""`simulate(trace, allocator=...)`: replay a trace's alloc/free events through an allocator.
+"""`replay(trace, allocator=...)`: replay a trace's alloc/free events through an allocator.
 
 Allocators:
 - `caching`: PyTorch's CUDA caching allocator (`memplan.alloc.caching`) under the
@@ -6,8 +6,8 @@ Allocators:
 - `expandable`: the same with `expandable_segments:True` forced on;
 - `ideal`: every byte live is a byte reserved, nothing more: the lower bound of any
   allocator (fragmentation 0);
-- `planned`: a static offset plan served from one arena, unmatched requests going to
-  a caching fallback (`memplan.alloc.planned`, the layout work's replay).
+- `planned`: a static address plan served from one arena, unmatched requests going to
+  a caching fallback (`memplan.alloc.planned`).
 
 Each replay runs the events in order and stops at the first request that cannot be
 served within `capacity` (as the program would die there). The segment map at the
@@ -27,7 +27,8 @@ import numpy as np
 from memplan.alloc.caching import CachingAllocator, OutOfMemory, segment_map_from_log
 from memplan.alloc.check import check_replay
 from memplan.alloc.conf import AllocConf
-from memplan.alloc.result import SimResult, fragmentation_of
+from memplan.alloc.planned import replay_planned
+from memplan.alloc.result import AllocReplay, fragmentation_of
 from memplan.errors import UserError
 from memplan.trace.edit import device_view
 from memplan.trace.model import ALLOC, Trace
@@ -35,7 +36,7 @@ from memplan.trace.model import ALLOC, Trace
 ALLOCATORS = ("caching", "expandable", "ideal", "planned")
 
 
-def simulate(
+def replay(
     trace: Trace,
     allocator: str = "caching",
     alloc_conf: str | AllocConf | None = None,
@@ -45,8 +46,8 @@ def simulate(
     memory_fraction: float | None = None,
     segment_map: bool = True,
     device: str | None = None,
-) -> SimResult:
-    """Replay `trace` through `allocator` and return its statistics (see SimResult).
+) -> AllocReplay:
+    """Replay `trace` through `allocator` and return its statistics (see AllocReplay).
 
     `capacity` is the device memory in bytes (None: unlimited); `memory_fraction`
     limits the allocator to that share of it, as
@@ -69,24 +70,20 @@ def simulate(
     if allocator == "planned":
         if plan is None:
             raise UserError("the planned allocator needs a plan: pass --plan FILE (from `memplan plan`)")
-        from memplan.alloc.planned import simulate_planned
-
-        return simulate_planned(trace, plan, alloc_conf=alloc_conf, capacity=capacity)
+        return replay_planned(trace, plan, alloc_conf=alloc_conf, capacity=capacity)
     if allocator == "ideal":
-        result = simulate_ideal(trace, capacity=capacity, memory_fraction=memory_fraction)
+        result = replay_ideal(trace, capacity=capacity, memory_fraction=memory_fraction)
     else:
         if allocator == "expandable" and not conf.expandable_segments:
             conf = AllocConf(**{**conf.__dict__, "expandable_segments": True})
-        result = simulate_caching(trace, conf, capacity=capacity, memory_fraction=memory_fraction,
-                                  segment_map=segment_map, name=allocator)
+        result = replay_caching(trace, conf, capacity=capacity, memory_fraction=memory_fraction,
+                                segment_map=segment_map, name=allocator)
     check_replay(trace, result)
     return result
 
 
-
-
-def simulate_ideal(trace: Trace, capacity: int | None = None,
-                   memory_fraction: float | None = None) -> SimResult:
+def replay_ideal(trace: Trace, capacity: int | None = None,
+                 memory_fraction: float | None = None) -> AllocReplay:
     """The ideal allocator: reserved = allocated = requested = live bytes."""
     live = trace.live_bytes()
     limit = capacity if memory_fraction is None or capacity is None else int(memory_fraction * capacity)
@@ -99,7 +96,7 @@ def simulate_ideal(trace: Trace, capacity: int | None = None,
                "allocated_bytes": before, "reserved_bytes": before, "capacity_bytes": limit}
         live = live[:event]
     peak = int(live.max()) if live.shape[0] else 0
-    return SimResult(
+    return AllocReplay(
         allocator="ideal",
         peak_requested_bytes=peak,
         peak_allocated_bytes=peak,
@@ -114,7 +111,7 @@ def simulate_ideal(trace: Trace, capacity: int | None = None,
 
 
 @dataclass
-class Replay:
+class ReplayRecord:
     """What one pass over the events recorded: the series, placements and any out-of-memory."""
 
     allocated_bytes: list[int]
@@ -124,7 +121,7 @@ class Replay:
     oom: OutOfMemory | None
 
 
-def replay(trace: Trace, allocator: CachingAllocator) -> Replay:
+def record_replay(trace: Trace, allocator: CachingAllocator) -> ReplayRecord:
     """Run the trace's events through `allocator`, recording the series and placements.
 
     Stops at the first out-of-memory, which is returned, not raised; its event gets
@@ -158,15 +155,15 @@ def replay(trace: Trace, allocator: CachingAllocator) -> Replay:
             add_reserved(allocator.reserved_bytes)
     except OutOfMemory as exc:
         oom = exc
-    return Replay(allocated, reserved, block_addr, block_nbytes, oom)
+    return ReplayRecord(allocated, reserved, block_addr, block_nbytes, oom)
 
 
-def simulate_caching(trace: Trace, conf: AllocConf, capacity: int | None = None,
-                     memory_fraction: float | None = None, segment_map: bool = True,
-                     name: str = "caching") -> SimResult:
+def replay_caching(trace: Trace, conf: AllocConf, capacity: int | None = None,
+                   memory_fraction: float | None = None, segment_map: bool = True,
+                   name: str = "caching") -> AllocReplay:
     """Replay through the caching allocator model (expandable when `conf` says so)."""
     allocator = CachingAllocator(conf, capacity, memory_fraction)
-    record = replay(trace, allocator)
+    record = record_replay(trace, allocator)
     allocated = np.asarray(record.allocated_bytes, dtype=np.int64)
     reserved = np.asarray(record.reserved_bytes, dtype=np.int64)
     requested = trace.live_bytes()[: reserved.shape[0]]
@@ -182,7 +179,7 @@ def simulate_caching(trace: Trace, conf: AllocConf, capacity: int | None = None,
     oom = record.oom
     peak_allocated = int(allocated.max()) if allocated.shape[0] else 0
     peak_reserved = int(reserved.max()) if reserved.shape[0] else 0
-    return SimResult(
+    return AllocReplay(
         allocator=name,
         peak_requested_bytes=int(requested.max()) if requested.shape[0] else 0,
         peak_allocated_bytes=peak_allocated,

@@ -360,12 +360,8 @@ RANDOM_RESTARTS = ("*",)
 OFFSET_ORDER_HEURISTICS = ("WAT", "TAW", "TWA")
 
 # CP-SAT joins the portfolio, on a third thread, only where it has a core of its own:
-# on two cores it only slows the two compiled threads. Measured on the thirty
-# 450-buffer tight cuts (seeds 0-29, one core each): the skyline search proves 29
-# forward and 29 time-reversed, together all 30, each within 2.7 s by one direction
-# or the other; CP-SAT alone proves 9 within 10 s, none of them first, and with it
-# as a third thread on two cores the forward search's 2.6 s instance (seed 27) ran
-# past 5 s.
+# on fewer cores it only slows the two compiled threads (docs/layout.md has the
+# measurements on tight guillotine cuts).
 CPSAT_MIN_CORES = 3
 
 
@@ -489,29 +485,8 @@ def solve_exact(
     if engine == "auto":
         engine = "portfolio" if native.available() else "python"
     if engine != "python":
-        skyline_orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
-        mirrored = len(heuristics) > 1  # the full portfolio: restarts, and the time-reversed run
-        time_left = max(0.0, deadline - time.monotonic())
-        args = (lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), int(capacity), time_left)
-        ext = native.extension()
-        name = engine
-        if engine == "native":
-            status, offsets, nodes, backtracks = ext.solve(*args, skyline_orders, node_cap)
-        elif engine == "offset-order":
-            status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
-        elif max_nodes is None and cpsat.available() and usable_cores() >= CPSAT_MIN_CORES:
-            return _portfolio_with_cpsat(ext, args, time_left, skyline_orders, mirrored, lower, upper, nbytes, align,
-                                         int(capacity))
-        else:
-            offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_left) if mirrored else time_left
-            status, offsets, nodes, backtracks, which = ext.solve_portfolio(
-                *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, offset_order_limit, mirrored
-            )
-            name = "portfolio" + (f": {PORTFOLIO_ENGINES[which + 1]}" if which >= 0 else "")
-        stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": name}
-        if status == FOUND:
-            return FOUND, np.asarray(offsets, dtype=np.int64), stats
-        return status, None, stats
+        return _solve_compiled(lower, upper, nbytes, align, int(capacity), deadline, heuristics, engine, max_nodes,
+                               node_cap)
     search = _Search(lower, upper, nbytes, align, int(capacity), deadline, node_cap)
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 20 * n + 1000))
@@ -519,7 +494,45 @@ def solve_exact(
         status = search.solve(heuristics)
     finally:
         sys.setrecursionlimit(old_limit)
-    stats = {"nodes": search.nodes, "backtracks": search.backtracks, "engine": "python"}
+    stats: dict[str, int | str] = {"nodes": search.nodes, "backtracks": search.backtracks, "engine": "python"}
     if status == FOUND:
         return FOUND, search.offset.copy(), stats
+    return status, None, stats
+
+
+def _solve_compiled(
+    lower: np.ndarray,
+    upper: np.ndarray,
+    nbytes: np.ndarray,
+    align: np.ndarray,
+    capacity: int,
+    deadline: float,
+    heuristics: tuple[str, ...],
+    engine: str,
+    max_nodes: int | None,
+    node_cap: int,
+) -> tuple[int, np.ndarray | None, dict[str, int | str]]:
+    """`solve_exact` with a compiled engine: "native", "offset-order" or "portfolio"."""
+    skyline_orders = list(heuristics) + (list(RANDOM_RESTARTS) if len(heuristics) > 1 else [])
+    mirrored = len(heuristics) > 1  # the full portfolio: restarts, and the time-reversed run
+    time_left = max(0.0, deadline - time.monotonic())
+    args = (lower.tolist(), upper.tolist(), nbytes.tolist(), align.tolist(), capacity, time_left)
+    ext = native.extension()
+    name = engine
+    if engine == "native":
+        status, offsets, nodes, backtracks = ext.solve(*args, skyline_orders, node_cap)
+    elif engine == "offset-order":
+        status, offsets, nodes, backtracks = ext.solve_offset_order(*args, list(OFFSET_ORDER_HEURISTICS), node_cap)
+    elif max_nodes is None and cpsat.available() and usable_cores() >= CPSAT_MIN_CORES:
+        return _portfolio_with_cpsat(ext, args, time_left, skyline_orders, mirrored, lower, upper, nbytes, align,
+                                     capacity)
+    else:
+        offset_order_limit = max(OFFSET_ORDER_MIN_S, OFFSET_ORDER_SHARE * time_left) if mirrored else time_left
+        status, offsets, nodes, backtracks, which = ext.solve_portfolio(
+            *args, skyline_orders, list(OFFSET_ORDER_HEURISTICS), node_cap, None, offset_order_limit, mirrored
+        )
+        name = "portfolio" + (f": {PORTFOLIO_ENGINES[which + 1]}" if which >= 0 else "")
+    stats: dict[str, int | str] = {"nodes": nodes, "backtracks": backtracks, "engine": name}
+    if status == FOUND:
+        return FOUND, np.asarray(offsets, dtype=np.int64), stats
     return status, None, stats

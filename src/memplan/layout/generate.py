@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from memplan.layout.problem import Problem
-from memplan.trace.model import Trace
+from memplan.trace.model import ALLOC, CATEGORY, FREE, PHASE, Trace, from_events
 
 
 def tight_instance(
@@ -75,8 +75,6 @@ def training_trace(
     reverse, gradients on the first micro-batch, live until the next iteration starts),
     and an optimizer step (states created in iteration 0, kept). With `dynamic`, one
     activation per layer changes size between iterations (MoE-like routing)."""
-    from memplan.trace.model import ALLOC, CATEGORY, FREE, PHASE, from_events
-
     rng = np.random.default_rng(seed)
     kinds: list[int] = []
     events: list[int] = []

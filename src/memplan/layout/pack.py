@@ -69,83 +69,107 @@ def pack(
         raise UserError(f"capacity {capacity} must be >= 0")
     if not minimize and capacity is None:
         raise UserError("deciding feasibility needs a capacity; give one, or ask to minimize")
-    n = problem.num_buffers
-    lower, upper, nbytes, align = problem.lower, problem.upper, problem.nbytes, problem.alignment
-    has_gaps = problem.gaps is not None and any(problem.gaps)
-    lower_bound = problem.live_lower_bound()
-    if n == 0:
+    if problem.num_buffers == 0:
         return Solution(np.zeros(0, np.int64), 0, 0, "optimal", time.monotonic() - start, "empty")
 
-    stats: dict[str, Any] = {"nodes": 0, "backtracks": 0, "exact_calls": 0}
-    offsets = greedy_offsets(lower, upper, nbytes, align)
-    best = offsets
-    best_height = int((offsets + nbytes).max())
-    stats["greedy_height"] = best_height
-    method = "greedy"
-    proven_lb = lower_bound
+    search = _PackSearch(problem, deadline)
+    if minimize:
+        status_name = _minimize(search, capacity)
+    else:
+        assert capacity is not None
+        status_name = _decide(search, capacity)
 
-    def attempt(cap: int, until: float = deadline) -> int:
-        nonlocal best, best_height, method, proven_lb
+    elapsed = time.monotonic() - start
+    proven_lb, stats = search.proven_lb, search.stats
+    if status_name in ("infeasible", "unknown"):
+        log.info("pack: %s at capacity %s after %.3f s", status_name, capacity, elapsed)
+        return Solution(None, None, proven_lb, status_name, elapsed, search.method, stats)
+    height = check_offsets(
+        problem.lower, problem.upper, problem.nbytes, search.best, alignment=problem.alignment,
+        capacity=capacity, ids=problem.ids,
+    )  # fmt: skip
+    log.info(
+        "pack: height %d (lower bound %d, %s) by %s in %.3f s", height, proven_lb, status_name, search.method, elapsed
+    )
+    return Solution(search.best, height, min(proven_lb, height), status_name, elapsed, search.method, stats)
+
+
+class _PackSearch:
+    """The best packing found so far (greedy first) and the best proven lower bound."""
+
+    def __init__(self, problem: Problem, deadline: float) -> None:
+        self.problem = problem
+        self.deadline = deadline
+        self.has_gaps = problem.gaps is not None and any(problem.gaps)
+        self.lower_bound = problem.live_lower_bound()
+        self.stats: dict[str, Any] = {"nodes": 0, "backtracks": 0, "exact_calls": 0}
+        self.best = greedy_offsets(problem.lower, problem.upper, problem.nbytes, problem.alignment)
+        self.best_height = int((self.best + problem.nbytes).max())
+        self.stats["greedy_height"] = self.best_height
+        self.method = "greedy"
+        self.proven_lb = self.lower_bound
+
+    def attempt(self, cap: int, until: float | None = None) -> int:
+        """One exact search at capacity `cap` (until `until`, at most the deadline)."""
+        p, stats = self.problem, self.stats
+        until = self.deadline if until is None else until
         stats["exact_calls"] += 1
-        status, found, counts = solve_exact(lower, upper, nbytes, align, cap, deadline=min(until, deadline))
+        status, found, counts = solve_exact(
+            p.lower, p.upper, p.nbytes, p.alignment, cap, deadline=min(until, self.deadline)
+        )
         stats["nodes"] += counts["nodes"]
         stats["backtracks"] += counts["backtracks"]
         stats["engine"] = counts["engine"]
         if status == FOUND:
             assert found is not None
-            height = int((found + nbytes).max())
-            if height < best_height:
-                best, best_height, method = found, height, "exact"
-        elif status == NOT_FOUND and not has_gaps:
-            proven_lb = max(proven_lb, cap + 1)
+            height = int((found + p.nbytes).max())
+            if height < self.best_height:
+                self.best, self.best_height, self.method = found, height, "exact"
+        elif status == NOT_FOUND and not self.has_gaps:
+            self.proven_lb = max(self.proven_lb, cap + 1)
         return status
 
-    if minimize:
-        ceiling = best_height - 1 if capacity is None else min(best_height - 1, capacity)
-        # Binary search between what is proven infeasible and what is found. The lower
-        # bound goes first with most of the time (on tight instances it is the answer);
-        # a capacity whose search runs out of its share of time is left behind, and
-        # the search goes on above it with half of what remains.
-        floor = proven_lb  # the least capacity still worth trying
-        target = proven_lb
-        share = 0.8
-        while floor <= ceiling and time.monotonic() < deadline:
-            until = time.monotonic() + share * (deadline - time.monotonic())
-            share = 0.5
-            status = attempt(target, until)
-            if status == FOUND:
-                ceiling = best_height - 1
-            elif status == NOT_FOUND and not has_gaps:
-                floor = max(floor, proven_lb)
-            elif status == NOT_FOUND:
-                break  # with gaps the search is not complete: it proves nothing
-            else:
-                floor = target + 1  # out of its time: try above it
-            target = (floor + ceiling) // 2
-        status_name = "optimal" if best_height <= proven_lb else "feasible"
-        if capacity is not None and best_height > capacity:
-            status_name = "infeasible" if proven_lb > capacity else "unknown"
-    else:
-        assert capacity is not None
-        if best_height <= capacity:
-            status_name = "feasible"
-        elif lower_bound > capacity:
-            status_name = "infeasible"
-        else:
-            status = attempt(capacity)
-            if status == FOUND:
-                status_name = "feasible"
-            elif status == NOT_FOUND and not has_gaps:
-                status_name = "infeasible"
-            else:
-                status_name = "unknown"
 
-    elapsed = time.monotonic() - start
-    if status_name in ("infeasible", "unknown"):
-        log.info("pack: %s at capacity %s after %.3f s", status_name, capacity, elapsed)
-        return Solution(None, None, proven_lb, status_name, elapsed, method, stats)
-    height = check_offsets(
-        lower, upper, nbytes, best, alignment=align, capacity=capacity, ids=problem.ids
-    )
-    log.info("pack: height %d (lower bound %d, %s) by %s in %.3f s", height, proven_lb, status_name, method, elapsed)
-    return Solution(best, height, min(proven_lb, height), status_name, elapsed, method, stats)
+def _minimize(search: _PackSearch, capacity: int | None) -> str:
+    """Lower the height by exact searches at decreasing capacities; the status name."""
+    deadline = search.deadline
+    best_height = search.best_height
+    ceiling = best_height - 1 if capacity is None else min(best_height - 1, capacity)
+    # Binary search between what is proven infeasible and what is found. The lower
+    # bound goes first with most of the time (on tight instances it is the answer);
+    # a capacity whose search runs out of its share of time is left behind, and
+    # the search goes on above it with half of what remains.
+    floor = search.proven_lb  # the least capacity still worth trying
+    target = search.proven_lb
+    share = 0.8
+    while floor <= ceiling and time.monotonic() < deadline:
+        until = time.monotonic() + share * (deadline - time.monotonic())
+        share = 0.5
+        status = search.attempt(target, until)
+        if status == FOUND:
+            ceiling = search.best_height - 1
+        elif status == NOT_FOUND and not search.has_gaps:
+            floor = max(floor, search.proven_lb)
+        elif status == NOT_FOUND:
+            break  # with gaps the search is not complete: it proves nothing
+        else:
+            floor = target + 1  # out of its time: try above it
+        target = (floor + ceiling) // 2
+    status_name = "optimal" if search.best_height <= search.proven_lb else "feasible"
+    if capacity is not None and search.best_height > capacity:
+        status_name = "infeasible" if search.proven_lb > capacity else "unknown"
+    return status_name
+
+
+def _decide(search: _PackSearch, capacity: int) -> str:
+    """Whether any packing fits `capacity`: the status name."""
+    if search.best_height <= capacity:
+        return "feasible"
+    if search.lower_bound > capacity:
+        return "infeasible"
+    status = search.attempt(capacity)
+    if status == FOUND:
+        return "feasible"
+    if status == NOT_FOUND and not search.has_gaps:
+        return "infeasible"
+    return "unknown"

@@ -68,7 +68,10 @@ class DynamicWindow:
 
 
 @dataclass
-class Plan:
+class AddressPlan:
+    """Planned addresses (arena offsets) of a trace's requests, periodic across
+    iterations: the contents of a plan file (see the module docstring)."""
+
     trace_fingerprint: str
     arena_bytes: int
     alignment_bytes: int
@@ -136,7 +139,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, doc: Any, source: str = "plan") -> Plan:
+    def from_json(cls, doc: Any, source: str = "plan") -> AddressPlan:
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
             raise UserError(f"{source} is not a memplan plan (no format {PLAN_FORMAT!r}); make one with 'memplan plan'")
         if doc.get("version") != PLAN_VERSION:
@@ -179,13 +182,13 @@ class Plan:
         return plan
 
 
-def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+def save_address_plan(plan: AddressPlan, path: str | os.PathLike) -> None:
     """Write `plan` as JSON, atomically."""
     text = json.dumps(plan.to_json(), separators=(",", ":"))
     atomic_write(path, lambda fh: fh.write(text), mode="w")
 
 
-def load_plan(path: str | os.PathLike) -> Plan:
+def load_address_plan(path: str | os.PathLike) -> AddressPlan:
     """Read a plan file; UserError if it is missing or not a plan."""
     path = Path(path)
     if not path.is_file():
@@ -194,7 +197,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read plan {path}: {exc}") from None
-    return Plan.from_json(doc, source=str(path))
+    return AddressPlan.from_json(doc, source=str(path))
 
 
 # -- which requests a plan covers ------------------------------------------------------

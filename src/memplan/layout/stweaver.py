@@ -1,4 +1,5 @@
-"""`memplan.plan(trace)`: a periodic static plan of a training step, after STWeaver/STAlloc.
+"""`memplan.plan_addresses(trace)`: a periodic static address plan of a training step,
+after STWeaver/STAlloc.
 
 STWeaver (arXiv 2507.16274, EuroSys '26; code infinigence/STAlloc) plans the
 allocations of the first iterations ahead and replays iteration 1's plan for every
@@ -16,22 +17,24 @@ later one. This module follows its structure:
    parameters, gradients, optimizer states, then the rest, in allocation order.
 3. **Cross-phase groups.** Activations allocated in one phase of a micro-batch and
    freed in another are grouped by (iteration, micro-batch, phase -> phase); a group is
-   packed on its own and placed as one unit whose height is its packed height. Groups
-   that use under 70% of their unit's space-time are dissolved (STAlloc's rule).
+   packed on its own and placed as one rigid unit (`_cross_phase_groups`,
+   `_staircase_layout`).
 4. **The rest into the gaps** by greedy-by-size best fit (`memplan.layout.greedy`).
-   The planner also packs everything without groups and keeps the lower plan, as
-   STAlloc tries two algorithms and keeps the smaller. When the rest is small enough
-   (`EXACT_MAX_ITEMS`) and the compiled exact search is available, it also asks the
-   offset-order search (`memplan.layout.exact`, minimalloc's branching) for a packing
-   at the rest's live lower bound, then halfway to the best heuristic height: on
-   mixture-of-experts steps the heuristics leave 2-3% above the bound and the search
-   closes it.
+   The planner also packs everything without groups and keeps the lowest of the
+   layouts it tries (`_best_layout`), as STAlloc tries more than one algorithm and
+   keeps the smaller. When the rest is small enough (`EXACT_MAX_ITEMS`) and the
+   compiled exact search is available, it also asks the offset-order search
+   (`memplan.layout.exact`, minimalloc's branching) for a packing at the rest's live
+   lower bound, then halfway to the best heuristic height (docs/layout.md has the
+   heights each layout reaches).
 5. **Dynamic reusable space.** Requests whose size differs between iterations at the
    same request index (MoE routing, variable sequence lengths) are not given offsets;
    their largest size is still reserved in the layout, and for each such request the
    plan lists the arena ranges that no planned buffer uses during its lifetime.
 
-Sizes are rounded up to `alignment_bytes` (512, as PyTorch's allocator rounds).
+Sizes are rounded up to `alignment_bytes`: by default 512, the caching allocator's
+`kMinBlockSize` (c10/cuda/CUDACachingAllocator.cpp, `round_size`). It stays a
+parameter here, below `memplan.alloc`, which owns that rule.
 Every plan passes the independent validator (`memplan.layout.validate`) before it
 is returned. Assumes a validated trace of one device.
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -51,9 +55,9 @@ from memplan.layout.exact import FOUND, solve_exact
 from memplan.layout.greedy import greedy_by_size, greedy_shapes
 from memplan.layout.plan import (
     PROLOGUE,
+    AddressPlan,
     DynamicWindow,
     IterationPlan,
-    Plan,
     requests_by_group,
     trace_fingerprint,
 )
@@ -71,23 +75,118 @@ EXACT_MAX_ITEMS = 8000
 EXACT_LIMIT_S = 5.0
 
 
-def plan(
+def plan_addresses(
     trace: Trace,
     *,
     alignment_bytes: int = 512,
     periodic_iteration: int | None = None,
     device: str | None = None,
     search_s: float = 20.0,
-) -> Plan:
-    """A periodic STWeaver plan for `trace`'s allocations (see the module docstring).
+) -> AddressPlan:
+    """A periodic STWeaver address plan for `trace`'s allocations (see the module docstring).
 
     Only one device is planned: buffers of other devices (and cpu) count as zero bytes,
-    exactly as `memplan.simulate` views the trace (`device` picks one when it has several).
+    exactly as `memplan.replay` views the trace (`device` picks one when it has several).
     """
     start = time.monotonic()
     trace = device_view(trace, device)
     if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
         raise UserError(f"alignment {alignment_bytes} must be a power of two")
+    window = _periodic_window(trace, periodic_iteration, alignment_bytes)
+    pieces = _lifetime_pieces(trace, window)
+    offsets, fixed_bytes = _fixed_regions(trace, window, pieces.fixed)
+
+    # -- the rest: with cross-phase groups as units, and without; keep the lower --------
+    item_ids = np.asarray(pieces.items, np.int64)
+    plo = np.asarray(pieces.lo, np.int64)
+    phi = np.asarray(pieces.hi, np.int64)
+    pitem = np.asarray(pieces.item, np.int64)
+    sizes = window.reserve[item_ids] if item_ids.size else np.zeros(0, np.int64)
+    t0 = time.monotonic()
+    chosen, method, groups_used, tried = _best_layout(
+        trace, item_ids, plo, phi, pitem, sizes, alignment_bytes, fixed_bytes, search_s
+    )
+    plain_height = tried.get("greedy by size", fixed_bytes)
+    greedy_s = time.monotonic() - t0
+    is_twin = np.zeros(item_ids.shape[0], bool)
+    is_twin[[k for _, k in pieces.twins]] = True
+    offsets[item_ids[~is_twin]] = chosen[~is_twin]
+
+    checked = _checked_layout(window, pieces.fixed, item_ids, plo, phi, pitem, chosen, offsets, alignment_bytes)
+    entries, dynamic = _iteration_entries(trace, window, pieces.twins, offsets)
+    windows = _dynamic_windows(
+        window.groups, window.last, dynamic, window.alloc, window.free, window.window_end,
+        checked.lo, checked.hi, checked.owner, checked.offset, window.reserve, checked.height,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    result = AddressPlan(
+        trace_fingerprint=trace_fingerprint(trace, window.planned),
+        arena_bytes=checked.height,
+        alignment_bytes=alignment_bytes,
+        iterations=entries,
+        lower_bound_bytes=checked.lower_bound,
+        dynamic_space=windows,
+        stats={
+            "method": method,
+            "fixed_bytes": fixed_bytes,
+            "fixed_buffers": len(pieces.fixed),
+            "planned_buffers": len(pieces.items) + len(pieces.fixed),
+            "dynamic_requests": int(dynamic.size) - len(pieces.twins),
+            "twin_slots": len(pieces.twins),
+            "cross_phase_groups": groups_used,
+            "greedy_height": plain_height,
+            "layouts_tried": tried,
+            "trace_peak_bytes": int(trace.peak()[0]),
+            "packing_s": round(greedy_s, 3),
+            "elapsed_s": round(elapsed, 3),
+        },
+    )
+    log.info("plan: arena %d B, lower bound %d B, %s, %.2f s", checked.height, checked.lower_bound, method, elapsed)
+    return result
+
+
+@dataclass
+class _Window:
+    """Step 1's periodic window: the groups planned and each buffer's times and arena bytes."""
+
+    groups: dict[int, np.ndarray]  # buffer ids of each group's requests, in allocation order
+    last: int  # the periodic iteration (PROLOGUE when the trace has no iteration)
+    planned: list[int]  # the groups planned: every group up to `last`
+    nbytes: np.ndarray
+    alloc: np.ndarray
+    free: np.ndarray
+    period_start: int  # the first event of iteration `last`
+    window_end: int  # the first event of iteration `last + 1` (the trace's end without one)
+    dynamic: np.ndarray  # request indices of `last` whose size differs in a later iteration
+    reserve: np.ndarray  # per buffer: its arena bytes (the largest size of a dynamic request)
+
+
+@dataclass
+class _Pieces:
+    """The buffers of the window as placement items, each with its lifetime pieces."""
+
+    items: list[int] = field(default_factory=list)  # buffer id of each item
+    lo: list[int] = field(default_factory=list)  # per piece: start, end and item
+    hi: list[int] = field(default_factory=list)
+    item: list[int] = field(default_factory=list)
+    fixed: list[int] = field(default_factory=list)  # buffers live over the whole window
+    twins: list[tuple[int, int]] = field(default_factory=list)  # (buffer, its twin item)
+
+
+@dataclass
+class _CheckedLayout:
+    """Every piece of every planned buffer with its offset, after the independent check."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    owner: np.ndarray
+    offset: np.ndarray
+    height: int
+    lower_bound: int
+
+
+def _periodic_window(trace: Trace, periodic_iteration: int | None, alignment_bytes: int) -> _Window:
+    """Step 1: the groups to plan, where the period starts and ends, the dynamic requests."""
     groups = requests_by_group(trace)
     iterations = sorted(g for g in groups if g >= 0)
     if not groups:
@@ -99,14 +198,11 @@ def plan(
             raise UserError(f"iteration {periodic_iteration} is not in the trace (it has {iterations})")
         last = periodic_iteration
     planned = [g for g in groups if g <= last]
-    b = trace.buffers
-    nbytes = b["nbytes"].astype(np.int64)
-    alloc = b["alloc_event"].astype(np.int64)
+    nbytes = trace.buffers["nbytes"].astype(np.int64)
+    alloc = trace.buffers["alloc_event"].astype(np.int64)
     free = trace.free_event_or_end()
     n_events = trace.num_events
     slot = -(-nbytes // alignment_bytes) * alignment_bytes
-
-    # -- the periodic window --------------------------------------------------------
     if last >= 0:
         period_start = int(alloc[groups[last]].min())
         window_end = int(alloc[groups[last + 1]].min()) if (last + 1) in groups else n_events
@@ -119,26 +215,27 @@ def plan(
         for j in dynamic.tolist():
             sizes = [int(slot[groups[g][j]]) for g in later if j < groups[g].shape[0]]
             reserve[groups[last][j]] = max(sizes)
+    return _Window(groups, last, planned, nbytes, alloc, free, period_start, window_end, dynamic, reserve)
 
-    items: list[int] = []  # buffer ids of the instance
-    pieces_lo: list[int] = []
-    pieces_hi: list[int] = []
-    pieces_item: list[int] = []
-    fixed: list[int] = []
-    twins: list[tuple[int, int]] = []  # (buffer, its twin item): see below
-    for g in planned:
-        ids = groups[g]
-        for idx, buf in enumerate(ids.tolist()):
-            if nbytes[buf] <= 0:
+
+def _lifetime_pieces(trace: Trace, w: _Window) -> _Pieces:
+    """Steps 1-2: each planned buffer as an item with its pieces in the window (a wrapping
+    buffer has two), or as a fixed buffer when it is live over the whole window."""
+    out = _Pieces()
+    free_event = trace.buffers["free_event"]
+    last, window_end, period_start = w.last, w.window_end, w.period_start
+    for g in w.planned:
+        for idx, buf in enumerate(w.groups[g].tolist()):
+            if w.nbytes[buf] <= 0:
                 continue
-            a, f = int(alloc[buf]), int(free[buf])
+            a, f = int(w.alloc[buf]), int(w.free[buf])
             spans = []
             if g < last or last < 0:
                 spans.append((a, min(f, window_end) if f <= window_end else window_end))
             else:
                 spans.append((a, min(f, window_end)))
-                if f > window_end or b["free_event"][buf] < 0:
-                    wrap_end = _wrap_end(trace, groups, last, idx, buf, period_start, window_end)
+                if f > window_end or free_event[buf] < 0:
+                    wrap_end = _wrap_end(trace, w.groups, last, idx, buf, period_start, window_end)
                     if wrap_end > period_start:
                         spans.append((period_start, wrap_end))
                     if a < wrap_end < window_end:
@@ -147,62 +244,69 @@ def plan(
                         # copies. A twin slot is reserved; the request takes whichever of
                         # the two is free, through the dynamic space. (A buffer never
                         # freed at all cannot be served every period: it is not twinned.)
-                        twins.append((buf, -1))
+                        out.twins.append((buf, -1))
             spans = _merge(spans)
             whole = spans[0][0] <= period_start and spans[-1][1] >= window_end and len(spans) == 1
             if whole and a < period_start and last >= 0:
-                fixed.append(buf)
+                out.fixed.append(buf)
                 continue
-            copies = 2 if twins and twins[-1] == (buf, -1) else 1
+            copies = 2 if out.twins and out.twins[-1] == (buf, -1) else 1
             for copy in range(copies):
-                k = len(items)
-                items.append(buf)
+                k = len(out.items)
+                out.items.append(buf)
                 if copy:
-                    twins[-1] = (buf, k)
+                    out.twins[-1] = (buf, k)
                 for lo, hi in spans:
                     if hi > lo:
-                        pieces_lo.append(lo)
-                        pieces_hi.append(hi)
-                        pieces_item.append(k)
+                        out.lo.append(lo)
+                        out.hi.append(hi)
+                        out.item.append(k)
+    return out
 
-    # -- fixed regions ------------------------------------------------------------------
+
+def _fixed_regions(trace: Trace, w: _Window, fixed: list[int]) -> tuple[np.ndarray, int]:
+    """Step 2: the fixed buffers stacked from offset 0 (sorts `fixed` into that order).
+    Returns (offset per buffer, -1 where not placed yet; the bytes they take)."""
     offsets = np.full(trace.num_buffers, -1, np.int64)
-    category = b["category"].astype(np.int64)
+    category = trace.buffers["category"].astype(np.int64)
     rank = {c: i for i, c in enumerate(_FIXED_ORDER)}
-    fixed.sort(key=lambda x: (rank.get(int(category[x]), len(rank)), int(alloc[x])))
+    fixed.sort(key=lambda x: (rank.get(int(category[x]), len(rank)), int(w.alloc[x])))
     top = 0
     for buf in fixed:
         offsets[buf] = top
-        top += int(reserve[buf])
-    fixed_bytes = top
+        top += int(w.reserve[buf])
+    return offsets, top
 
-    # -- the rest: with cross-phase groups as units, and without; keep the lower --------
-    item_ids = np.asarray(items, np.int64)
-    plo = np.asarray(pieces_lo, np.int64)
-    phi = np.asarray(pieces_hi, np.int64)
-    pitem = np.asarray(pieces_item, np.int64)
-    sizes = reserve[item_ids] if item_ids.size else np.zeros(0, np.int64)
-    t0 = time.monotonic()
-    chosen, method, groups_used, tried = _best_layout(
-        trace, item_ids, plo, phi, pitem, sizes, alignment_bytes, fixed_bytes, search_s
-    )
-    plain_height = tried.get("greedy by size", fixed_bytes)
-    greedy_s = time.monotonic() - t0
-    is_twin = np.zeros(item_ids.shape[0], bool)
-    is_twin[[k for _, k in twins]] = True
-    offsets[item_ids[~is_twin]] = chosen[~is_twin]
 
-    # -- validate: every piece of every planned buffer, independently --------------------
+def _checked_layout(
+    w: _Window,
+    fixed: list[int],
+    item_ids: np.ndarray,
+    plo: np.ndarray,
+    phi: np.ndarray,
+    pitem: np.ndarray,
+    chosen: np.ndarray,
+    offsets: np.ndarray,
+    alignment_bytes: int,
+) -> _CheckedLayout:
+    """Every piece of every planned buffer through the independent validator."""
     fixed_ids = np.asarray(fixed, np.int64)
-    all_hi = np.concatenate([phi, np.full(len(fixed), max(window_end, 1), np.int64)])
-    fixed_lo = alloc[fixed_ids] if fixed_ids.size else np.zeros(0, np.int64)
+    all_hi = np.concatenate([phi, np.full(len(fixed), max(w.window_end, 1), np.int64)])
+    fixed_lo = w.alloc[fixed_ids] if fixed_ids.size else np.zeros(0, np.int64)
     all_lo = np.concatenate([plo, fixed_lo])
     all_owner = np.concatenate([item_ids[pitem] if pitem.size else np.zeros(0, np.int64), fixed_ids])
     all_off = np.concatenate([chosen[pitem] if pitem.size else np.zeros(0, np.int64), offsets[fixed_ids]])
-    height = check_offsets(all_lo, all_hi, reserve[all_owner], all_off, alignment=alignment_bytes)
-    lower_bound = _live_peak(all_lo, all_hi, reserve[all_owner])
+    height = check_offsets(all_lo, all_hi, w.reserve[all_owner], all_off, alignment=alignment_bytes)
+    lower_bound = _live_peak(all_lo, all_hi, w.reserve[all_owner])
+    return _CheckedLayout(all_lo, all_hi, all_owner, all_off, height, lower_bound)
 
-    # -- the plan -------------------------------------------------------------------------
+
+def _iteration_entries(
+    trace: Trace, w: _Window, twins: list[tuple[int, int]], offsets: np.ndarray
+) -> tuple[list[IterationPlan], np.ndarray]:
+    """Step 5: the plan's entries per group, dynamic requests (twins included) at -1;
+    and the request indices of the periodic iteration that are dynamic."""
+    groups, last, dynamic = w.groups, w.last, w.dynamic
     is_dynamic = np.zeros(trace.num_buffers, bool)
     if last >= 0 and dynamic.size:
         is_dynamic[groups[last][dynamic]] = True
@@ -212,39 +316,12 @@ def plan(
         position[groups[last]] = np.arange(groups[last].shape[0])
         dynamic = np.union1d(dynamic, position[[buf for buf, _ in twins]])
     entries = []
-    for g in planned:
+    for g in w.planned:
         ids = groups[g]
         off = offsets[ids].copy()
         off[is_dynamic[ids]] = -1
-        entries.append(IterationPlan(g, nbytes[ids].copy(), off))
-    windows = _dynamic_windows(
-        groups, last, dynamic, alloc, free, window_end, all_lo, all_hi, all_owner, all_off, reserve, height
-    )
-    elapsed = time.monotonic() - start
-    result = Plan(
-        trace_fingerprint=trace_fingerprint(trace, planned),
-        arena_bytes=height,
-        alignment_bytes=alignment_bytes,
-        iterations=entries,
-        lower_bound_bytes=lower_bound,
-        dynamic_space=windows,
-        stats={
-            "method": method,
-            "fixed_bytes": fixed_bytes,
-            "fixed_buffers": len(fixed),
-            "planned_buffers": len(items) + len(fixed),
-            "dynamic_requests": int(dynamic.size) - len(twins),
-            "twin_slots": len(twins),
-            "cross_phase_groups": groups_used,
-            "greedy_height": plain_height,
-            "layouts_tried": tried,
-            "trace_peak_bytes": int(trace.peak()[0]),
-            "packing_s": round(greedy_s, 3),
-            "elapsed_s": round(elapsed, 3),
-        },
-    )
-    log.info("plan: arena %d B, lower bound %d B, %s, %.2f s", height, lower_bound, method, elapsed)
-    return result
+        entries.append(IterationPlan(g, w.nbytes[ids].copy(), off))
+    return entries, dynamic
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

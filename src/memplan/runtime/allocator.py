@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.layout.plan import PROLOGUE, Plan
+from memplan.layout.plan import PROLOGUE, AddressPlan
+from memplan.runtime.build import cpu_extension
 from memplan.runtime.recording import CPU_ALIGNMENT_BYTES, plan_steady_state, record_step
 from memplan.trace.model import Trace
 
@@ -49,9 +50,12 @@ class PlannedAllocator:
     `beyond_plan`, `unplanned`, `peak_live_bytes`, `iterations`: counts per iteration).
     """
 
-    def __init__(self, plan: Plan, *, first_iteration: int | None = None, trace: Trace | None = None) -> None:
-        if not isinstance(plan, Plan):
-            raise UserError(f"planned_allocator takes a memplan Plan (memplan.layout.load_plan), not {type(plan).__name__}")
+    def __init__(self, plan: AddressPlan, *, first_iteration: int | None = None, trace: Trace | None = None) -> None:
+        if not isinstance(plan, AddressPlan):
+            raise UserError(
+                f"planned_allocator takes a memplan AddressPlan (memplan.layout.load_address_plan), "
+                f"not {type(plan).__name__}"
+            )
         _check_cpu_alignment(plan)
         self.plan = plan
         self.trace = trace  # the recording the plan was made from (from_step), else None
@@ -67,13 +71,13 @@ class PlannedAllocator:
         step_fn: Callable[[], object],
         warmup: int = 2,
         *,
-        planner: Callable[[Trace], Plan] | None = None,
+        planner: Callable[[Trace], AddressPlan] | None = None,
     ) -> PlannedAllocator:
         """Run `step_fn` `warmup` times while recording its allocator requests, plan the
         last recorded iteration as the period of all later ones, and return the manager.
 
         The recorded runs are real training steps (they update the model). `planner`
-        (trace -> Plan) replaces the default `plan_steady_state`; its plan's last group
+        (trace -> AddressPlan) replaces the default `plan_steady_state`; its plan's last group
         must be the steady-state iteration.
         """
         if not isinstance(warmup, int) or warmup < 1:
@@ -84,8 +88,6 @@ class PlannedAllocator:
 
     # -- the context -------------------------------------------------------------------
     def __enter__(self) -> PlannedAllocator:
-        from memplan.runtime.build import cpu_extension
-
         if self._session is not None and self._session.stats()["installed"]:
             raise UserError("this planned allocator is already in use; a `with` block cannot be nested in itself")
         ext = cpu_extension()
@@ -143,7 +145,7 @@ class PlannedAllocator:
         return base <= ptr < base + int(self.plan.arena_bytes)
 
 
-def _check_cpu_alignment(plan: Plan) -> None:
+def _check_cpu_alignment(plan: AddressPlan) -> None:
     offsets = [g.offset[g.offset >= 0] for g in plan.iterations]
     misaligned = any(bool(np.any(o % CPU_ALIGNMENT_BYTES)) for o in offsets)
     if misaligned or plan.alignment_bytes % CPU_ALIGNMENT_BYTES:

@@ -6,7 +6,6 @@ allocation and never back, so `install_cuda_allocator()` swaps it once for the w
 process (outside a plan it is plain cudaMalloc/cudaFree, without caching), and
 `CudaPlannedAllocator(plan)` turns the plan on for a `with` block. Imported only by
 callers that have CUDA: nothing here is compiled or loaded on a CPU-only machine.
-Not run in this project's CI (no GPU); reviewed by reading.
 """
 
 from __future__ import annotations
@@ -19,23 +18,20 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.layout.plan import PROLOGUE, Plan
+from memplan.layout.plan import PROLOGUE, AddressPlan
+from memplan.runtime.build import cuda_extension
 
 STAT_NAMES = ("served", "fallbacks", "arena_bytes", "arena_held", "arena_live_bytes", "conflicts", "size_mismatches")
 
 
 @cache
 def _library() -> ctypes.CDLL:
-    from memplan.runtime.build import cuda_extension
-
     return ctypes.CDLL(cuda_extension())
 
 
 def install_cuda_allocator() -> None:
     """Make memplan's allocator PyTorch's CUDA allocator (before any CUDA allocation)."""
     import torch
-
-    from memplan.runtime.build import cuda_extension
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(cuda_extension(), "memplan_cuda_malloc", "memplan_cuda_free")
     try:
@@ -55,7 +51,7 @@ def _int64s(values: Any) -> Any:
 class CudaPlannedAllocator:
     """`with CudaPlannedAllocator(plan) as pa:` serves CUDA allocations from the plan."""
 
-    def __init__(self, plan: Plan, *, first_iteration: int | None = None) -> None:
+    def __init__(self, plan: AddressPlan, *, first_iteration: int | None = None) -> None:
         self.plan = plan
         self.first_iteration = (PROLOGUE if PROLOGUE in plan.groups else 0) if first_iteration is None else first_iteration
 

@@ -40,13 +40,14 @@ import numpy as np
 
 from memplan.layout.greedy import greedy_by_size
 from memplan.layout.plan import (
+    AddressPlan,
     DynamicWindow,
     IterationPlan,
-    Plan,
     requests_by_group,
     trace_fingerprint,
 )
 from memplan.layout.validate import check_offsets
+from memplan.runtime.build import cpu_extension
 from memplan.trace.model import ALLOC, Trace, from_events
 
 CPU_ALIGNMENT_BYTES = 64  # c10's gAlignment: what the default CPU allocator returns
@@ -54,8 +55,6 @@ CPU_ALIGNMENT_BYTES = 64  # c10's gAlignment: what the default CPU allocator ret
 
 def record_step(step_fn: Callable[[], object], iterations: int) -> Trace:
     """Run `step_fn` `iterations` times under the recording allocator; the requests it saw."""
-    from memplan.runtime.build import cpu_extension
-
     ext = cpu_extension()
     session = ext.new_recorder()
     session.install()
@@ -106,13 +105,13 @@ def trace_from_recording(
 
 def plan_steady_state(
     trace: Trace, *, alignment_bytes: int = CPU_ALIGNMENT_BYTES, window_requests: int = 64
-) -> Plan:
+) -> AddressPlan:
     """A periodic plan whose only group is the last recorded iteration (see module doc)."""
     start = time.perf_counter()
     by_group = requests_by_group(trace)
     last = max((g for g in by_group if g >= 0), default=None)
     if last is None:
-        return Plan(trace_fingerprint(trace, []), 0, alignment_bytes, [], stats={"method": "steady-state greedy"})
+        return AddressPlan(trace_fingerprint(trace, []), 0, alignment_bytes, [], stats={"method": "steady-state greedy"})
     first_event = trace.meta.get("iteration_first_event")
     requests = by_group[last]
     t0 = int(first_event[last]) if first_event else int(trace.buffers["alloc_event"][requests[0]])
@@ -146,7 +145,7 @@ def plan_steady_state(
     offsets[index] = placed
     arena_bytes = check_offsets(lower, upper, nbytes[owner], offsets[owner], alignment=alignment_bytes)
     windows = _dynamic_windows(last, alloc, lower, upper, nbytes[owner], offsets[owner], arena_bytes, window_requests)
-    return Plan(
+    return AddressPlan(
         trace_fingerprint=trace_fingerprint(trace, [last]),
         arena_bytes=int(arena_bytes),
         alignment_bytes=alignment_bytes,

@@ -22,7 +22,7 @@ the allocator simulator sees them with every other request:
   reserved memory; added as a buffer live from the start.
 
 Allocator rounding (512 B) and the caching allocator's reserved memory are not
-added here: the allocator simulator (`memplan.alloc.simulate`) applies them.
+added here: the allocator simulator (`memplan.alloc.replay`) applies them.
 """
 
 from __future__ import annotations

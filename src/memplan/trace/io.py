@@ -23,4 +23,12 @@ def load(path: str | os.PathLike) -> Trace:
         head = fh.read(2)
     if head == b"PK":  # .memtrace files are numpy .npz archives, i.e. zip files
         return load_memtrace(p)
-    return load_snapshot(p)
+    if head[:1] == b"\x80":  # a pickle of protocol 2 or later, as snapshots are written
+        return load_snapshot(p)
+    try:
+        return load_snapshot(p)
+    except UserError as exc:
+        raise UserError(
+            f"cannot read trace {p}: it is neither a .memtrace file (a zip archive) nor a "
+            f"PyTorch memory snapshot ({exc})"
+        ) from None

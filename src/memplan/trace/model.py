@@ -120,16 +120,6 @@ class Trace:
         ptr = self.csr["op_outputs_ptr"]
         return self.csr["op_outputs"][ptr[op] : ptr[op + 1]]
 
-    def buffer_ops(self, buffer: int) -> np.ndarray:
-        """Indices of the ops that read or wrote `buffer`, ascending."""
-        ins = self.csr["op_inputs"]
-        outs = self.csr["op_outputs"]
-        in_ops = np.searchsorted(self.csr["op_inputs_ptr"], np.flatnonzero(ins == buffer), "right") - 1
-        out_ops = (
-            np.searchsorted(self.csr["op_outputs_ptr"], np.flatnonzero(outs == buffer), "right") - 1
-        )
-        return np.unique(np.concatenate([in_ops, out_ops]))
-
     def free_event_or_end(self) -> np.ndarray:
         """Free event per buffer, with buffers live at the end freed at `num_events`."""
         free = self.buffers["free_event"].copy()

@@ -33,7 +33,8 @@ comes from the entry's `category` (written by `torch.cuda._memory_viz.profile_pl
 and by memplan), "other" otherwise.
 
 **Export** (`to_snapshot`, `save_snapshot`). No allocator is simulated: each buffer is
-laid out in a slot of its size rounded up to 512 bytes, inside one segment per
+laid out in a slot of its size rounded up to `BLOCK_ALIGN_BYTES` (512: the caching
+allocator's `kMinBlockSize` in `c10/cuda/CUDACachingAllocator.cpp`), inside one segment per
 (device, stream), by best fit with coalescing (the caching allocator's rule: the
 smallest free range that fits, lowest address on ties; the arena grows at the top
 when none fits). A segment is as large as its arena's high-water mark rounded up to
@@ -91,7 +92,10 @@ from memplan.trace.validate import validate
 SNAPSHOT_KEY = "memplan"
 PICKLE_PROTOCOL = 4  # MemoryViz.js unpickles protocols 2 to 4 only
 
-BLOCK_ALIGN_BYTES = 512  # kMinBlockSize of the caching allocator
+# Export slots are rounded as the caching allocator rounds a request: to multiples of
+# its kMinBlockSize (c10/cuda/CUDACachingAllocator.cpp, `round_size`; in memplan the
+# rule's owner is memplan.alloc.conf, a layer above this one, so it is a constant here).
+BLOCK_ALIGN_BYTES = 512
 SEGMENT_ALIGN_BYTES = 2 * 1024 * 1024  # kRoundLarge
 SEGMENT_BASE_ADDRESS = 0x7F00_0000_0000  # where synthetic segments start (looks like a device pointer)
 
@@ -281,8 +285,15 @@ def _trace_from_events(snapshot: dict, where: str) -> Trace:
         raise _bad(where, "'segments' is not a list")
     if not isinstance(device_traces, list) or not all(isinstance(t, list) for t in device_traces):
         raise _bad(where, "'device_traces' is not a list of lists (one per device)")
+    reader = _EventReader(where)
+    for device, position, entry in _merged_entries(device_traces, where):
+        reader.read_entry(device, position, entry)
+    reader.read_segments(segments)
+    return reader.trace(snapshot, len(device_traces), segments)
 
-    # Merge the devices' entries into one time axis.
+
+def _merged_entries(device_traces: list, where: str) -> list[tuple[int, int, dict]]:
+    """The devices' entries as (device, position, entry) on one time axis."""
     entries = []
     for device, device_trace in enumerate(device_traces):
         for position, entry in enumerate(device_trace):
@@ -292,19 +303,26 @@ def _trace_from_events(snapshot: dict, where: str) -> Trace:
     timed = all(isinstance(e.get("time_us"), (int, float)) for _, _, e in entries)
     if timed:
         entries.sort(key=lambda item: (item[2]["time_us"], item[0], item[1]))
+    return entries
 
-    buffers: list[dict[str, Any]] = []
-    timeline: list[list[int] | None] = []  # [kind, buffer]; None where a tentative free was superseded
-    open_at: dict[tuple[int, int], int] = {}  # (device, addr) -> buffer not yet free_completed
-    requested_at: dict[int, int] = {}  # buffer -> timeline index of its free_requested
-    preexisting: list[int] = []
-    ignored: dict[str, int] = {}
-    implicit_frees = 0
 
-    def new_buffer(device: int, addr: int, nbytes: int, stream: int, entry: dict) -> int:
+class _EventReader:
+    """Buffers and their alloc/free timeline, read entry by entry from a snapshot."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.buffers: list[dict[str, Any]] = []
+        self.timeline: list[list[int] | None] = []  # [kind, buffer]; None where a tentative free was superseded
+        self.open_at: dict[tuple[int, int], int] = {}  # (device, addr) -> buffer not yet free_completed
+        self.requested_at: dict[int, int] = {}  # buffer -> timeline index of its free_requested
+        self.preexisting: list[int] = []
+        self.ignored: dict[str, int] = {}
+        self.implicit_frees = 0
+
+    def new_buffer(self, device: int, addr: int, nbytes: int, stream: int, entry: dict) -> int:
         site = _site_from_frames(_frames_of(entry))
         category = site.get("category") or entry.get("category")
-        buffers.append(
+        self.buffers.append(
             {
                 "device": device,
                 "addr": addr,
@@ -317,13 +335,15 @@ def _trace_from_events(snapshot: dict, where: str) -> Trace:
                 "microbatch": site.get("microbatch", 0),
             }
         )
-        return len(buffers) - 1
+        return len(self.buffers) - 1
 
-    for device, position, entry in entries:
+    def read_entry(self, device: int, position: int, entry: dict) -> None:
+        """One `device_traces` entry: an alloc opens a buffer, a free closes it."""
+        where, timeline, open_at, requested_at = self.where, self.timeline, self.open_at, self.requested_at
         action = entry["action"]
         if action not in TENSOR_ACTIONS:
-            ignored[action] = ignored.get(action, 0) + 1
-            continue
+            self.ignored[action] = self.ignored.get(action, 0) + 1
+            return
         what = f"device {device} trace entry {position} ({action})"
         addr = _int_field(entry, "addr", where, what)
         nbytes = _int_field(entry, "size", where, what)
@@ -335,16 +355,16 @@ def _trace_from_events(snapshot: dict, where: str) -> Trace:
         if action == "alloc":
             if current is not None:
                 if current not in requested_at:
-                    implicit_frees += 1  # no free recorded before the address was reused
+                    self.implicit_frees += 1  # no free recorded before the address was reused
                     timeline.append([FREE, current])
                 del open_at[key]
-            buffer = new_buffer(device, addr, nbytes, stream, entry)
+            buffer = self.new_buffer(device, addr, nbytes, stream, entry)
             open_at[key] = buffer
             timeline.append([ALLOC, buffer])
-            continue
+            return
         if current is None:  # freed, but allocated before the recording started
-            current = new_buffer(device, addr, nbytes, stream, entry)
-            preexisting.append(current)
+            current = self.new_buffer(device, addr, nbytes, stream, entry)
+            self.preexisting.append(current)
             open_at[key] = current
         if action == "free_requested":
             if current not in requested_at:
@@ -357,62 +377,83 @@ def _trace_from_events(snapshot: dict, where: str) -> Trace:
             timeline.append([FREE, current])
             del open_at[key]
 
-    # Blocks allocated at snapshot time that no open allocation of the trace explains.
-    for s, segment in enumerate(segments):
-        if not isinstance(segment, dict) or not isinstance(segment.get("blocks"), list):
-            raise _bad(where, f"segment {s} has no 'blocks' list")
-        device = _int_field(segment, "device", where, f"segment {s}", default=0)
-        stream = _int_field(segment, "stream", where, f"segment {s}", default=0)
-        addr = _int_field(segment, "address", where, f"segment {s}", default=0)
-        for i, block in enumerate(segment["blocks"]):
-            what = f"segment {s} block {i}"
-            if not isinstance(block, dict):
-                raise _bad(where, f"{what} is not a dict")
-            nbytes = _int_field(block, "size", where, what)
-            block_addr = _int_field(block, "address", where, what, default=addr)
-            addr = block_addr + nbytes
-            if block.get("state") in ACTIVE_BLOCK_STATES and (device, block_addr) not in open_at:
-                buffer = new_buffer(device, block_addr, nbytes, stream, block)
-                preexisting.append(buffer)
-                open_at[(device, block_addr)] = buffer
+    def read_segments(self, segments: list) -> None:
+        """Blocks allocated at snapshot time that no open allocation of the trace explains."""
+        where = self.where
+        for s, segment in enumerate(segments):
+            if not isinstance(segment, dict) or not isinstance(segment.get("blocks"), list):
+                raise _bad(where, f"segment {s} has no 'blocks' list")
+            device = _int_field(segment, "device", where, f"segment {s}", default=0)
+            stream = _int_field(segment, "stream", where, f"segment {s}", default=0)
+            addr = _int_field(segment, "address", where, f"segment {s}", default=0)
+            for i, block in enumerate(segment["blocks"]):
+                what = f"segment {s} block {i}"
+                if not isinstance(block, dict):
+                    raise _bad(where, f"{what} is not a dict")
+                nbytes = _int_field(block, "size", where, what)
+                block_addr = _int_field(block, "address", where, what, default=addr)
+                addr = block_addr + nbytes
+                if block.get("state") in ACTIVE_BLOCK_STATES and (device, block_addr) not in self.open_at:
+                    buffer = self.new_buffer(device, block_addr, nbytes, stream, block)
+                    self.preexisting.append(buffer)
+                    self.open_at[(device, block_addr)] = buffer
 
-    # Pre-existing buffers are allocated first, in (device, address) order; ids follow alloc order.
-    preexisting.sort(key=lambda b: (buffers[b]["device"], buffers[b]["addr"]))
-    records = [[ALLOC, b] for b in preexisting] + [r for r in timeline if r is not None]
-    new_id: dict[int, int] = {}
-    for kind, buffer in records:
-        if kind == ALLOC:
-            new_id[buffer] = len(new_id)
-    order = sorted(new_id, key=new_id.__getitem__)
-    kinds = np.array([kind for kind, _ in records], dtype=np.int8)
-    event_buffers = np.array([new_id[buffer] for _, buffer in records], dtype=np.int64)
-    ordered = [buffers[b] for b in order]
+    def trace(self, snapshot: dict, num_device_traces: int, segments: list) -> Trace:
+        """The Trace of what was read: pre-existing buffers first, ids in allocation order."""
+        buffers, preexisting = self.buffers, self.preexisting
+        preexisting.sort(key=lambda b: (buffers[b]["device"], buffers[b]["addr"]))
+        records = [[ALLOC, b] for b in preexisting] + [r for r in self.timeline if r is not None]
+        new_id: dict[int, int] = {}
+        for kind, buffer in records:
+            if kind == ALLOC:
+                new_id[buffer] = len(new_id)
+        order = sorted(new_id, key=new_id.__getitem__)
+        kinds = np.array([kind for kind, _ in records], dtype=np.int8)
+        event_buffers = np.array([new_id[buffer] for _, buffer in records], dtype=np.int64)
+        ordered = [buffers[b] for b in order]
+        meta: dict[str, Any] = {"source": "pytorch_memory_snapshot"}
+        streams = _int32_streams([b["stream"] for b in ordered], meta)
+        categories = [CATEGORY[b["category"]] for b in ordered]
+        trace = from_events(
+            kinds, [b["nbytes"] for b in ordered], event_buffers, streams=streams, categories=categories
+        )
+        num_devices = max(
+            [num_device_traces, 1] + [b["device"] + 1 for b in ordered]
+            + [int(s.get("device", 0)) + 1 for s in segments]
+        )
+        _set_buffer_sites(trace, ordered, num_devices)
+        meta["unrecorded_allocations"] = len(preexisting)
+        if self.implicit_frees:
+            meta["implicit_frees"] = self.implicit_frees
+        if self.ignored:
+            meta["ignored_actions"] = dict(sorted(self.ignored.items()))
+        settings = snapshot.get("allocator_settings")
+        if isinstance(settings, dict) and settings:
+            meta["allocator_settings"] = json.loads(json.dumps(settings, default=str))
+        trace.meta = meta
+        return trace
 
-    raw_streams = [b["stream"] for b in ordered]
-    meta: dict[str, Any] = {"source": "pytorch_memory_snapshot"}
+
+def _int32_streams(raw_streams: list[int], meta: dict[str, Any]) -> list[int]:
+    """Streams as int32: kept when they fit, else numbered by first appearance (0 stays 0),
+    the original values going to `meta["snapshot_streams"]`."""
     if all(0 <= s <= _INT32_MAX for s in raw_streams):
-        streams = raw_streams
-    else:
-        numbering: dict[int, int] = {0: 0}
-        for s in raw_streams:
-            numbering.setdefault(s, len(numbering))
-        streams = [numbering[s] for s in raw_streams]
-        meta["snapshot_streams"] = {str(n): s for s, n in numbering.items() if n}
-    categories = [CATEGORY[b["category"]] for b in ordered]
-    trace = from_events(
-        kinds, [b["nbytes"] for b in ordered], event_buffers, streams=streams, categories=categories
-    )
+        return raw_streams
+    numbering: dict[int, int] = {0: 0}
+    for s in raw_streams:
+        numbering.setdefault(s, len(numbering))
+    meta["snapshot_streams"] = {str(n): s for s, n in numbering.items() if n}
+    return [numbering[s] for s in raw_streams]
 
+
+def _set_buffer_sites(trace: Trace, ordered: list[dict[str, Any]], num_devices: int) -> None:
+    """Fill the buffers' device, module, phase, iteration and micro-batch columns."""
     modules = [""]
     module_index = {"": 0}
     for b in ordered:
         module_index.setdefault(b["module"], len(modules))
         if len(modules) < len(module_index):
             modules.append(b["module"])
-    num_devices = max(
-        [len(device_traces), 1] + [b["device"] + 1 for b in ordered]
-        + [int(s.get("device", 0)) + 1 for s in segments]
-    )
     trace.buffers["device"] = np.array([b["device"] for b in ordered], dtype=np.int16)
     trace.buffers["module"] = np.array([module_index[b["module"]] for b in ordered], dtype=np.int32)
     trace.buffers["phase"] = np.array([PHASE[b["phase"]] for b in ordered], dtype=np.int8)
@@ -420,17 +461,6 @@ def _trace_from_events(snapshot: dict, where: str) -> Trace:
     trace.buffers["microbatch"] = np.array([b["microbatch"] for b in ordered], dtype=np.int32)
     trace.modules = modules
     trace.devices = [f"cuda:{i}" for i in range(num_devices)]
-
-    meta["unrecorded_allocations"] = len(preexisting)
-    if implicit_frees:
-        meta["implicit_frees"] = implicit_frees
-    if ignored:
-        meta["ignored_actions"] = dict(sorted(ignored.items()))
-    settings = snapshot.get("allocator_settings")
-    if isinstance(settings, dict) and settings:
-        meta["allocator_settings"] = json.loads(json.dumps(settings, default=str))
-    trace.meta = meta
-    return trace
 
 
 # --- export ----------------------------------------------------------------------------------
@@ -522,23 +552,47 @@ def to_snapshot(trace: Trace) -> dict[str, Any]:
     nbytes = b["nbytes"].tolist()
     devices = b["device"].tolist()
     streams = b["stream"].tolist()
-    categories = b["category"].tolist()
     modules = b["module"].tolist()
     alloc_ops = b["alloc_op"].tolist()
-    op_modules = trace.ops["module"].tolist()
     slots = [_round_up(max(n, 1), BLOCK_ALIGN_BYTES) for n in nbytes]
+    groups = list(zip(devices, streams))
+    arenas, offsets = _best_fit_offsets(trace, groups, slots)
+    segments, base_of = _synthetic_segments(arenas)
+    addrs = [base_of[groups[i]] + offsets[i] for i in range(trace.num_buffers)]
 
+    buffer_frames = [_buffer_frame(trace, i) for i in range(trace.num_buffers)]
+    alloc_frames = [
+        [_op_frame(trace, alloc_ops[i], modules[i]), buffer_frames[i]] for i in range(trace.num_buffers)
+    ]
+    _fill_final_blocks(trace, segments, groups, addrs, slots, alloc_frames)
+    return {
+        "segments": segments,
+        "device_traces": _device_traces(trace, segments, addrs, buffer_frames, alloc_frames),
+        "allocator_settings": {},
+        "external_annotations": [],
+        SNAPSHOT_KEY: _columns_of(trace),
+    }
+
+
+def _best_fit_offsets(
+    trace: Trace, groups: list[tuple[int, int]], slots: list[int]
+) -> tuple[dict[tuple[int, int], _BestFitArena], list[int]]:
+    """Each buffer's offset in the arena of its (device, stream), replaying the events."""
     arenas: dict[tuple[int, int], _BestFitArena] = {}
     offsets = [0] * trace.num_buffers
-    kinds = trace.events["kind"].tolist()
-    event_buffers = trace.events["buffer"].tolist()
-    for kind, buffer in zip(kinds, event_buffers):
-        arena = arenas.setdefault((devices[buffer], streams[buffer]), _BestFitArena())
+    for kind, buffer in zip(trace.events["kind"].tolist(), trace.events["buffer"].tolist()):
+        arena = arenas.setdefault(groups[buffer], _BestFitArena())
         if kind == ALLOC:
             offsets[buffer] = arena.alloc(slots[buffer])
         else:
             arena.free(offsets[buffer], slots[buffer])
+    return arenas, offsets
 
+
+def _synthetic_segments(
+    arenas: dict[tuple[int, int], _BestFitArena],
+) -> tuple[list[dict[str, Any]], dict[tuple[int, int], int]]:
+    """One segment per arena, side by side from SEGMENT_BASE_ADDRESS; and each one's base."""
     base_of: dict[tuple[int, int], int] = {}
     base = SEGMENT_BASE_ADDRESS
     segments = []
@@ -559,20 +613,25 @@ def to_snapshot(trace: Trace) -> dict[str, Any]:
             }
         )
         base += total
-    addrs = [base_of[(devices[i], streams[i])] + offsets[i] for i in range(trace.num_buffers)]
+    return segments, base_of
 
-    buffer_frames = [_buffer_frame(trace, i) for i in range(trace.num_buffers)]
-    alloc_frames = [
-        [_op_frame(trace, alloc_ops[i], modules[i]), buffer_frames[i]] for i in range(trace.num_buffers)
-    ]
 
-    # Final state: the buffers live at the end, tiled with inactive gaps.
-    live_at_end = np.flatnonzero(b["free_event"] < 0).tolist()
+def _fill_final_blocks(
+    trace: Trace,
+    segments: list[dict[str, Any]],
+    groups: list[tuple[int, int]],
+    addrs: list[int],
+    slots: list[int],
+    alloc_frames: list[list[dict[str, Any]]],
+) -> None:
+    """The segments' blocks at the end: the buffers live then, tiled with inactive gaps."""
+    nbytes = trace.buffers["nbytes"].tolist()
+    live_at_end = np.flatnonzero(trace.buffers["free_event"] < 0).tolist()
     live_at_end.sort(key=lambda i: addrs[i])
     segment_of = {(s["device"], s["stream"]): s for s in segments}
     cursor = {id(s): s["address"] for s in segments}
     for i in live_at_end:
-        segment = segment_of[(devices[i], streams[i])]
+        segment = segment_of[groups[i]]
         _append_inactive(segment, cursor[id(segment)], addrs[i])
         segment["blocks"].append(
             {
@@ -591,6 +650,21 @@ def to_snapshot(trace: Trace) -> dict[str, Any]:
         segment["active_size"] = segment["allocated_size"]
         segment["requested_size"] = sum(blk["requested_size"] for blk in active)
 
+
+def _device_traces(
+    trace: Trace,
+    segments: list[dict[str, Any]],
+    addrs: list[int],
+    buffer_frames: list[dict[str, Any]],
+    alloc_frames: list[list[dict[str, Any]]],
+) -> list[list[dict[str, Any]]]:
+    """Per device: a `segment_alloc` per segment, then an entry (or two) per event."""
+    b = trace.buffers
+    nbytes = b["nbytes"].tolist()
+    devices = b["device"].tolist()
+    streams = b["stream"].tolist()
+    categories = b["category"].tolist()
+    op_modules = trace.ops["module"].tolist()
     device_traces: list[list[dict[str, Any]]] = [[] for _ in trace.devices]
     for segment in segments:
         device_traces[segment["device"]].append(
@@ -606,6 +680,8 @@ def to_snapshot(trace: Trace) -> dict[str, Any]:
             }
         )
     event_ops = trace.events["op"].tolist()
+    kinds = trace.events["kind"].tolist()
+    event_buffers = trace.events["buffer"].tolist()
     for event, (kind, i) in enumerate(zip(kinds, event_buffers)):
         common = {
             "addr": addrs[i],
@@ -621,14 +697,7 @@ def to_snapshot(trace: Trace) -> dict[str, Any]:
         frames = [_op_frame(trace, op, op_modules[op] if op >= 0 else 0), buffer_frames[i]]
         for action in ("free_requested", "free_completed"):
             device_traces[devices[i]].append({"action": action, "frames": frames, **common})
-
-    return {
-        "segments": segments,
-        "device_traces": device_traces,
-        "allocator_settings": {},
-        "external_annotations": [],
-        SNAPSHOT_KEY: _columns_of(trace),
-    }
+    return device_traces
 
 
 def _append_inactive(segment: dict[str, Any], start: int, end: int) -> None:

@@ -52,7 +52,14 @@ def validate(trace: Trace) -> Trace:
     for name in CSR_COLUMNS:
         if name not in trace.csr:
             raise TraceError(f"op read/write table lacks {name}")
+    _check_buffers(trace, nb, no)
+    _check_events(trace, nb, ne, no)
+    _check_ops(trace, nb, ne, no)
+    return trace
 
+
+def _check_buffers(trace: Trace, nb: int, no: int) -> None:
+    """Codes and indices of the buffer table lie in their ranges; sizes are not negative."""
     b = trace.buffers
     if nb and (b["nbytes"] < 0).any():
         i = _first(b["nbytes"] < 0)
@@ -72,7 +79,10 @@ def validate(trace: Trace) -> Trace:
         i = _first(bad)
         raise TraceError(f"buffer {i}: allocating op {int(b['alloc_op'][i])} does not exist")
 
-    # Events: each buffer allocated exactly once, freed at most once, after its allocation.
+
+def _check_events(trace: Trace, nb: int, ne: int, no: int) -> None:
+    """Each buffer allocated exactly once, freed at most once, after its allocation."""
+    b = trace.buffers
     e = trace.events
     if ne:
         bad = (e["kind"] != ALLOC) & (e["kind"] != FREE)
@@ -117,7 +127,9 @@ def validate(trace: Trace) -> Trace:
         i = _first(bad)
         raise TraceError(f"buffer {i}: freed at event {int(b['free_event'][i])} before it was allocated")
 
-    # Ops: names and modules resolve, event ranges ascend, CSR references real buffers.
+
+def _check_ops(trace: Trace, nb: int, ne: int, no: int) -> None:
+    """Op names and modules resolve, event ranges ascend, the CSR references real buffers."""
     o = trace.ops
     for name, table in (("name", trace.op_names), ("module", trace.modules)):
         bad = (o[name] < 0) | (o[name] >= len(table))
@@ -147,4 +159,3 @@ def validate(trace: Trace) -> Trace:
             j = _first(bad)
             op = int(np.searchsorted(ptr, j, "right") - 1)
             raise TraceError(f"op {op}: {side[:-1]} buffer {int(idx[j])} does not exist")
-    return trace
