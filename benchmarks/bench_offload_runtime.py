@@ -1,12 +1,12 @@
-"""The offload runtime on real training here (CPU): GPT-2-medium, 50% of its no-offload peak, files on disk.
+"""The offload runtime on real training on a CPU-only host: GPT-2-medium, 50% of its no-offload peak, files on disk.
 
-Issue 8's "real run": a GPT-2-medium (registry `gpt2-medium`, 355M parameters, fp32,
+The real run of docs/offload.md: a GPT-2-medium (registry `gpt2-medium`, 355M parameters, fp32,
 AdamW with per-parameter kernels) trains without offloading (A) and with
-`memplan.offload.run(..., step_in_backward=True)` (B; or `streamed_step=True` with
-`--mode streamed`): saved activations and optimizer states (and gradients, when streamed) go to files in a directory on this machine's disk (O_DIRECT where the
+`memplan.offload.run(..., RunOptions(step_in_backward=True, ...))` (B; or `streamed_step=True` with
+`--mode streamed`): saved activations and optimizer states (and gradients, when streamed) go to files in a directory on the local disk (O_DIRECT where the
 file system allows it). Both set-ups are built side by side in this one process (same
 seed, same initial weights) and their steps are **interleaved**, so that the machine's
-load, which moves by the minute on this shared 2-core host, hits both alike:
+load, which moves by the minute on a shared host, hits both alike:
 
 - step 1 of each (A then B) warms up allocator and page cache and is not timed; step 2 of
   each runs under the profiler and gives the peak (`step_peak_bytes`); the budget is 50%
@@ -21,9 +21,9 @@ it would alone.
 
 `--mode planned` applies a plan instead of the runtime's own rules: B's step (updates in
 backward, nothing moved) is captured on real tensors with each op's measured time, planned
-by `memplan.offload.plan` for this disk (bandwidth measured through the runtime's store)
+by `memplan.offload.plan_offload` for this disk (bandwidth measured through the runtime's store)
 among optimizer states (and saved activations where states alone cannot fit), and `run(model, optimizer, plan,
-step_in_backward=True)` moves exactly what the plan moves.
+RunOptions(step_in_backward=True, ...))` moves exactly what the plan moves.
 
 Writes the `offload_runtime` section of BENCHMARKS.md.
 
@@ -51,11 +51,10 @@ from memplan.capture import capture
 from memplan.capture.step import build_training_step
 from memplan.hardware.links import Hardware, NvmeArray, make_hardware
 from memplan.models import TrainingSetup, load_config
-from memplan.offload import plan as offload_plan
-from memplan.offload import runtime_categories
+from memplan.offload import plan_offload, runtime_categories
 from memplan.offload.lifetimes import measured_op_durations_s
 from memplan.offload.measure import step_peak_bytes
-from memplan.offload.runtime import FileStore, run
+from memplan.offload.runtime import FileStore, RunOptions, run
 
 
 class Stream:
@@ -90,7 +89,7 @@ def same_parameters(a, b) -> bool:
 
 
 def disk_hardware(directory: str, nbytes: int = 512 << 20) -> Hardware:
-    """This machine's disk as the planner's NVMe: one file of `nbytes` written and read back
+    """The local disk as the planner's NVMe: one file of `nbytes` written and read back
     through the runtime's own store (O_DIRECT where allowed), timed."""
     root = tempfile.mkdtemp(prefix="memplan-disk-", dir=directory)
     store = FileStore(root)
@@ -98,7 +97,7 @@ def disk_hardware(directory: str, nbytes: int = 512 << 20) -> Hardware:
     start = (-data.data_ptr()) % 4096  # page-aligned, as the runtime's refilled storages are
     view = memoryview(data[start:start + nbytes].numpy()).cast("B")
     write_s, read_s = [], []
-    for i in range(3):  # medians of three: this VM's disk moves by the second
+    for i in range(3):  # medians of three: a shared disk's speed varies from one transfer to the next
         t0 = time.perf_counter()
         path = store.write(f"probe{i}", view)
         write_s.append(time.perf_counter() - t0)
@@ -110,16 +109,16 @@ def disk_hardware(directory: str, nbytes: int = 512 << 20) -> Hardware:
     os.rmdir(root)
     base = make_hardware("h100-nvl-94gb", nvme="0")
     disk = NvmeArray(1, nbytes / statistics.median(read_s), nbytes / statistics.median(write_s), math.inf,
-                     "this machine's disk")
+                     "local disk")
     return dataclasses.replace(base, nvme=disk)
 
 
 def planned_trace(b: Stream, directory: str):
     """B's second step captured on real tensors (measured op times) with its updates in backward and
-    nothing moved: the step `run(..., plan, step_in_backward=True)` will run. The first (untimed) makes
+    nothing moved: the step `run(..., plan, RunOptions(step_in_backward=True, ...))` will run. The first (untimed) makes
     the optimizer's states."""
-    with run(b.step.model, b.step.optimizer, directory=directory, step_in_backward=True, min_nbytes=1 << 62,
-             activations=False):
+    with run(b.step.model, b.step.optimizer, options=RunOptions(directory=directory, step_in_backward=True, min_nbytes=1 << 62,
+             activations=False)):
         b.run()
         torch.set_rng_state(b.rng)
         trace = capture(b.step.run, model=b.step.model, optimizer=b.step.optimizer, inputs=b.step.batches)
@@ -154,7 +153,7 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int, m
         # consumed as they are made); states alone first, as the runtime's own rules do: an activation moved
         # costs a hook and a transfer per storage, many of them small
         for categories in (("optimizer_state",), runtime_categories()):
-            planned = offload_plan(trace, hardware, budget=budget - args.plan_margin_mib * (1 << 20),
+            planned = plan_offload(trace, hardware, budget=budget - args.plan_margin_mib * (1 << 20),
                                    op_durations_s=measured_op_durations_s(trace), categories=categories)
             if planned.feasible:
                 break
@@ -169,8 +168,8 @@ def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int, m
                 "forward_prefetch_nbytes": args.forward_prefetch_mib << 20}
     else:
         mode = {"streamed_step": True}
-    with run(off.model, off.optimizer, planned, directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
-             **mode) as engine:
+    with run(off.model, off.optimizer, planned, RunOptions(directory=directory, min_nbytes=1 << 20, chunk_nbytes=64 << 20,
+             **mode)) as engine:
         if planned is None:
             with engine.paused():
                 a.run()
@@ -255,7 +254,7 @@ def main() -> None:
     parser.add_argument("--mode", default="in-backward",
                         help="comma-separated, a row per shape and mode: in-backward: each update runs in backward "
                         "(step_in_backward); streamed: the optimizer step streams gradients and states chunk by chunk "
-                        "(streamed_step); planned: in backward, moving what memplan.offload.plan chose for the "
+                        "(streamed_step); planned: in backward, moving what memplan.offload.plan_offload chose for the "
                         "captured step")
     parser.add_argument("--resident-mib", default="0",
                         help="in-backward: MiB of optimizer states that stay in memory (budget permitting); one "
@@ -305,7 +304,7 @@ def main() -> None:
            + (f" --plan-margin-mib {args.plan_margin_mib}" if "planned" in modes else ""))
     section = "\n".join([
         "<!-- bench:offload_runtime -->",
-        "## Offload runtime, real CPU training here (issue 8)",
+        "## Offload runtime, real CPU training",
         "",
         f"Reproduce: `{cmd}` (one run; 2 shared CPU cores).",
         "",
@@ -318,12 +317,12 @@ def main() -> None:
         "largest parameters, `--resident-mib` of them, stay; refilled states are page-aligned, so O_DIRECT moves "
         "them with no bounce copy) or gradients to files too and the optimizer step streamed in 64 MiB chunks "
         "(`streamed_step=True`, mode streamed). Mode planned: B's step (updates in backward) is captured on real "
-        "tensors, with each op's measured time, and planned by `memplan.offload.plan` for this disk (its bandwidth "
+        "tensors, with each op's measured time, and planned by `memplan.offload.plan_offload` for this disk (its bandwidth "
         "measured through the runtime's store, medians of three 512 MiB writes and reads) and the budget less "
         "`--plan-margin-mib` (the runtime reads states and activations 64 MiB ahead each, where the plan brings "
         "them back just in time), among optimizer states alone, or states and saved activations where a plan of "
         "states alone cannot fit (what this runtime mode moves, activations last as in its own rules); "
-        "`run(model, optimizer, plan, step_in_backward=True)` then moves exactly the states and saved storages "
+        "`run(model, optimizer, plan, RunOptions(step_in_backward=True, ...))` then moves exactly the states and saved storages "
         "the plan moves, and keeps the rest. "
         "Both are built side by side in one process and their steps interleaved: one untimed warm-up step each, "
         "one profiled step each (peak; where B's activations must move, a second profiled step of B and an "

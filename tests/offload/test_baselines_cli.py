@@ -7,9 +7,9 @@ import pytest
 from memplan.cli import main
 from memplan.hardware.devices import device_profile
 from memplan.hardware.links import Hardware, NvmeArray, make_hardware, parse_nvme_spec
-from memplan.offload.baselines import ideal, layer_of, torchtune_activations
-from memplan.offload.lifetimes import analyse
-from memplan.offload.simulate import Move, simulate
+from memplan.offload.baselines import ideal, layer_of, run_baselines, torchtune_activations
+from memplan.offload.lifetimes import analyse_lifetimes
+from memplan.offload.simulate import Move, simulate_offload
 
 
 def test_nvme_spec_by_drive_name_adds_up_a_raid0():
@@ -39,14 +39,14 @@ def test_unknown_drive_is_a_user_error():
 
 
 def test_simulator_without_moves_runs_ops_back_to_back():
-    r = simulate(np.array([1.0, 2.0, 3.0]), np.array([10, 20, 30]), [], {})
+    r = simulate_offload(np.array([1.0, 2.0, 3.0]), np.array([10, 20, 30]), [], {})
     assert (r.step_s, r.stall_s, r.peak_device_bytes) == (6.0, 0.0, 30)
 
 
 def test_simulator_stalls_an_op_until_its_prefetch_lands():
     # 2 B at 1 B/s issued when op 0 starts; op 1 needs it: it waits from t=1 to t=2
     move = Move("read", 2, 0, False, wait_op=1, device_delta_on_issue=0)
-    r = simulate(np.array([1.0, 1.0]), np.array([0, 0]), [move], {"read": 1.0})
+    r = simulate_offload(np.array([1.0, 1.0]), np.array([0, 0]), [move], {"read": 1.0})
     assert r.step_s == pytest.approx(3.0) and r.stall_s == pytest.approx(1.0)
     assert r.link_utilisation["read"] == pytest.approx(2 / 3)
 
@@ -55,7 +55,7 @@ def test_simulator_waits_for_an_offload_before_an_op_over_budget():
     # op 1 needs 100 B with a budget of 60: it waits until the 50 B offload issued after op 0
     # completes (t = 1 + 50/10 = 6); the buffer is given back after op 1
     moves = [Move("write", 50, 0, True, device_delta_on_complete=-50), Move(None, 0, 1, True, device_delta_on_issue=50)]
-    r = simulate(np.array([1.0, 1.0]), np.array([50, 100]), moves, {"write": 10.0}, budget_bytes=60)
+    r = simulate_offload(np.array([1.0, 1.0]), np.array([50, 100]), moves, {"write": 10.0}, budget_bytes=60)
     assert r.stall_s == pytest.approx(5.0) and r.within_budget and r.peak_device_bytes == 50
 
 
@@ -66,14 +66,21 @@ def test_layer_of_groups_by_transformer_block():
 
 def test_ideal_baseline_is_the_sum_of_op_times(make_trace):
     tr = make_trace([8], ["activation"], [{"alloc": [0]}, {"reads": [0]}, {"free": [0]}])
-    lt = analyse(tr, np.array([0.5, 1.0, 2.0]))
+    lt = analyse_lifetimes(tr, np.array([0.5, 1.0, 2.0]))
     hw = Hardware(device_profile("h100-80gb"), 1, NvmeArray(1, 1.0, 1.0, math.inf, "t"), 0.0, 2.0)
     assert ideal(tr, lt, hw).sim.step_s == pytest.approx(3.5)
     assert torchtune_activations(tr, lt, hw, 100).feasible  # nothing in a layer: nothing moves
 
 
+def test_without_nvme_zero_infinity_is_not_a_baseline(make_trace):
+    tr = make_trace([8], ["activation"], [{"alloc": [0]}, {"reads": [0]}, {"free": [0]}])
+    lt = analyse_lifetimes(tr, np.array([0.5, 1.0, 2.0]))
+    hw = Hardware(device_profile("h100-80gb"), 1, parse_nvme_spec("0"), 0.0, 2.0)
+    assert set(run_baselines(tr, lt, hw, 100)) == {"ideal", "zero_offload", "torchtune_activations"}
+
+
 @pytest.mark.slow
-def test_cli_prints_the_issue_keys_as_one_json_object(capsys):
+def test_cli_prints_the_report_keys_as_one_json_object(capsys):
     code = main(["offload", "llama-3.2-1b", "--batch", "1", "--seq", "128", "--gpu", "h100-80gb",
                  "--budget", "6GiB", "--host-mem", "32GB", "--json"])
     assert code == 0
@@ -103,7 +110,7 @@ def test_saved_activations_are_the_ones_used_in_forward_and_again_in_backward(ma
     tr = make_trace([4096, 4096, 4096], ["activation"] * 3,
                     [{"alloc": [0, 1]}, {"reads": [0, 1], "free": [1]}, {"reads": [0], "alloc": [2], "free": [0, 2]}])
     tr.ops["phase"][2] = PHASE["backward"]
-    lt = analyse(tr, np.array([1.0, 1.0, 1.0]))
+    lt = analyse_lifetimes(tr, np.array([1.0, 1.0, 1.0]))
     assert saved_activations(tr, lt).tolist() == [0]
 
 
@@ -126,8 +133,8 @@ def test_zero_baselines_recompute_when_activations_on_the_gpu_do_not_fit(tiny_tr
 
     plain, ckpt = tiny_traces
     hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", host_mem="1.5TB", gpus=1, pcie="pcie-gen5-x16")
-    lt = analyse(plain, roofline_op_durations_s(plain, hw.gpu))
-    ck_lt = analyse(ckpt, roofline_op_durations_s(ckpt, hw.gpu))
+    lt = analyse_lifetimes(plain, roofline_op_durations_s(plain, hw.gpu))
+    ck_lt = analyse_lifetimes(ckpt, roofline_op_durations_s(ckpt, hw.gpu))
     budget = ck_lt.op_bytes.max()  # the checkpointed step fits, the plain one does not
     assert lt.op_bytes.max() > 2 * budget
     for baseline in (zero_offload, zero_infinity):
@@ -204,7 +211,7 @@ def test_evaluate_without_baselines_plans_the_same_and_leaves_them_empty(tiny_tr
 
     plain, _ = tiny_traces
     hw = make_hardware("h100-80gb", nvme="4x990pro")
-    budget = int(0.6 * np.max(analyse(plain, np.ones(plain.num_ops)).op_bytes))
+    budget = int(0.6 * np.max(analyse_lifetimes(plain, np.ones(plain.num_ops)).op_bytes))
     full, _ = evaluate(plain, hw, budget)
     bare, _ = evaluate(plain, hw, budget, with_baselines=False)
     assert set(full["baselines"]) == {"zero_offload", "zero_infinity", "torchtune_activations"}

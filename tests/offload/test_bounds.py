@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from memplan.offload.bounds import step_lower_bound_s
-from memplan.offload.lifetimes import analyse
+from memplan.offload.lifetimes import analyse_lifetimes
 from memplan.offload.planner import plan_lifetimes
-from memplan.offload.simulate import simulate_plan
+from memplan.offload.simulate import simulate_offload_plan
 
 from .test_planner import hardware
 
@@ -15,7 +15,7 @@ def two_activations(make_trace):
     # A made at op 0, read at op 4; B made at op 1, read at op 3; 100 B each, ops of 1 s
     ops = [{"alloc": [A]}, {"alloc": [B]}, {}, {"reads": [B], "free": [B]}, {"reads": [A], "free": [A]}]
     tr = make_trace([100, 100], ["activation", "activation"], ops)
-    return tr, analyse(tr, np.ones(5))
+    return tr, analyse_lifetimes(tr, np.ones(5))
 
 
 def test_the_bound_is_the_largest_write_plus_read_stall_around_one_op(make_trace):
@@ -35,7 +35,7 @@ def test_what_an_op_makes_itself_takes_budget_from_the_buffers_that_may_be_away(
     # bytes live at the op's start counted: no stall at all.)
     ops = [{"alloc": [A]}, {}, {"alloc": [B], "free": [B]}, {}, {"reads": [A], "free": [A]}]
     tr = make_trace([100, 100], ["activation", "temporary"], ops)
-    lt = analyse(tr, np.ones(5))
+    lt = analyse_lifetimes(tr, np.ones(5))
     hw = hardware(ssd_bytes_per_s=50.0, pcie_bytes_per_s=100.0)
     assert step_lower_bound_s(tr, lt, hw, 100) == pytest.approx(7.0)
 
@@ -50,7 +50,7 @@ def test_the_plan_of_the_hand_case_is_no_faster_than_the_bound(make_trace):
     hw = hardware(ssd_bytes_per_s=50.0, pcie_bytes_per_s=100.0)
     p = plan_lifetimes(tr, lt, hw, 100, min_nbytes=1)
     assert p.feasible
-    assert simulate_plan(lt, p, hw.link_bytes_per_s()).step_s >= step_lower_bound_s(tr, lt, hw, 100)
+    assert simulate_offload_plan(lt, p, hw.link_bytes_per_s()).step_s >= step_lower_bound_s(tr, lt, hw, 100)
 
 
 def test_write_and_read_stalls_add_only_when_their_windows_fit_in_one_step():

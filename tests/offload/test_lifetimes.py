@@ -4,7 +4,7 @@ import pytest
 from memplan.errors import UserError
 from memplan.hardware.devices import device_profile
 from memplan.offload.lifetimes import (
-    analyse,
+    analyse_lifetimes,
     measured_op_durations_s,
     op_peak_bytes,
     roofline_op_durations_s,
@@ -20,7 +20,7 @@ def small(make_trace):
 
 
 def test_inactive_intervals_between_uses_wrap_and_tail(make_trace):
-    lt = analyse(small(make_trace), np.ones(10))
+    lt = analyse_lifetimes(small(make_trace), np.ones(10))
     assert lt.inactive_intervals(W) == [(0, 8), (8, 10)]  # (8, 10): wraps to op 0 of the next step
     # A is freed by op 9 with nothing allocated after it there: op 9 is idle too, so the
     # tail runs to op 10 (the next step's op 0)
@@ -33,11 +33,11 @@ def test_a_tail_ends_at_the_freeing_op_when_an_allocation_follows_the_free(make_
     ops = [{"reads": [W]}, {"alloc": [A]}, {}, {}, {}, {}, {}, {"reads": [A]}, {"reads": [W]},
            {"events": [("free", A), ("alloc", T), ("free", T)]}]
     tr = make_trace([100, 100, 10], ["parameter", "activation", "temporary"], ops, persistent=[W])
-    assert sorted(analyse(tr, np.ones(10)).inactive_intervals(A)) == [(1, 7), (7, 9)]
+    assert sorted(analyse_lifetimes(tr, np.ones(10)).inactive_intervals(A)) == [(1, 7), (7, 9)]
 
 
 def test_inactive_intervals_in_seconds_run_from_end_of_use_to_start_of_next(make_trace):
-    lt = analyse(small(make_trace), np.arange(1, 11, dtype=float))  # op i takes i+1 s
+    lt = analyse_lifetimes(small(make_trace), np.arange(1, 11, dtype=float))  # op i takes i+1 s
     start = np.concatenate([[0], np.cumsum(np.arange(1, 11))])
     assert lt.inactive_intervals_s(A)[0] == (start[2], start[7])
     assert lt.inactive_intervals_s(W)[1] == (start[9], start[10] + start[0])
@@ -45,7 +45,7 @@ def test_inactive_intervals_in_seconds_run_from_end_of_use_to_start_of_next(make
 
 def test_active_intervals_are_runs_of_consecutive_ops(make_trace):
     ops = [{"alloc": [0]}, {"reads": [0]}, {}, {"reads": [0]}, {"free": [0]}]
-    lt = analyse(make_trace([8], ["activation"], ops), np.ones(5))
+    lt = analyse_lifetimes(make_trace([8], ["activation"], ops), np.ones(5))
     assert lt.active_intervals(0) == [(0, 1), (3, 3)]
     assert lt.active_intervals_s(0) == [(0.0, 2.0), (3.0, 4.0)]
 
@@ -62,6 +62,21 @@ def test_roofline_is_the_slower_of_compute_and_memory(make_trace):
     tr.ops["flops"][:] = [gpu.matmul_flops_per_s("fp32") * 2.0, 0.0]
     tr.ops["bytes_moved"][:] = [gpu.memory_bandwidth_bytes_per_s * 1.0, gpu.memory_bandwidth_bytes_per_s * 3.0]
     assert roofline_op_durations_s(tr, gpu) == pytest.approx([2.0, 3.0])
+
+
+def test_roofline_times_matmuls_at_the_autocast_rate_of_the_traced_setup(make_trace):
+    # fp32 parameters under bf16 autocast: the matmuls run in bf16 (memplan.hardware.roofline)
+    tr = make_trace([8, 8], ["activation", "activation"], [{"alloc": [0]}, {"alloc": [1]}])
+    tr.meta["setup"] = {"dtype": "fp32", "autocast": "bf16"}
+    gpu = device_profile("h100-80gb")
+    flops = [4e12, 2e12]
+    tr.ops["flops"][:] = flops
+    tr.ops["bytes_moved"][:] = 0.0  # compute-bound
+    bf16, fp32 = gpu.matmul_flops_per_s("bf16"), gpu.matmul_flops_per_s("fp32")
+    assert bf16 > 2 * fp32  # the two rates are far apart on this profile
+    durations = roofline_op_durations_s(tr, gpu)
+    assert durations == pytest.approx([f / bf16 for f in flops])
+    assert analyse_lifetimes(tr, durations).step_s == pytest.approx(sum(flops) / bf16)
 
 
 def test_measured_times_must_match_the_op_count(make_trace):

@@ -6,14 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.errors import UserError
+from memplan.errors import MemplanBug, UserError
 from memplan.hardware.devices import device_profile
 from memplan.hardware.links import Hardware, NvmeArray
 from memplan.offload.bounds import step_lower_bound_s
-from memplan.offload.lifetimes import analyse
-from memplan.offload.planner import LinkTimeline, Transfer, plan, plan_lifetimes
-from memplan.offload.simulate import simulate_plan
-from memplan.offload.validate import PlanError, validate_plan
+from memplan.offload.lifetimes import analyse_lifetimes
+from memplan.offload.plan_file import Transfer
+from memplan.offload.planner import LinkTimeline, plan_lifetimes, plan_offload
+from memplan.offload.simulate import simulate_offload_plan
+from memplan.offload.validate import OffloadPlanBug, validate_plan
 
 W, A = 0, 1
 
@@ -30,7 +31,7 @@ def small(make_trace):
 
 def plan_small(make_trace, budget, **hw):
     tr = small(make_trace)
-    lt = analyse(tr, np.ones(10))
+    lt = analyse_lifetimes(tr, np.ones(10))
     return tr, lt, plan_lifetimes(tr, lt, hardware(**hw), budget, min_nbytes=1)
 
 
@@ -51,7 +52,7 @@ def test_memory_is_saved_only_between_offload_end_and_prefetch_start(make_trace)
     # 100 B at 100 B/s: 1 s each way. A is idle between ops 1 and 7 (each op 1 s):
     # offload 2-3 s, prefetch 6-7 s, so A is away over ops 3, 4, 5.
     tr = only_activation(make_trace)
-    p = plan_lifetimes(tr, analyse(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
+    p = plan_lifetimes(tr, analyse_lifetimes(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
     (t,) = [t for t in p.transfers if t.buffer == A and t.use_op == 7]
     assert (t.tier, t.after_op, t.done_op, t.return_op) == ("ssd", 1, 3, 6)
     assert (t.offload_start_s, t.offload_end_s, t.prefetch_start_s, t.prefetch_end_s) == (2.0, 3.0, 6.0, 7.0)
@@ -101,7 +102,7 @@ def test_host_memory_takes_what_the_ssd_link_cannot(make_trace):
     # the first, the busy SSD link leaves the second a window over op 3 only; the host link covers 2..5
     ops = [{"alloc": [0, 1]}, {}, {"alloc": [2]}, {"free": [2]}, {}, {}, {}, {"reads": [0, 1]}, {"free": [0, 1]}]
     tr = make_trace([100, 100, 200], ["activation", "activation", "temporary"], ops)
-    lt = analyse(tr, np.ones(9))
+    lt = analyse_lifetimes(tr, np.ones(9))
     p = plan_lifetimes(tr, lt, hardware(ssd_bytes_per_s=100.0, pcie_bytes_per_s=200.0, host_bytes=1000), 200, min_nbytes=1)
     returning = [t for t in p.transfers if t.use_op == 7]
     assert sorted(t.tier for t in returning) == ["host", "ssd"]
@@ -111,7 +112,7 @@ def test_host_memory_takes_what_the_ssd_link_cannot(make_trace):
 def test_host_memory_respects_its_limit(make_trace):
     ops = [{"alloc": [0, 1]}, {}, {"alloc": [2]}, {"free": [2]}, {}, {}, {}, {"reads": [0, 1]}, {"free": [0, 1]}]
     tr = make_trace([100, 100, 200], ["activation", "activation", "temporary"], ops)
-    lt = analyse(tr, np.ones(9))
+    lt = analyse_lifetimes(tr, np.ones(9))
     p = plan_lifetimes(tr, lt, hardware(host_bytes=50), 200, min_nbytes=1)
     assert p.transfers
     assert all(t.tier == "ssd" for t in p.transfers)
@@ -122,45 +123,47 @@ def test_urgent_transfers_when_no_window_hides_them(make_trace):
     tr, lt, p = plan_small(make_trace, 150, ssd_bytes_per_s=1.0, pcie_bytes_per_s=1.0)
     assert p.feasible
     assert p.transfers and all(t.urgent for t in p.transfers)
-    result = simulate_plan(lt, p, hardware(ssd_bytes_per_s=1.0, pcie_bytes_per_s=1.0).link_bytes_per_s())
+    result = simulate_offload_plan(lt, p, hardware(ssd_bytes_per_s=1.0, pcie_bytes_per_s=1.0).link_bytes_per_s())
     assert result.stall_s > 100
     assert result.within_budget
 
 
 def test_infeasible_when_only_temporaries_exceed_the_budget(make_trace):
     tr = make_trace([100, 100], ["temporary", "temporary"], [{"alloc": [0, 1]}, {}, {}, {"reads": [0, 1], "free": [0, 1]}])
-    p = plan_lifetimes(tr, analyse(tr, np.ones(4)), hardware(), 150, min_nbytes=1)
+    p = plan_lifetimes(tr, analyse_lifetimes(tr, np.ones(4)), hardware(), 150, min_nbytes=1)
     assert not p.feasible and p.peak_bytes_after == 200 and p.transfers == []
 
 
 def test_budget_must_be_positive(make_trace):
     with pytest.raises(UserError, match="budget"):
-        plan(small(make_trace), hardware(), budget=0)
+        plan_offload(small(make_trace), hardware(), budget=0)
 
 
 def planned_activation(make_trace):
     tr = only_activation(make_trace)
-    return tr, plan_lifetimes(tr, analyse(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
+    return tr, plan_lifetimes(tr, analyse_lifetimes(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
 
 
 def test_validator_rejects_a_buffer_used_while_away(make_trace):
     tr, p = planned_activation(make_trace)
     t = next(t for t in p.transfers if t.buffer == A and t.use_op == 7)
     bad = replace(p, transfers=[replace(t, use_op=8, return_op=8)])
-    with pytest.raises(PlanError, match="used by op 7 while away"):
+    with pytest.raises(OffloadPlanBug, match="used by op 7 while away") as caught:
         validate_plan(tr, bad)
+    # a bad plan of memplan's own planner is a bug (exit 3), not bad input (exit 2)
+    assert isinstance(caught.value, MemplanBug) and not isinstance(caught.value, UserError)
 
 
 def test_validator_rejects_a_budget_overrun(make_trace):
     tr, _, p = plan_small(make_trace, 150)
-    with pytest.raises(PlanError, match="over the budget"):
+    with pytest.raises(OffloadPlanBug, match="over the budget"):
         validate_plan(tr, replace(p, transfers=[], feasible=True))
 
 
 def test_validator_rejects_overlapping_windows_of_one_buffer(make_trace):
     tr, p = planned_activation(make_trace)
     t = next(t for t in p.transfers if t.buffer == A and t.use_op == 7)
-    with pytest.raises(PlanError, match="overlapping"):
+    with pytest.raises(OffloadPlanBug, match="overlapping"):
         validate_plan(tr, replace(p, transfers=[t, replace(t, after_op=2, done_op=3)]))
 
 
@@ -176,7 +179,7 @@ G, TMP = 2, 3
 def test_a_buffer_dropped_at_the_end_of_an_op_is_away_through_that_op(make_trace):
     # op 3 allocates the temporary, then frees it and G: with G away through op 3 it fits 100 B
     tr = gradient_dropped_at_the_end(make_trace, {"alloc": [TMP], "free": [TMP, G]})
-    p = plan_lifetimes(tr, analyse(tr, np.ones(5)), hardware(), 100, min_nbytes=1)
+    p = plan_lifetimes(tr, analyse_lifetimes(tr, np.ones(5)), hardware(), 100, min_nbytes=1)
     (t,) = p.transfers
     assert (t.buffer, t.use_op, t.return_op) == (G, None, 4)
     assert p.feasible
@@ -186,11 +189,11 @@ def test_a_buffer_dropped_at_the_end_of_an_op_is_away_through_that_op(make_trace
 def test_validator_rejects_a_buffer_away_through_an_op_that_allocates_after_freeing_it(make_trace):
     # op 3 frees G and then allocates the temporary: G's bytes may be what the temporary takes
     tr = gradient_dropped_at_the_end(make_trace, {"events": [("free", G), ("alloc", TMP), ("free", TMP)]})
-    assert sorted(analyse(tr, np.ones(5)).inactive_intervals(G)) == [(1, 3)]
-    p = plan_lifetimes(tr, analyse(tr, np.ones(5)), hardware(), 100, min_nbytes=1)
+    assert sorted(analyse_lifetimes(tr, np.ones(5)).inactive_intervals(G)) == [(1, 3)]
+    p = plan_lifetimes(tr, analyse_lifetimes(tr, np.ones(5)), hardware(), 100, min_nbytes=1)
     away = Transfer(G, 100, "gradient", "ssd", 1, 2, 3, None, False, 2.0, 3.0, None, None)
     validate_plan(tr, replace(p, transfers=[away]))  # away until op 3: allowed
-    with pytest.raises(PlanError, match="not live from op 1 to op 4"):
+    with pytest.raises(OffloadPlanBug, match="not live from op 1 to op 4"):
         validate_plan(tr, replace(p, transfers=[replace(away, return_op=4)]))
 
 
@@ -227,12 +230,12 @@ def random_traces(draw):
 def test_every_plan_passes_the_validator_and_holds_in_simulation(make_trace, case, fraction, bandwidth):
     sizes, cats, ops, persistent, durations = case
     tr = make_trace(sizes, cats, ops, persistent=persistent)
-    lt = analyse(tr, np.asarray(durations))
+    lt = analyse_lifetimes(tr, np.asarray(durations))
     budget = max(1, int(lt.op_bytes.max() * fraction))
     hw = hardware(ssd_bytes_per_s=bandwidth, pcie_bytes_per_s=2 * bandwidth, host_bytes=100)
     p = plan_lifetimes(tr, lt, hw, budget, min_nbytes=1)
     validate_plan(tr, p)
-    result = simulate_plan(lt, p, hw.link_bytes_per_s())
+    result = simulate_offload_plan(lt, p, hw.link_bytes_per_s())
     assert result.step_s >= lt.step_s - 1e-9
     if p.feasible:
         assert result.peak_device_bytes <= budget
@@ -257,7 +260,7 @@ def optimizer_crunch(make_trace):
     ops = [{} for _ in range(8)] + [{"reads": [b], "writes": [b]} for b in range(4)]
     tr = make_trace([100] * 4, ["optimizer_state"] * 4, ops, persistent=[0, 1, 2, 3])
     durations = np.array([1.0] * 8 + [0.01] * 4)
-    return tr, analyse(tr, durations)
+    return tr, analyse_lifetimes(tr, durations)
 
 
 def test_planned_stalls_beat_urgent_transfers_in_an_optimizer_crunch(make_trace):
@@ -267,7 +270,7 @@ def test_planned_stalls_beat_urgent_transfers_in_an_optimizer_crunch(make_trace)
     first = p.rounds[0]
     assert first["planned_stall_s"] == 0 and first["urgent"] > 0
     assert len(p.rounds) > 1 and p.planned_stall_s > 0
-    step_s = simulate_plan(lt, p, hw.link_bytes_per_s()).step_s
+    step_s = simulate_offload_plan(lt, p, hw.link_bytes_per_s()).step_s
     assert step_s < first["simulated_step_s"]
     assert p.feasible
     validate_plan(tr, p)
@@ -275,7 +278,7 @@ def test_planned_stalls_beat_urgent_transfers_in_an_optimizer_crunch(make_trace)
 
 def test_one_round_when_overlapped_transfers_fit(make_trace):
     tr = only_activation(make_trace)
-    p = plan_lifetimes(tr, analyse(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
+    p = plan_lifetimes(tr, analyse_lifetimes(tr, np.ones(10)), hardware(), 100, min_nbytes=1)
     assert len(p.rounds) == 1 and p.planned_stall_s == 0 and p.rounds[0]["urgent"] == 0
 
 

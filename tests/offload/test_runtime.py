@@ -9,7 +9,8 @@ import torch
 
 from memplan import models
 from memplan.capture.step import build_training_step
-from memplan.offload.runtime import FileStore, OffloadError, run
+from memplan.offload.runtime import FileStore, OffloadError, RunOptions, run
+from memplan.offload.runtime import engine as engine_module
 
 
 def tiny_step():
@@ -18,7 +19,7 @@ def tiny_step():
 
 def train(step, steps, **offload):
     if offload:
-        with run(step.model, step.optimizer, **offload) as engine:
+        with run(step.model, step.optimizer, options=RunOptions(**offload)) as engine:
             for _ in range(steps):
                 step.run()
         return engine
@@ -58,7 +59,7 @@ def test_a_killed_process_leaves_files_cleaned_at_the_next_start(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_full_disk_degrades_to_host_memory(tmp_path):
+def test_full_disk_degrades_to_host_memory(tmp_path, monkeypatch):
     def full(op, key):
         if op == "write":
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -66,30 +67,33 @@ def test_full_disk_degrades_to_host_memory(tmp_path):
     ref = tiny_step()
     train(ref, 2)
     off = tiny_step()
-    engine = train(off, 2, directory=tmp_path, min_nbytes=1024, fault=full)
+    monkeypatch.setattr(engine_module, "_fault_hook", full)
+    engine = train(off, 2, directory=tmp_path, min_nbytes=1024)
     assert engine.degraded and "No space left" in engine.degraded[0]
     for a, b in zip(ref.model.parameters(), off.model.parameters()):
         assert torch.equal(a, b)
 
 
-def test_injected_io_error_without_fallback_is_a_clear_error(tmp_path):
+def test_injected_io_error_without_fallback_is_a_clear_error(tmp_path, monkeypatch):
     def broken(op, key):
         raise OSError(errno.EIO, "Input/output error")
 
+    monkeypatch.setattr(engine_module, "_fault_hook", broken)
     with pytest.raises(OffloadError, match="Input/output error"):
-        train(tiny_step(), 2, directory=tmp_path, min_nbytes=1024, fault=broken, host_fallback=False)
+        train(tiny_step(), 2, directory=tmp_path, min_nbytes=1024, host_fallback=False)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_corrupted_file_is_detected(tmp_path):
+def test_a_corrupted_file_is_detected(tmp_path, monkeypatch):
     def corrupt(op, key):
         if op == "read" and key.startswith("state."):
             for f in (tmp_path).glob("memplan-offload-*/*.bin"):
                 with open(f, "r+b") as fh:
                     fh.write(b"\xff\x00\xff\x00")
 
+    monkeypatch.setattr(engine_module, "_fault_hook", corrupt)
     with pytest.raises(OffloadError, match="corrupted"):
-        train(tiny_step(), 3, directory=tmp_path, min_nbytes=1024, checksum=True, fault=corrupt)
+        train(tiny_step(), 3, directory=tmp_path, min_nbytes=1024, checksum=True)
 
 
 
@@ -98,7 +102,7 @@ import json, os, resource, signal, sys
 import torch
 from memplan import models
 from memplan.capture.step import build_training_step
-from memplan.offload.runtime import OffloadError, run
+from memplan.offload.runtime import OffloadError, RunOptions, run
 
 directory, limit = sys.argv[1], int(sys.argv[2])
 def step():
@@ -115,7 +119,7 @@ for fallback in (True, False):
     off = step()
     out = {"error": None}
     try:
-        with run(off.model, off.optimizer, directory=directory, min_nbytes=1024, host_fallback=fallback) as engine:
+        with run(off.model, off.optimizer, options=RunOptions(directory=directory, min_nbytes=1024, host_fallback=fallback)) as engine:
             for _ in range(2):
                 off.run()
         out["degraded"] = engine.degraded
@@ -186,8 +190,8 @@ def two_steps_each(tmp_path, **mode):
     ref_peak = step_peak_bytes(ref)
     ref.run()
     off = mid_step()
-    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, chunk_nbytes=1 << 20,
-             checksum=True, **mode) as engine:
+    with run(off.model, off.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=64 << 10, chunk_nbytes=1 << 20,
+             checksum=True, **mode)) as engine:
         off.run()
         off_peak = step_peak_bytes(off)
         off.run()
@@ -222,14 +226,14 @@ def test_step_in_backward_refuses_gradient_accumulation(tmp_path):
 
     step = mid_step()
     with pytest.raises(OffloadError, match="one backward per optimizer step"):
-        with run(step.model, step.optimizer, directory=tmp_path, min_nbytes=64 << 10, step_in_backward=True):
+        with run(step.model, step.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=64 << 10, step_in_backward=True)):
             for _ in range(2):
                 forward_loss(step.model, step.batches[0]).backward()
 
 
 def test_paused_engine_leaves_another_models_saved_tensors_alone(tmp_path):
     ref, off = tiny_step(), tiny_step()
-    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=1024, optimizer_states=False) as engine:
+    with run(off.model, off.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=1024, optimizer_states=False)) as engine:
         with engine.paused():
             ref.run()
         assert engine.bytes_written == 0
@@ -238,13 +242,13 @@ def test_paused_engine_leaves_another_models_saved_tensors_alone(tmp_path):
 
 
 def test_a_tensor_larger_than_the_bounce_buffer_round_trips_through_o_direct(tmp_path):
-    from memplan.offload.runtime import _bytes_of
+    from memplan.offload.runtime.store import bytes_of
 
     store = FileStore(tmp_path, bounce_nbytes=8192)
     t = torch.arange(5000, dtype=torch.float32)  # 20000 B: three pieces, the last one partial
-    path = store.write("x", _bytes_of(t))
+    path = store.write("x", bytes_of(t))
     out = torch.empty_like(t)
-    store.read(path, _bytes_of(out))
+    store.read(path, bytes_of(out))
     assert torch.equal(t, out)
     store.close()
 
@@ -255,8 +259,8 @@ def test_step_in_backward_keeps_the_states_of_the_largest_parameters_within_resi
         ref.run()
     off = mid_step()
     # the largest weights are the 1 MiB MLP ones; of those, h.3's c_proj comes first in backward's order
-    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=1024, step_in_backward=True,
-             resident_nbytes=2 << 20) as engine:  # room for exactly one of them (two moments)
+    with run(off.model, off.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=1024, step_in_backward=True,
+             resident_nbytes=2 << 20)) as engine:  # room for exactly one of them (two moments)
         for _ in range(2):
             off.run()
         written = set(engine.table)
@@ -282,8 +286,8 @@ def test_forward_prefetch_nbytes_bounds_the_states_read_during_the_forward(tmp_p
     held = {}
     for ahead in (0, 1 << 20, 1 << 30):
         step = mid_step()
-        with run(step.model, step.optimizer, directory=tmp_path, min_nbytes=1024, step_in_backward=True,
-                 chunk_nbytes=256 << 10, forward_prefetch_nbytes=ahead):
+        with run(step.model, step.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=1024, step_in_backward=True,
+                 chunk_nbytes=256 << 10, forward_prefetch_nbytes=ahead)):
             step.run()
             step.run()
             held[ahead] = _held_state_nbytes(step)  # right after the step: what the forward will hold
@@ -293,18 +297,18 @@ def test_forward_prefetch_nbytes_bounds_the_states_read_during_the_forward(tmp_p
 
 
 def test_a_page_aligned_tensor_moves_through_o_direct_without_the_bounce_buffer(tmp_path):
-    from memplan.offload.runtime import _bytes_of, _refill_page_aligned
+    from memplan.offload.runtime.store import bytes_of, refill_page_aligned
 
     t = torch.arange(3 * 4096, dtype=torch.float32)
     expected = t.clone()
     t.untyped_storage().resize_(0)
-    _refill_page_aligned(t, expected.numel() * 4)
+    refill_page_aligned(t, expected.numel() * 4)
     assert t.data_ptr() % 4096 == 0 and t.shape == expected.shape
     t.copy_(expected)
     store = FileStore(tmp_path)
-    path = store.write("aligned", _bytes_of(t))
+    path = store.write("aligned", bytes_of(t))
     t.zero_()
-    store.read(path, _bytes_of(t))
+    store.read(path, bytes_of(t))
     assert torch.equal(t, expected)
     assert getattr(store._local, "bounce", None) is None or store.direct_refused
     store.close()
@@ -345,7 +349,7 @@ def test_activation_offload_writes_each_saved_storage_once(tmp_path):
     saved, distinct, nbytes = saved_storages(act_step(), 64 << 10)
     assert saved > distinct  # views of one storage saved by several ops: the case under test
     step = act_step()
-    with run(step.model, step.optimizer, directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False) as engine:
+    with run(step.model, step.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False)) as engine:
         loss = forward_loss(step.model, step.batches[0])
         for key in list(engine.pending):
             engine.wait(key)
@@ -363,8 +367,8 @@ def test_activation_offload_moves_activations_that_require_grad_and_cuts_the_mea
     ref_peak = step_peak_bytes(ref)
     _, _, act_nbytes = saved_storages(act_step(), 64 << 10)
     off = act_step()
-    with run(off.model, off.optimizer, directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False,
-             chunk_nbytes=1 << 20):
+    with run(off.model, off.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False,
+             chunk_nbytes=1 << 20)):
         off.run()
         off_peak = step_peak_bytes(off)
     assert act_nbytes > ref_peak // 2  # the step is activation-bound
@@ -378,8 +382,8 @@ def test_backward_reads_activations_ahead_in_reverse_pack_order(tmp_path):
 
     step = act_step()
     events = []
-    with run(step.model, step.optimizer, directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False,
-             chunk_nbytes=1 << 20) as engine:
+    with run(step.model, step.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False,
+             chunk_nbytes=1 << 20)) as engine:
         submit, remove = engine.prefetch_into, engine.store.remove
         engine.prefetch_into = lambda key, out: (events.append(("read", key)), submit(key, out))[1]
         engine.store.remove = lambda path: (events.append(("done", path)), remove(path))[1]
@@ -395,7 +399,7 @@ def test_unpacking_an_offloaded_activation_twice_is_a_clear_error(tmp_path):
 
     step = act_step()
     with pytest.raises(OffloadError, match="retain_graph"):
-        with run(step.model, step.optimizer, directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False):
+        with run(step.model, step.optimizer, options=RunOptions(directory=tmp_path, min_nbytes=64 << 10, optimizer_states=False)):
             loss = forward_loss(step.model, step.batches[0])
             loss.backward(retain_graph=True)
             loss.backward()
@@ -403,12 +407,12 @@ def test_unpacking_an_offloaded_activation_twice_is_a_clear_error(tmp_path):
 
 def test_the_cuda_path_is_imported_only_when_a_cuda_tensor_moves(tmp_path):
     code = (
-        "import sys; from memplan.offload.runtime import run; from memplan import models;"
+        "import sys; from memplan.offload.runtime import RunOptions, run; from memplan import models;"
         "from memplan.capture.step import build_training_step;"
         "s = build_training_step(models.tiny_config('gpt2'), models.TrainingSetup(batch=2, seq=32), device='cpu');"
-        f"ctx = run(s.model, s.optimizer, directory={str(tmp_path)!r}, min_nbytes=1024);"
+        f"ctx = run(s.model, s.optimizer, options=RunOptions(directory={str(tmp_path)!r}, min_nbytes=1024));"
         "e = ctx.__enter__(); s.run(); ctx.__exit__(None, None, None);"
-        "assert e.bytes_written > 0; print('memplan.offload.cuda_io' in sys.modules)"
+        "assert e.bytes_written > 0; print('memplan.offload.runtime.cuda_io' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

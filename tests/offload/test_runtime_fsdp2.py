@@ -18,13 +18,12 @@ def _rank_main(rank: int, workdir: str) -> None:
 
     from memplan import models
     from memplan.hardware.links import make_hardware
-    from memplan.offload import plan as make_plan
-    from memplan.offload import runtime_categories
-    from memplan.offload.lifetimes import analyse, roofline_op_durations_s
-    from memplan.offload.runtime import OffloadError, run
+    from memplan.offload import plan_offload, runtime_categories
+    from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+    from memplan.offload.runtime import OffloadError, RunOptions, run
     from memplan.parallel import Layout
-    from memplan.parallel.groundtruth import build_parallel_step
-    from memplan.parallel.traced import capture_parallel_step
+    from memplan.parallel.apply import build_parallel_step
+    from memplan.parallel.traced import parallel_step_trace
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
@@ -36,18 +35,18 @@ def _rank_main(rank: int, workdir: str) -> None:
             ref.run()
         # a plan of this rank's own step, captured on its real tensors (DTensor-aware recorder)
         cap = build_parallel_step(config, setup, layout)
-        trace = capture_parallel_step(cap, warmup=1)
+        trace = parallel_step_trace(cap, warmup=1)
         hardware = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
-        peak = int(analyse(trace, roofline_op_durations_s(trace, hardware.gpu)).op_bytes.max())
-        plan = make_plan(trace, hardware, budget=int(0.5 * peak), min_nbytes=1024, categories=runtime_categories())
+        peak = int(analyse_lifetimes(trace, roofline_op_durations_s(trace, hardware.gpu)).op_bytes.max())
+        plan = plan_offload(trace, hardware, budget=int(0.5 * peak), min_nbytes=1024, categories=runtime_categories())
         # FSDP2's sharded gradients are views of one reduce-scatter buffer: a plan that moves one is refused
-        with_grads = make_plan(trace, hardware, budget=int(0.4 * peak), min_nbytes=1024,
+        with_grads = plan_offload(trace, hardware, budget=int(0.4 * peak), min_nbytes=1024,
                                categories=runtime_categories(streamed_step=True))
         off = build_parallel_step(config, setup, layout)
         directory = Path(workdir, f"grads-{rank}")
         directory.mkdir()
         try:
-            with run(off.model, off.optimizer, with_grads, directory=directory, streamed_step=True):
+            with run(off.model, off.optimizer, with_grads, RunOptions(directory=directory, streamed_step=True)):
                 off.run()
             out["gradient plan"] = {"error": None}
         except OffloadError as exc:
@@ -57,8 +56,9 @@ def _rank_main(rank: int, workdir: str) -> None:
             off = build_parallel_step(config, setup, layout)
             directory = Path(workdir, f"{name}-{rank}".replace(" ", "-"))
             directory.mkdir()
-            planned = {"plan": plan} if name.startswith("planned") else {"min_nbytes": 1024}
-            with run(off.model, off.optimizer, directory=directory, checksum=True, **planned, **mode) as engine:
+            planned = name.startswith("planned")
+            options = RunOptions(directory=directory, checksum=True, **({} if planned else {"min_nbytes": 1024}), **mode)
+            with run(off.model, off.optimizer, plan if planned else None, options) as engine:
                 for _ in range(3):
                     off.run()
             out[name] = {

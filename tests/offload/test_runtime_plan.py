@@ -15,10 +15,10 @@ from memplan.cli import main
 from memplan.errors import UserError
 from memplan.hardware.links import make_hardware
 from memplan.models.build import instantiate, model_class
-from memplan.offload import load_plan, runtime_categories
-from memplan.offload import plan as make_plan
-from memplan.offload.lifetimes import analyse, roofline_op_durations_s
-from memplan.offload.runtime import OffloadError, run
+from memplan.offload import load_offload_plan, plan_offload, runtime_categories
+from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+from memplan.offload.runtime import OffloadError, RunOptions, run
+from memplan.offload.runtime import engine as engine_module
 from memplan.trace.model import CATEGORY
 
 HARDWARE = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
@@ -42,8 +42,8 @@ def trace():
 
 def plan_for_runtime(trace, fraction, streamed_step=False):
     """A plan of `trace` within `fraction` of its peak, among what the runtime mode moves."""
-    peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
-    p = make_plan(trace, HARDWARE, budget=int(fraction * peak), min_nbytes=1024,
+    peak = int(analyse_lifetimes(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    p = plan_offload(trace, HARDWARE, budget=int(fraction * peak), min_nbytes=1024,
                   categories=runtime_categories(streamed_step=streamed_step))
     assert p.feasible
     return p
@@ -76,8 +76,8 @@ def test_capture_names_every_state_and_gradient_as_the_runtime_keys_them(trace):
 
 def test_the_schedule_lists_one_forward_however_many_iterations_are_captured(trace):
     two = captured_trace(iterations=2)
-    one_plan = make_plan(trace, HARDWARE, budget=10**12)
-    two_plan = make_plan(two, HARDWARE, budget=10**12)
+    one_plan = plan_offload(trace, HARDWARE, budget=10**12)
+    two_plan = plan_offload(two, HARDWARE, budget=10**12)
     assert one_plan.tensors.saved_nbytes == two_plan.tensors.saved_nbytes
     assert len(one_plan.tensors.saved_nbytes) > 20  # a tiny GPT-2's forward saves dozens
 
@@ -92,7 +92,7 @@ def test_the_runtime_moves_exactly_what_the_plan_moves_and_trains_bit_identicall
     for _ in range(3):
         ref.run()
     off = tiny_step()
-    with run(off.model, off.optimizer, planned, directory=tmp_path, **mode) as engine:
+    with run(off.model, off.optimizer, planned, RunOptions(directory=tmp_path, **mode)) as engine:
         for _ in range(3):
             off.run()
     named = engine.keys_written
@@ -106,15 +106,16 @@ def test_the_runtime_moves_exactly_what_the_plan_moves_and_trains_bit_identicall
         assert torch.equal(a, b), name
 
 
-def test_states_come_back_in_the_order_the_plan_brings_them_back(tmp_path, planned):
+def test_states_come_back_in_the_order_the_plan_brings_them_back(tmp_path, planned, monkeypatch):
     reads = []
 
     def fault(op, key):
         if op == "read" and key.startswith("state."):
             reads.append(key)
 
+    monkeypatch.setattr(engine_module, "_fault_hook", fault)
     off = tiny_step()
-    with run(off.model, off.optimizer, planned, directory=tmp_path, activations=False, workers=1, fault=fault):
+    with run(off.model, off.optimizer, planned, RunOptions(directory=tmp_path, activations=False, workers=1)):
         for _ in range(2):
             off.run()
     planned_order = [k for k in planned.tensors.moved if k.startswith("state.")]
@@ -125,7 +126,7 @@ def test_states_come_back_in_the_order_the_plan_brings_them_back(tmp_path, plann
 def test_a_plan_of_another_step_is_refused_clearly(tmp_path, planned):
     off = tiny_step(seq=48)
     with pytest.raises(OffloadError, match="the plan was made for another step"):
-        with run(off.model, off.optimizer, planned, directory=tmp_path):
+        with run(off.model, off.optimizer, planned, RunOptions(directory=tmp_path)):
             off.run()
 
 
@@ -133,50 +134,50 @@ def test_a_plan_that_names_no_tensors_is_refused(tmp_path, planned):
     unnamed = dataclasses.replace(planned, tensors=type(planned.tensors)())
     off = tiny_step()
     with pytest.raises(OffloadError, match="names no tensors"):
-        with run(off.model, off.optimizer, unnamed, directory=tmp_path):
+        with run(off.model, off.optimizer, unnamed, RunOptions(directory=tmp_path)):
             pass
 
 
 def test_a_plan_and_resident_bytes_together_are_refused(tmp_path, planned):
     off = tiny_step()
     with pytest.raises(OffloadError, match="either plan or resident_nbytes"):
-        with run(off.model, off.optimizer, planned, directory=tmp_path, step_in_backward=True,
-                 resident_nbytes=1 << 20):
+        with run(off.model, off.optimizer, planned, RunOptions(directory=tmp_path, step_in_backward=True,
+                 resident_nbytes=1 << 20)):
             pass
 
 
 def test_a_plan_that_moves_parameters_is_refused(tmp_path, trace):
-    peak = int(analyse(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
-    p = make_plan(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)  # every candidate category
+    peak = int(analyse_lifetimes(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    p = plan_offload(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)  # every candidate category
     assert p.tensors.unnamed.get("parameter", 0) > 0
     off = tiny_step()
     with pytest.raises(OffloadError, match="tensors the runtime does not move .* of parameters"):
-        with run(off.model, off.optimizer, p, directory=tmp_path, streamed_step=True):
+        with run(off.model, off.optimizer, p, RunOptions(directory=tmp_path, streamed_step=True)):
             pass
 
 
 def test_a_plan_that_moves_gradients_is_refused_without_the_streamed_step(tmp_path, planned_streamed):
     off = tiny_step()
     with pytest.raises(OffloadError, match="only streamed_step=True moves"):
-        with run(off.model, off.optimizer, planned_streamed, directory=tmp_path, step_in_backward=True):
+        with run(off.model, off.optimizer, planned_streamed, RunOptions(directory=tmp_path, step_in_backward=True)):
             pass
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path, planned):
     other = build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32), device="cpu")
     with pytest.raises(OffloadError, match="parameters this model does not have"):
-        with run(other.model, other.optimizer, planned, directory=tmp_path):
+        with run(other.model, other.optimizer, planned, RunOptions(directory=tmp_path)):
             pass
 
 
 def test_a_plan_written_as_json_loads_and_applies_the_same(tmp_path, planned):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(planned.to_json()))
-    loaded = load_plan(path)
+    loaded = load_offload_plan(path)
     assert loaded.tensors == planned.tensors and loaded.transfers == planned.transfers
     off = tiny_step()
     (tmp_path / "files").mkdir()
-    with run(off.model, off.optimizer, loaded, directory=tmp_path / "files") as engine:
+    with run(off.model, off.optimizer, loaded, RunOptions(directory=tmp_path / "files")) as engine:
         for _ in range(2):
             off.run()
     assert {k for k in engine.keys_written if k.startswith("state.")} == {
@@ -189,14 +190,14 @@ def test_a_damaged_plan_file_is_one_clear_error(tmp_path, text, message):
     path = tmp_path / "plan.json"
     path.write_text(text)
     with pytest.raises(UserError, match=message):
-        load_plan(path)
+        load_offload_plan(path)
 
 
 def test_the_cli_plan_names_the_registry_model_s_states(tmp_path, capsys):
     path = tmp_path / "plan.json"
     code = main(["offload", "gpt2", "--gpu", "h100-80gb", "--budget", "1GiB", "--plan-output", str(path), "--json"])
     assert code == 0
-    plan = load_plan(path)
+    plan = load_offload_plan(path)
     states = [k for k in plan.tensors.moved if k.startswith("state.")]
     assert states and plan.tensors.saved_nbytes
     config = models.load_config("gpt2")
@@ -223,7 +224,7 @@ def test_a_llama_plan_applies_where_q_k_v_each_save_a_view_of_one_input(tmp_path
     for _ in range(2):
         ref.run()
     off = llama()
-    with run(off.model, off.optimizer, p, directory=tmp_path) as engine:
+    with run(off.model, off.optimizer, p, RunOptions(directory=tmp_path)) as engine:
         for _ in range(2):
             off.run()
     assert engine.storages_written == 2 * sum(p.tensors.saved_moved)

@@ -1,4 +1,4 @@
-"""Storage tiers and links for offloading, shipped as data (`hardware.json` beside this module).
+"""Storage tiers and links for offloading, shipped as data (`links.json` beside this module).
 
 A `Hardware` describes what one GPU of a node sees: its device profile (from
 `memplan.estimation`), its RAID-0 array of NVMe drives, its share of the host-memory
@@ -67,7 +67,7 @@ _SPEC = re.compile(r"^\s*(\d+)\s*[xX×]\s*(.+?)\s*$")
 
 
 def parse_nvme_spec(spec: str) -> NvmeArray:
-    """`4x990pro` (N drives from hardware.json) or `2x7GB/s` (N drives of that bandwidth each).
+    """`4x990pro` (N drives from links.json) or `2x7GB/s` (N drives of that bandwidth each).
 
     `0` or `none` means no NVMe. A bandwidth-only drive has unlimited capacity.
     """

@@ -1,38 +1,46 @@
 """Lifetime-aware offloading (TERAIO, arXiv 2506.06472): lifetimes, planner, validator, simulator, runtime.
 
-`plan(trace, hardware, budget=...)` returns a validated `OffloadPlan`;
-`simulate_plan(...)` runs it through the event-driven simulator next to the baselines;
-`run(model, optimizer, plan)` applies a plan of the captured step to real training, tensor by
-tensor (`OffloadPlan.tensors`, a `TensorSchedule`).
+`plan_offload(trace, hardware, budget=...)` returns a validated `OffloadPlan`;
+`simulate_offload_plan(...)` runs it through the event-driven simulator next to the baselines;
+`run(model, optimizer, plan, RunOptions(directory=...))` applies a plan of the captured step to
+real training, tensor by tensor (`OffloadPlan.tensors`, a `TensorSchedule`);
+`load_offload_plan(path)` reads a plan `memplan offload --plan-output` wrote.
 """
 
 from memplan.hardware.links import Hardware, make_hardware, parse_nvme_spec
 from memplan.offload.lifetimes import (
     Lifetimes,
-    analyse,
+    analyse_lifetimes,
     measured_op_durations_s,
     roofline_op_durations_s,
 )
-from memplan.offload.planner import OffloadPlan, Transfer, load_plan, plan
-from memplan.offload.runtime import run
+from memplan.offload.plan_file import OffloadPlan, Transfer, load_offload_plan
+from memplan.offload.planner import default_budget_bytes, plan_offload
+from memplan.offload.runtime import OffloadError, RunOptions, run
 from memplan.offload.schedule import TensorSchedule, runtime_categories
-from memplan.offload.validate import PlanError, validate_plan
+from memplan.offload.simulate import OffloadSim, simulate_offload_plan
+from memplan.offload.validate import OffloadPlanBug, validate_plan
 
 __all__ = [
     "Hardware",
     "Lifetimes",
+    "OffloadError",
     "OffloadPlan",
-    "PlanError",
+    "OffloadPlanBug",
+    "OffloadSim",
+    "RunOptions",
     "TensorSchedule",
     "Transfer",
-    "analyse",
-    "load_plan",
+    "analyse_lifetimes",
+    "default_budget_bytes",
+    "load_offload_plan",
     "make_hardware",
     "measured_op_durations_s",
     "parse_nvme_spec",
-    "plan",
+    "plan_offload",
     "roofline_op_durations_s",
-    "runtime_categories",
     "run",
+    "runtime_categories",
+    "simulate_offload_plan",
     "validate_plan",
 ]

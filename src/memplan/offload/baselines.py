@@ -16,15 +16,14 @@ Each baseline turns the trace's lifetimes into op times, device bytes and `Move`
   offloaded activations.
 
 Activations, for both ZeRO baselines: DeepSpeed's only activation offload is
-`cpu_checkpointing`, which moves the *checkpoints* of its activation checkpointing to
-host memory (facts.md §6): without activation checkpointing every activation stays on the
-GPU. So each ZeRO baseline runs two ways and reports the faster feasible one: on the
-step's own trace (no checkpointing, activations on the GPU), and, when the caller gives
-the same step captured with full activation checkpointing (`checkpointed`), on that trace
-(each layer's forward recomputed in backward) with the checkpoints going to host memory
-at layer granularity. (Until this version the baseline moved *every* saved activation to
-host memory with no recomputation, which DeepSpeed cannot do: 82-86% of ideal for 8B
-against the paper's measured ZeRO-Offload 65.9%.)
+`cpu_checkpointing` (the JSON config's `activation_checkpointing` section; DeepSpeed's
+`deepspeed/runtime/activation_checkpointing/checkpointing.py`, `checkpoint_in_cpu`), which
+moves the *checkpoints* of its activation checkpointing to host memory: without activation
+checkpointing every activation stays on the GPU. So each ZeRO baseline runs two ways and
+reports the faster feasible one: on the step's own trace (no checkpointing, activations on
+the GPU), and, when the caller gives the same step captured with full activation
+checkpointing (`checkpointed`), on that trace (each layer's forward recomputed in backward)
+with the checkpoints going to host memory at layer granularity (docs/offload.md).
 - `torchtune_activations`: torchtune's `OffloadActivations`, at layer granularity: a
   layer's activations go to host memory when its forward ends and come back when the
   backward of the layer after it starts; everything else stays on the GPU.
@@ -44,7 +43,7 @@ import numpy as np
 
 from memplan.hardware.links import Hardware, cpu_adam_params_per_s
 from memplan.offload.lifetimes import Lifetimes
-from memplan.offload.simulate import Move, SimResult, simulate
+from memplan.offload.simulate import Move, OffloadSim, simulate_offload
 from memplan.trace.model import CATEGORY, PHASE, Trace
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)(\.|$)")
@@ -53,7 +52,7 @@ _LAYER = re.compile(r"^(.*?\.layers\.\d+)(\.|$)")
 @dataclass
 class BaselineResult:
     name: str
-    sim: SimResult
+    sim: OffloadSim
     host_bytes_needed: float
     feasible: bool
     note: str = ""
@@ -100,7 +99,7 @@ def _parameter_count(trace: Trace) -> float:
     return float(trace.buffers["nbytes"][mask].sum()) / 4.0
 
 
-def _feasible(sim: SimResult, host_needed: float, hardware: Hardware) -> tuple[bool, str]:
+def _feasible(sim: OffloadSim, host_needed: float, hardware: Hardware) -> tuple[bool, str]:
     notes = []
     if not sim.within_budget:
         notes.append(f"device memory over budget by {sim.over_budget_bytes} bytes")
@@ -110,7 +109,7 @@ def _feasible(sim: SimResult, host_needed: float, hardware: Hardware) -> tuple[b
 
 
 def ideal(trace: Trace, lt: Lifetimes, hardware: Hardware) -> BaselineResult:
-    sim = simulate(lt.op_durations_s, lt.op_bytes, [], {}, float("inf"))
+    sim = simulate_offload(lt.op_durations_s, lt.op_bytes, [], {}, float("inf"))
     return BaselineResult("ideal", sim, 0.0, True)
 
 
@@ -170,7 +169,7 @@ def _zero_offload_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_byt
     host = 16.0 * params
     if checkpoints_to_host:
         host += _checkpoints_to_host(trace, lt, moves, "pcie_d2h", "pcie_h2d")
-    sim = simulate(durations, base, moves, _pcie_links(hardware), budget_bytes)
+    sim = simulate_offload(durations, base, moves, _pcie_links(hardware), budget_bytes)
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("zero_offload", sim, host, ok, note)
 
@@ -201,7 +200,7 @@ def _zero_infinity_on(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_by
     host = 8.0 * params
     if checkpoints_to_host:  # on the PCIe share the NVMe traffic leaves
         host += _checkpoints_to_host(trace, lt, moves, "host_write", "host_read")
-    sim = simulate(durations, base, moves, links, budget_bytes)
+    sim = simulate_offload(durations, base, moves, links, budget_bytes)
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("zero_infinity", sim, host, ok, note)
 
@@ -296,18 +295,21 @@ def _layer_activation_moves(trace: Trace, lt: Lifetimes, write_link: str, read_l
 def torchtune_activations(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float) -> BaselineResult:
     links = {"host_write": hardware.pcie_bytes_per_s, "host_read": hardware.pcie_bytes_per_s}
     moves, host = _layer_activation_moves(trace, lt, "host_write", "host_read")
-    sim = simulate(lt.op_durations_s, lt.op_bytes, moves, links, budget_bytes)
+    sim = simulate_offload(lt.op_durations_s, lt.op_bytes, moves, links, budget_bytes)
     ok, note = _feasible(sim, host, hardware)
     return BaselineResult("torchtune_activations", sim, host, ok, note)
 
 
 def run_baselines(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: float,
                   checkpointed: Checkpointed | None = None) -> dict[str, BaselineResult]:
-    """All four baselines of one trace, by name; `checkpointed` is the same step captured
-    with full activation checkpointing, and its lifetimes (the ZeRO baselines' second way)."""
-    return {
+    """The baselines of one trace, by name; `checkpointed` is the same step captured
+    with full activation checkpointing, and its lifetimes (the ZeRO baselines' second way).
+    ZeRO-Infinity offloads to NVMe: without a drive it is not among them."""
+    results = {
         "ideal": ideal(trace, lt, hardware),
         "zero_offload": zero_offload(trace, lt, hardware, budget_bytes, checkpointed),
-        "zero_infinity": zero_infinity(trace, lt, hardware, budget_bytes, checkpointed),
-        "torchtune_activations": torchtune_activations(trace, lt, hardware, budget_bytes),
     }
+    if hardware.nvme.drives > 0:
+        results["zero_infinity"] = zero_infinity(trace, lt, hardware, budget_bytes, checkpointed)
+    results["torchtune_activations"] = torchtune_activations(trace, lt, hardware, budget_bytes)
+    return results

@@ -1,7 +1,7 @@
 """A lower bound on the step time of any offload plan in memplan's model, from link bandwidths.
 
 In memplan's model a buffer can be away during op p only if one of its inactive
-intervals (`lifetimes.analyse`) covers p, and each away buffer lowers the op's device
+intervals (`lifetimes.analyse_lifetimes`) covers p, and each away buffer lowers the op's device
 bytes by exactly its size; so the buffers away at p are drawn from those candidates
 and hold at least `op_bytes[p] - budget` bytes (the bytes the op's own inputs and
 outputs need stay). Two consequences, on disjoint stretches of time:

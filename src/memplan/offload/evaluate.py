@@ -1,8 +1,8 @@
 """One call from a trace and hardware to the figures `memplan offload` reports.
 
 Plans the trace (TERAIO-style, `planner.plan_lifetimes`), simulates the plan, runs the
-baselines in the same simulator (`baselines.run_baselines`) and returns the issue's
-JSON keys: `ideal_step_s`, `planned_step_s`, `throughput_vs_ideal`, `baselines`
+baselines in the same simulator (`baselines.run_baselines`) and returns the JSON keys of
+`memplan offload --json`: `ideal_step_s`, `planned_step_s`, `throughput_vs_ideal`, `baselines`
 (name -> step_s, throughput_vs_ideal, feasible), `offloaded_bytes`,
 `peak_device_bytes`, `plan_elapsed_s`; `step_lower_bound_s` and `throughput_upper_bound`
 (no plan on these links does better: `bounds.step_lower_bound_s`); with a checkpointing
@@ -18,27 +18,21 @@ from typing import Any
 from memplan.hardware.links import Hardware
 from memplan.offload.baselines import run_baselines
 from memplan.offload.bounds import step_lower_bound_s
-from memplan.offload.lifetimes import analyse, roofline_op_durations_s
-from memplan.offload.planner import OffloadPlan, plan_lifetimes
-from memplan.offload.simulate import simulate_plan
+from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+from memplan.offload.plan_file import OffloadPlan
+from memplan.offload.planner import default_budget_bytes, plan_lifetimes
+from memplan.offload.simulate import simulate_offload_plan
 from memplan.trace.model import Trace
-
-
-def default_budget_bytes(hardware: Hardware) -> int:
-    """Device capacity less what never reaches PyTorch's allocator (CUDA context, cuBLAS workspace)."""
-    gpu = hardware.gpu
-    return int(gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes)
-
 
 RECOMPUTE_POLICIES = ("selective", "selective-op", "full")
 
 
 def _planned(trace: Trace, hardware: Hardware, budget: int) -> tuple[Any, OffloadPlan, Any, float]:
     """(lifetimes, plan, simulated step, the links' lower bound on any plan's step) of one trace."""
-    lt = analyse(trace, roofline_op_durations_s(trace, hardware.gpu))
+    lt = analyse_lifetimes(trace, roofline_op_durations_s(trace, hardware.gpu))
     offload_plan = plan_lifetimes(trace, lt, hardware, budget)
     bound = step_lower_bound_s(trace, lt, hardware, budget)
-    return lt, offload_plan, simulate_plan(lt, offload_plan, hardware.link_bytes_per_s()), bound
+    return lt, offload_plan, simulate_offload_plan(lt, offload_plan, hardware.link_bytes_per_s()), bound
 
 
 def _bound_keys(bound_s: float, ideal_s: float) -> dict[str, float | None]:
@@ -89,12 +83,12 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
     if with_baselines:
         checkpointed = None
         if checkpointed_trace is not None:
-            checkpointed = (checkpointed_trace, analyse(checkpointed_trace,
+            checkpointed = (checkpointed_trace, analyse_lifetimes(checkpointed_trace,
                                                         roofline_op_durations_s(checkpointed_trace, hardware.gpu)))
         if baseline_trace is None:
             baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
         else:
-            whole = analyse(baseline_trace, roofline_op_durations_s(baseline_trace, hardware.gpu))
+            whole = analyse_lifetimes(baseline_trace, roofline_op_durations_s(baseline_trace, hardware.gpu))
             baselines = run_baselines(baseline_trace, whole, hardware, budget, checkpointed)
     report = {
         "ideal_step_s": ideal_s,

@@ -8,7 +8,8 @@ and their first use in the next bound an interval that wraps around the step end
 
 Op times come from a roofline of a GPU profile, as PyTorch's `RuntimeEstimator` in
 roofline mode does (an op takes max(FLOPs / peak FLOP/s, bytes moved / HBM
-bandwidth)), or from times measured on this host.
+bandwidth)), with the autocast dtype of the trace's setup honoured (`memplan.hardware.roofline`),
+or from op times measured on real tensors (`measured_op_durations_s`).
 
 Assumptions: the trace holds one training iteration (the steady state repeats it);
 device memory during an op is its event-level peak (live bytes before the op and
@@ -33,7 +34,7 @@ def roofline_op_durations_s(trace: Trace, gpu: DeviceProfile, dtype: str | None 
 
 
 def measured_op_durations_s(trace: Trace, durations_s: np.ndarray | list[float] | None = None) -> np.ndarray:
-    """Durations measured on this host, checked against the trace's op count. With no
+    """Measured op durations, checked against the trace's op count. With no
     `durations_s`, the ones the recorder measured around each op when `trace` was captured
     on real tensors (`meta["op_wall_s"]`: each kernel's wall time, autograd's bookkeeping
     excluded)."""
@@ -149,7 +150,7 @@ def _trailing_frees(trace: Trace, free_op: np.ndarray) -> np.ndarray:
     return trailing
 
 
-def analyse(trace: Trace, op_durations_s: np.ndarray) -> Lifetimes:
+def analyse_lifetimes(trace: Trace, op_durations_s: np.ndarray) -> Lifetimes:
     """Lifetimes of every buffer of `trace`, with op `op_durations_s` (roofline or measured)."""
     n = trace.num_ops
     durations = np.asarray(op_durations_s, dtype=np.float64)

@@ -1,6 +1,7 @@
 """Measured peak tensor memory of one real training step, robust to offloading.
 
-Used to check the offload runtime against its budget (issue 8's real run). Method: the
+Used to check the offload runtime against its budget in a real run (tests/offload,
+benchmarks/bench_offload_runtime.py). Method: the
 bytes resident when the step starts plus the highest running sum of the allocation
 records of `torch.profiler` (`profile_memory=True`) during it, in time order.
 
@@ -23,8 +24,8 @@ def step_peak_bytes(step: Any) -> int:
     optimizer states, by storage size: an offloaded one has none) plus the highest running sum of
     the allocations and frees the profiler records during it.
 
-    The profiler's `MemoryProfileTimeline` (`capture.groundtruth.profiler_peak_bytes`) cannot be
-    used here: its data-flow pass asserts on storages that are released and refilled in place. On a
+    The profiler's `MemoryProfileTimeline` (torch/profiler/_memory_profiler.py; `capture.groundtruth.profiler_peak_bytes`) cannot be
+    used for an offloaded step: its data-flow pass asserts on storages that are released and refilled in place. On a
     step without offloading both measures agree to the bytes of the input batch.
     """
     tensors = [p for p in step.model.parameters()] + [p.grad for p in step.model.parameters() if p.grad is not None]

@@ -3,7 +3,7 @@
 Follows TERAIO's greedy, iterative planner (arXiv 2506.06472, §3.3):
 
 - candidates are the inactive intervals of parameters, gradients, optimizer states and
-  activations (from `lifetimes.analyse`);
+  activations (from `lifetimes.analyse_lifetimes`);
 - each round takes the candidate with the best benefit / cost, where benefit is the
   memory above the budget it removes, integrated over time (byte-seconds), and cost is
   its offload time plus its prefetch time;
@@ -22,7 +22,7 @@ which touches every parameter, gradient and optimizer state in a fraction of the
 step, so that everything away at its start must come back during it), it is cheaper
 to let the GPU wait *once* while the links stream. So the greedy runs in rounds, each
 on an op timeline stretched by planned stalls: every round's plan is simulated with the
-real op times (`simulate.simulate_plan`), and the next round's planned stall before each
+real op times (`simulate.simulate_offload_plan`), and the next round's planned stall before each
 op is the mean of this round's and the stall the simulation measured there (the timeline
 the plan actually produced, damped), plus, for each run of ops (split by phase) that the
 overlapped greedy left over budget, the run's max excess / link bandwidth spread in
@@ -44,138 +44,22 @@ import heapq
 import math
 import time
 from bisect import bisect_left
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from memplan.errors import UserError
 from memplan.hardware.links import Hardware
-from memplan.offload.lifetimes import Lifetimes, analyse, roofline_op_durations_s
-from memplan.offload.schedule import TensorSchedule, tensor_schedule
+from memplan.offload.lifetimes import Lifetimes, analyse_lifetimes, roofline_op_durations_s
+from memplan.offload.plan_file import OffloadPlan, Transfer
+from memplan.offload.schedule import tensor_schedule
+from memplan.offload.simulate import simulate_offload_plan
+from memplan.offload.validate import validate_plan
 from memplan.trace.model import CATEGORY, Trace
+from memplan.units import parse_size
 
 CANDIDATE_CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation")
 TIERS = ("ssd", "host")
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One buffer leaving device memory after op `after_op` and (maybe) coming back.
-
-    Op indices >= num_ops are in the next iteration. Device memory is free over ops
-    [done_op, return_op): from the first op after the offload completes to the op at
-    whose start the prefetch is issued (or, when `use_op` is None, the op that frees it).
-    """
-
-    buffer: int
-    nbytes: int
-    category: str
-    tier: str  # "ssd" or "host"
-    after_op: int
-    done_op: int
-    return_op: int
-    use_op: int | None  # the op that needs it back; None: freed while away
-    urgent: bool
-    offload_start_s: float
-    offload_end_s: float
-    prefetch_start_s: float | None
-    prefetch_end_s: float | None
-
-
-@dataclass
-class OffloadPlan:
-    """A validated offload schedule for one trace and budget."""
-
-    transfers: list[Transfer]
-    budget_bytes: int
-    num_ops: int
-    ideal_step_s: float
-    peak_bytes_before: int
-    peak_bytes_after: int  # planned device peak, op-level
-    feasible: bool  # peak_bytes_after <= budget_bytes
-    plan_elapsed_s: float
-    hardware: dict[str, Any] = field(default_factory=dict)
-    planned_stall_s: float = 0.0  # seconds added to the op timeline the transfer times refer to
-    rounds: list[dict[str, float]] = field(default_factory=list)  # per planning round: stall, urgent, simulated step
-    tensors: TensorSchedule = field(default_factory=TensorSchedule)  # what `memplan.offload.run` applies
-
-    @property
-    def offloaded_bytes(self) -> int:
-        """Bytes written out per iteration (one buffer may leave several times)."""
-        return int(sum(t.nbytes for t in self.transfers))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "budget_bytes": self.budget_bytes,
-            "num_ops": self.num_ops,
-            "ideal_step_s": self.ideal_step_s,
-            "peak_bytes_before": self.peak_bytes_before,
-            "peak_bytes_after": self.peak_bytes_after,
-            "feasible": self.feasible,
-            "plan_elapsed_s": self.plan_elapsed_s,
-            "offloaded_bytes": self.offloaded_bytes,
-            "planned_stall_s": self.planned_stall_s,
-            "rounds": self.rounds,
-            "hardware": self.hardware,
-            "tensors": self.tensors.to_json(),
-            "transfers": [asdict(t) for t in self.transfers],
-        }
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> OffloadPlan:
-        """The plan `to_json` wrote (as `memplan offload --plan-output` does), e.g. to apply it
-        with `memplan.offload.run` in another process. Checked for shape here; the runtime
-        checks it against the live step (names and saved storages)."""
-        try:
-            tensors = doc.get("tensors") or {}
-            schedule = TensorSchedule(
-                moved={str(k): int(v) for k, v in (tensors.get("moved") or {}).items()},
-                saved_nbytes=[int(x) for x in tensors.get("saved_nbytes") or []],
-                saved_moved=[bool(x) for x in tensors.get("saved_moved") or []],
-                unnamed={str(k): int(v) for k, v in (tensors.get("unnamed") or {}).items()},
-            )
-            if len(schedule.saved_nbytes) != len(schedule.saved_moved):
-                raise ValueError("tensors.saved_nbytes and tensors.saved_moved differ in length")
-            fields = {f for f in Transfer.__dataclass_fields__}
-            transfers = []
-            for t in doc["transfers"]:
-                if set(t) != fields:
-                    raise ValueError(f"a transfer has keys {sorted(t)}, not {sorted(fields)}")
-                transfers.append(Transfer(**t))
-            return cls(
-                transfers=transfers,
-                budget_bytes=int(doc["budget_bytes"]),
-                num_ops=int(doc["num_ops"]),
-                ideal_step_s=float(doc["ideal_step_s"]),
-                peak_bytes_before=int(doc["peak_bytes_before"]),
-                peak_bytes_after=int(doc["peak_bytes_after"]),
-                feasible=bool(doc["feasible"]),
-                plan_elapsed_s=float(doc["plan_elapsed_s"]),
-                hardware=dict(doc.get("hardware") or {}),
-                planned_stall_s=float(doc.get("planned_stall_s", 0.0)),
-                rounds=list(doc.get("rounds") or []),
-                tensors=schedule,
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise UserError(f"not an offload plan ({what}): write one with memplan offload --plan-output") from None
-
-
-def load_plan(path: str | Path) -> OffloadPlan:
-    """Read a plan written by `memplan offload --plan-output` (JSON)."""
-    import json
-
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read the plan {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise UserError(f"{path} is not JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise UserError(f"{path} is not an offload plan: write one with memplan offload --plan-output")
-    return OffloadPlan.from_json(doc)
 
 
 class LinkTimeline:
@@ -324,8 +208,8 @@ class _PlannerState:
         for lo, hi in self.ranges(a, b):
             i0, i1 = self.over_ops.searchsorted((lo, hi)).tolist()
             if i1 > i0:
-                # Not `@`: OpenBLAS splits a long dot product over its threads, and on a busy
-                # machine that made each call ~100x slower (most of the 70B planning time).
+                # Not `@`: OpenBLAS splits a long dot product over its threads, which is slow
+                # when the cores are busy (docs/offload.md, planning time).
                 scratch = self._scratch[: i1 - i0]
                 np.minimum(self.over_excess[i0:i1], nbytes, out=scratch)
                 scratch *= self.over_durations[i0:i1]
@@ -501,6 +385,55 @@ def _plan_round(trace: Trace, lt: Lifetimes, hardware: Hardware, budget_bytes: i
     return transfers, excess_left, state.usage.copy()
 
 
+def default_budget_bytes(hardware: Hardware) -> int:
+    """Device capacity less what never reaches PyTorch's allocator (CUDA context, cuBLAS workspace):
+    the budget `plan_offload` and `evaluate.evaluate` use when none is given."""
+    gpu = hardware.gpu
+    return int(gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes)
+
+
+def _candidate_intervals(trace: Trace, lt: Lifetimes, min_nbytes: int,
+                         categories: tuple[str, ...]) -> tuple[np.ndarray, list[str]]:
+    """(the inactive intervals the greedy may take: of buffers of `categories` of at least
+    `min_nbytes`; every buffer's category name)."""
+    unknown = sorted(set(categories) - set(CANDIDATE_CATEGORIES))
+    if unknown:
+        raise UserError(f"cannot offload {', '.join(unknown)}: choose among {', '.join(CANDIDATE_CATEGORIES)}")
+    names = {v: k for k, v in CATEGORY.items()}
+    category_names = [names[int(c)] for c in trace.buffers["category"]]
+    allowed = np.isin(trace.buffers["category"], [CATEGORY[c] for c in categories])
+    big = trace.buffers["nbytes"] >= min_nbytes
+    return np.flatnonzero((allowed & big)[lt.inactive_buffer]), category_names
+
+
+def _stream_bytes_per_s(links: dict[str, float], hardware: Hardware) -> float:
+    """The bandwidth at which the links stream a buffer out and back: SSD plus host memory (when
+    the hardware has some), the slower of the read and write directions."""
+    use_host = hardware.host_capacity_bytes > 0
+    return min(
+        links["ssd_read"] + (links["host_read"] if use_host else 0.0),
+        links["ssd_write"] + (links["host_write"] if use_host else 0.0),
+    )
+
+
+def _round_plan(transfers: list[Transfer], usage: np.ndarray, lt: Lifetimes, hardware: Hardware,
+                budget_bytes: int, pad: np.ndarray) -> OffloadPlan:
+    """The plan of one greedy round, before its tensor schedule and validation."""
+    peak_after = int(usage.max())
+    return OffloadPlan(
+        transfers=sorted(transfers, key=lambda t: (t.after_op, t.buffer)),
+        budget_bytes=int(budget_bytes),
+        num_ops=lt.num_ops,
+        ideal_step_s=lt.step_s,
+        peak_bytes_before=int(lt.op_bytes.max()),
+        peak_bytes_after=peak_after,
+        feasible=peak_after <= budget_bytes,
+        plan_elapsed_s=0.0,
+        hardware=hardware.to_json(),
+        planned_stall_s=float(pad.sum()),
+    )
+
+
 def plan_lifetimes(
     trace: Trace,
     lt: Lifetimes,
@@ -518,26 +451,12 @@ def plan_lifetimes(
     stalls of the rounds before (see the module docstring), ending early after `patience`
     rounds in a row that do not beat the fastest so far; the fastest in simulation wins.
     """
-    from memplan.offload.simulate import simulate_plan
-    from memplan.offload.validate import validate_plan
-
     t0 = time.perf_counter()
     if budget_bytes <= 0:
         raise UserError(f"the device-memory budget must be positive, not {budget_bytes}")
-    unknown = sorted(set(categories) - set(CANDIDATE_CATEGORIES))
-    if unknown:
-        raise UserError(f"cannot offload {', '.join(unknown)}: choose among {', '.join(CANDIDATE_CATEGORIES)}")
-    names = {v: k for k, v in CATEGORY.items()}
-    category_names = [names[int(c)] for c in trace.buffers["category"]]
-    allowed = np.isin(trace.buffers["category"], [CATEGORY[c] for c in categories])
-    big = trace.buffers["nbytes"] >= min_nbytes
-    candidates = np.flatnonzero((allowed & big)[lt.inactive_buffer])
+    candidates, category_names = _candidate_intervals(trace, lt, min_nbytes, categories)
     links = hardware.link_bytes_per_s()
-    use_host = hardware.host_capacity_bytes > 0
-    stream_bytes_per_s = min(
-        links["ssd_read"] + (links["host_read"] if use_host else 0.0),
-        links["ssd_write"] + (links["host_write"] if use_host else 0.0),
-    )
+    stream_bytes_per_s = _stream_bytes_per_s(links, hardware)
     pad = np.zeros(lt.num_ops)
     best: OffloadPlan | None = None
     best_step_s = math.inf
@@ -547,20 +466,8 @@ def plan_lifetimes(
         transfers, excess_left, usage = _plan_round(
             trace, _stretched(lt, pad), hardware, budget_bytes, candidates, category_names
         )
-        peak_after = int(usage.max())
-        candidate = OffloadPlan(
-            transfers=sorted(transfers, key=lambda t: (t.after_op, t.buffer)),
-            budget_bytes=int(budget_bytes),
-            num_ops=lt.num_ops,
-            ideal_step_s=lt.step_s,
-            peak_bytes_before=int(lt.op_bytes.max()),
-            peak_bytes_after=peak_after,
-            feasible=peak_after <= budget_bytes,
-            plan_elapsed_s=0.0,
-            hardware=hardware.to_json(),
-            planned_stall_s=float(pad.sum()),
-        )
-        sim = simulate_plan(lt, candidate, links)
+        candidate = _round_plan(transfers, usage, lt, hardware, budget_bytes, pad)
+        sim = simulate_offload_plan(lt, candidate, links)
         step_s = sim.step_s
         rounds.append({"planned_stall_s": float(pad.sum()), "urgent": float(sum(t.urgent for t in transfers)),
                        "simulated_step_s": step_s})
@@ -586,7 +493,7 @@ def plan_lifetimes(
     return best
 
 
-def plan(
+def plan_offload(
     trace: Trace,
     hardware: Hardware,
     budget: int | str | None = None,
@@ -595,19 +502,16 @@ def plan(
     min_nbytes: int = 1 << 20,
     categories: tuple[str, ...] = CANDIDATE_CATEGORIES,
 ) -> OffloadPlan:
-    """`memplan.offload.plan(trace, hardware, budget=...)`: a validated TERAIO-style plan.
+    """`memplan.offload.plan_offload(trace, hardware, budget=...)`: a validated TERAIO-style plan.
 
-    `budget` defaults to the GPU's capacity less the CUDA context and cuBLAS workspace.
-    Op times default to the roofline of `hardware.gpu`.
+    `budget` defaults to `default_budget_bytes(hardware)`. Op times default to the roofline of
+    `hardware.gpu`.
     """
-    from memplan.units import parse_size
-
     if budget is None:
-        gpu = hardware.gpu
-        budget_bytes = gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
+        budget_bytes = default_budget_bytes(hardware)
     else:
         budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
     if op_durations_s is None:
         op_durations_s = roofline_op_durations_s(trace, hardware.gpu)
-    lt = analyse(trace, op_durations_s)
+    lt = analyse_lifetimes(trace, op_durations_s)
     return plan_lifetimes(trace, lt, hardware, budget_bytes, min_nbytes=min_nbytes, categories=categories)

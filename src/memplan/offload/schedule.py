@@ -29,7 +29,7 @@ _NOT_SAVED_ACTIVATIONS = ("parameter", "gradient", "optimizer_state", "other")
 
 
 def runtime_categories(*, streamed_step: bool = False) -> tuple[str, ...]:
-    """The planner's candidate categories the runtime moves (`plan(..., categories=...)`):
+    """The planner's candidate categories the runtime moves (`plan_offload(..., categories=...)`):
     optimizer states and saved activations, and gradients with `streamed_step` (in the other
     modes a gradient stays until the update consumes it). Parameters never move."""
     return ("gradient", "optimizer_state", "activation") if streamed_step else ("optimizer_state", "activation")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from memplan.offload.planner import OffloadPlan
+from memplan.offload.plan_file import OffloadPlan
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class Move:
 
 
 @dataclass
-class SimResult:
+class OffloadSim:
+    """The steady-state step of one simulation (`simulate_offload`)."""
+
     step_s: float
     stall_s: float
     peak_device_bytes: int
@@ -66,19 +68,9 @@ class SimResult:
         }
 
 
-def simulate(
-    op_durations_s: np.ndarray,
-    op_bytes: np.ndarray,
-    moves: list[Move],
-    link_bytes_per_s: dict[str, float],
-    budget_bytes: float = float("inf"),
-    *,
-    iterations: int = 3,
-) -> SimResult:
-    """Run `iterations` steps; report the last. `op_bytes[i]`: device bytes during op i, nothing moved."""
-    n = int(len(op_durations_s))
-    durations = np.asarray(op_durations_s, dtype=np.float64).tolist()
-    base = np.asarray(op_bytes, dtype=np.int64).tolist()
+def _unrolled_moves(moves: list[Move], n: int, iterations: int) -> tuple[dict[int, list[Move]], dict[int, list[Move]], int]:
+    """The periodic `moves` placed on `iterations` steps of `n` ops: (moves issued at the start of
+    each global op, at its end, and the device bytes of moves that completed before the first op)."""
     total = iterations * n
     at_start: dict[int, list[Move]] = {}
     at_end: dict[int, list[Move]] = {}
@@ -106,13 +98,85 @@ def simulate(
                 None if m.after_key is None else m.after_key * (iterations + 3) + k + 2,
             )
             (at_end if m.issue_at_end else at_start).setdefault(g, []).append(shifted)
+    return at_start, at_end, initial_delta
 
-    link_free = dict.fromkeys(link_bytes_per_s, 0.0)
-    busy: dict[str, list[tuple[float, float]]] = {name: [] for name in link_bytes_per_s}
-    waits: dict[int, float] = {}
-    completed: dict[int, float] = {}
-    pending: list[tuple[float, int]] = []  # (completion time, device delta) not yet applied
-    delta = initial_delta
+
+class _Links:
+    """The links' FIFO queues and the device bytes the moves in flight hold or will free."""
+
+    def __init__(self, link_bytes_per_s: dict[str, float], initial_delta: int) -> None:
+        self.link_bytes_per_s = link_bytes_per_s
+        self.link_free = dict.fromkeys(link_bytes_per_s, 0.0)
+        self.busy: dict[str, list[tuple[float, float]]] = {name: [] for name in link_bytes_per_s}
+        self.waits: dict[int, float] = {}
+        self.completed: dict[int, float] = {}
+        self.pending: list[tuple[float, int]] = []  # (completion time, device delta) not yet applied
+        self.delta = initial_delta
+
+    def issue(self, m: Move, t: float) -> None:
+        if m.after_key is not None:
+            t = max(t, self.completed.get(m.after_key, 0.0))
+        if m.link is None:
+            done = t
+        else:
+            bw = self.link_bytes_per_s[m.link]
+            start = max(t, self.link_free[m.link])
+            done = start + m.nbytes / bw
+            self.link_free[m.link] = done
+            self.busy[m.link].append((start, done))
+        if m.key is not None:
+            self.completed[m.key] = done
+        self.delta += m.device_delta_on_issue
+        if m.device_delta_on_complete:
+            heapq.heappush(self.pending, (done, m.device_delta_on_complete))
+        if m.wait_op is not None:
+            self.waits[m.wait_op] = max(self.waits.get(m.wait_op, 0.0), done)
+
+    def apply_until(self, t: float) -> None:
+        while self.pending and self.pending[0][0] <= t:
+            self.delta += heapq.heappop(self.pending)[1]
+
+    def ready_s(self, g: int, op_bytes: int, now: float, budget_bytes: float) -> float:
+        """When global op `g` (of `op_bytes` device bytes, nothing moved) can start: after the moves
+        it waits for, and after offloads in flight until it fits `budget_bytes` (when they can)."""
+        ready = max(now, self.waits.pop(g, 0.0))
+        self.apply_until(ready)
+        while op_bytes + self.delta > budget_bytes and self.pending:
+            t_done, d = self.pending[0]
+            if d >= 0 and all(x[1] >= 0 for x in self.pending):
+                break
+            heapq.heappop(self.pending)
+            self.delta += d
+            ready = max(ready, t_done)
+            self.apply_until(ready)
+        return ready
+
+    def utilisation(self, lo: float, hi: float) -> dict[str, float]:
+        """Each link's busy fraction of [lo, hi)."""
+        step = hi - lo
+        util = {}
+        for name, spans in self.busy.items():
+            used = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+            util[name] = used / step if step > 0 else 0.0
+        return util
+
+
+def simulate_offload(
+    op_durations_s: np.ndarray,
+    op_bytes: np.ndarray,
+    moves: list[Move],
+    link_bytes_per_s: dict[str, float],
+    budget_bytes: float = float("inf"),
+    *,
+    iterations: int = 3,
+) -> OffloadSim:
+    """Run `iterations` steps; report the last. `op_bytes[i]`: device bytes during op i, nothing moved."""
+    n = int(len(op_durations_s))
+    durations = np.asarray(op_durations_s, dtype=np.float64).tolist()
+    base = np.asarray(op_bytes, dtype=np.int64).tolist()
+    total = iterations * n
+    at_start, at_end, initial_delta = _unrolled_moves(moves, n, iterations)
+    links = _Links(link_bytes_per_s, initial_delta)
     now = 0.0
     stall = 0.0
     peak = 0
@@ -120,51 +184,15 @@ def simulate(
     iter_start = [0.0] * (iterations + 1)
     stall_at_iter = [0.0] * (iterations + 1)
     op_stall = np.zeros(n)
-
-    def issue(m: Move, t: float) -> None:
-        nonlocal delta
-        if m.after_key is not None:
-            t = max(t, completed.get(m.after_key, 0.0))
-        if m.link is None:
-            done = t
-        else:
-            bw = link_bytes_per_s[m.link]
-            start = max(t, link_free[m.link])
-            done = start + m.nbytes / bw
-            link_free[m.link] = done
-            busy[m.link].append((start, done))
-        if m.key is not None:
-            completed[m.key] = done
-        delta += m.device_delta_on_issue
-        if m.device_delta_on_complete:
-            heapq.heappush(pending, (done, m.device_delta_on_complete))
-        if m.wait_op is not None:
-            waits[m.wait_op] = max(waits.get(m.wait_op, 0.0), done)
-
-    def apply_until(t: float) -> None:
-        nonlocal delta
-        while pending and pending[0][0] <= t:
-            delta += heapq.heappop(pending)[1]
-
     for g in range(total):
         i = g % n
         if i == 0:
             iter_start[g // n] = now
             stall_at_iter[g // n] = stall
         for m in at_start.get(g, ()):
-            issue(m, now)
-        ready = max(now, waits.pop(g, 0.0))
-        apply_until(ready)
-        # wait for offloads in flight until this op fits
-        while base[i] + delta > budget_bytes and pending:
-            t_done, d = pending[0]
-            if d >= 0 and all(x[1] >= 0 for x in pending):
-                break
-            heapq.heappop(pending)
-            delta += d
-            ready = max(ready, t_done)
-            apply_until(ready)
-        mem = base[i] + delta
+            links.issue(m, now)
+        ready = links.ready_s(g, base[i], now, budget_bytes)
+        mem = base[i] + links.delta
         peak = max(peak, mem)
         over = max(over, int(mem - budget_bytes)) if mem > budget_bytes else over
         stall += ready - now
@@ -172,21 +200,16 @@ def simulate(
             op_stall[i] = ready - now
         now = ready + durations[i]
         for m in at_end.get(g, ()):
-            issue(m, now)
+            links.issue(m, now)
     iter_start[iterations] = now
     stall_at_iter[iterations] = stall
     lo, hi = iter_start[iterations - 1], iter_start[iterations]
-    step = hi - lo
-    util = {}
-    for name, spans in busy.items():
-        used = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
-        util[name] = used / step if step > 0 else 0.0
-    return SimResult(
-        step_s=step,
+    return OffloadSim(
+        step_s=hi - lo,
         stall_s=stall_at_iter[iterations] - stall_at_iter[iterations - 1],
         peak_device_bytes=int(peak),
         over_budget_bytes=int(over),
-        link_utilisation=util,
+        link_utilisation=links.utilisation(lo, hi),
         op_stall_s=op_stall,
     )
 
@@ -212,9 +235,10 @@ def plan_moves(plan: OffloadPlan) -> list[Move]:
     return moves
 
 
-def simulate_plan(lifetimes: Any, plan: OffloadPlan, link_bytes_per_s: dict[str, float], iterations: int = 3) -> SimResult:
-    """Simulate `plan` on the ops and bytes of `lifetimes` (from `lifetimes.analyse`)."""
-    return simulate(
+def simulate_offload_plan(lifetimes: Any, plan: OffloadPlan, link_bytes_per_s: dict[str, float],
+                          iterations: int = 3) -> OffloadSim:
+    """Simulate `plan` on the ops and bytes of `lifetimes` (from `lifetimes.analyse_lifetimes`)."""
+    return simulate_offload(
         lifetimes.op_durations_s, lifetimes.op_bytes, plan_moves(plan), link_bytes_per_s,
         plan.budget_bytes, iterations=iterations,
     )

@@ -15,7 +15,10 @@ offloaded buffer and (2) the device bytes during each op, then checks that
   budget at every op, when the plan says it is feasible.
 
 Follows the minimalloc practice (google/minimalloc): a plan is returned only after a
-check written separately from the code that made it.
+check written separately from the code that made it. It checks the planner's own plans, so a
+broken rule is memplan's mistake (`OffloadPlanBug`, exit 3); a plan file a user gives is checked
+by `plan_file.load_offload_plan` (its shape) and the runtime (names and saved storages against
+the live step), which raise `UserError`s.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from memplan.errors import UserError
+from memplan.errors import MemplanBug
 from memplan.trace.model import Trace
 
 
-class PlanError(UserError):
-    """An offload plan that breaks one of the rules above."""
+class OffloadPlanBug(MemplanBug):
+    """An offload plan of memplan's planner that breaks one of the rules above."""
 
 
 def _uses_of(trace: Trace, buffer: int) -> np.ndarray:
@@ -78,20 +81,20 @@ def _free_ends_op(trace: Trace, free_event: int, op: int) -> bool:
 
 
 def validate_plan(trace: Trace, plan: Any) -> None:
-    """Raise `PlanError` naming the first broken rule of `plan` on `trace`."""
+    """Raise `OffloadPlanBug` naming the first broken rule of `plan` on `trace`."""
     n = trace.num_ops
     if plan.num_ops != n:
-        raise PlanError(f"plan is for {plan.num_ops} ops, the trace has {n}")
+        raise OffloadPlanBug(f"plan is for {plan.num_ops} ops, the trace has {n}")
     saved = np.zeros(n, dtype=np.int64)
     windows: dict[int, list[tuple[int, int]]] = {}
     uses_cache: dict[int, np.ndarray] = {}
     for t in plan.transfers:
         b = t.buffer
         if not 0 <= b < trace.num_buffers or int(trace.buffers["nbytes"][b]) != t.nbytes:
-            raise PlanError(f"transfer of buffer {b}: not a buffer of this trace with {t.nbytes} bytes")
+            raise OffloadPlanBug(f"transfer of buffer {b}: not a buffer of this trace with {t.nbytes} bytes")
         end = t.use_op if t.use_op is not None else t.return_op
         if not (0 <= t.after_op < n and t.after_op < t.done_op < t.return_op <= end < 2 * n):
-            raise PlanError(
+            raise OffloadPlanBug(
                 f"buffer {b}: op indices out of order (after {t.after_op}, done {t.done_op}, "
                 f"return {t.return_op}, use {t.use_op})"
             )
@@ -101,9 +104,9 @@ def validate_plan(trace: Trace, plan: Any) -> None:
         both = np.concatenate([uses, uses + n])
         used = both[(both > t.after_op) & (both < end)]
         if used.size:
-            raise PlanError(f"buffer {b} is used by op {int(used[0]) % n} while away (after op {t.after_op})")
+            raise OffloadPlanBug(f"buffer {b} is used by op {int(used[0]) % n} while away (after op {t.after_op})")
         if t.use_op is not None and (t.use_op % n) not in set(uses.tolist()):
-            raise PlanError(f"buffer {b} is brought back for op {t.use_op}, which does not use it")
+            raise OffloadPlanBug(f"buffer {b} is brought back for op {t.use_op}, which does not use it")
         # live over the whole window
         alloc_op = _op_of_event(trace, int(trace.buffers["alloc_event"][b]))
         free_event = int(trace.buffers["free_event"][b])
@@ -114,15 +117,15 @@ def validate_plan(trace: Trace, plan: Any) -> None:
         if t.use_op is None and free_op < n and end == free_op + 1 and _free_ends_op(trace, free_event, free_op):
             held_to = free_op
         if held_to >= n and (alloc_op >= 0 or free_op < n):
-            raise PlanError(f"buffer {b} does not outlive the step but its window wraps into the next one")
+            raise OffloadPlanBug(f"buffer {b} does not outlive the step but its window wraps into the next one")
         if held_to < n and not (alloc_op <= t.after_op and held_to <= free_op):
-            raise PlanError(f"buffer {b} is not live from op {t.after_op} to op {end}")
+            raise OffloadPlanBug(f"buffer {b} is not live from op {t.after_op} to op {end}")
         if t.use_op is None and held_to != free_op:
-            raise PlanError(f"buffer {b} never comes back but is not freed at op {end}")
+            raise OffloadPlanBug(f"buffer {b} never comes back but is not freed at op {end}")
         for x, y in windows.get(b, []):
             for shift in (-n, 0, n):
                 if t.after_op < y + shift and x + shift < end:
-                    raise PlanError(f"buffer {b} has two overlapping away windows")
+                    raise OffloadPlanBug(f"buffer {b} has two overlapping away windows")
         windows.setdefault(b, []).append((t.after_op, end))
         saved += np.bincount(np.arange(t.done_op, t.return_op) % n, minlength=n) * t.nbytes
     if plan.feasible:
@@ -130,6 +133,7 @@ def validate_plan(trace: Trace, plan: Any) -> None:
         over = np.flatnonzero(device > plan.budget_bytes)
         if over.size:
             i = int(over[0])
-            raise PlanError(
+            raise OffloadPlanBug(
                 f"device memory at op {i} is {int(device[i])} bytes, over the budget of {plan.budget_bytes}"
             )
+

@@ -1,11 +1,11 @@
 """CUDA tensors in the offload engine: pinned host staging on a side stream, or kvikio.
 
-Imported by `runtime.py` only when a CUDA tensor reaches the engine, so it never runs on a
-machine without a GPU (this one has none: the code is reviewed by reading, and the CPU
-paths it sits beside are the tested ones). Two ways to move a device tensor's bytes:
+Imported by `engine.py` only when a CUDA tensor reaches the engine, so a process that moves
+only CPU tensors never loads it (nor kvikio). Two ways to move a device tensor's bytes:
 
 - **kvikio** (GPUDirect Storage through cuFile, `pip install kvikio-cu12`; without GDS
-  kvikio itself falls back to POSIX I/O, facts.md §6): the file is read into and written
+  kvikio itself falls back to POSIX I/O, its "compatibility mode", `KVIKIO_COMPAT_MODE` in
+  kvikio's runtime settings): the file is read into and written
   from device memory directly. Used when kvikio imports and no checksum is asked for (a
   CRC32 needs the bytes on the host).
 - **Pinned staging**: each I/O thread owns one pinned host buffer (grown to the largest
