@@ -1,4 +1,4 @@
-"""How long a fake-tensor capture of a big training step takes on this machine.
+"""How long a fake-tensor capture of a big training step takes on a CPU-only host.
 
 Writes the `capture` table of BENCHMARKS.md.
 

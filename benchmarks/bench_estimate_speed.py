@@ -1,10 +1,10 @@
 """Speed of `memplan estimate` against PyTorch's MemTracker over the same fake step.
 
-Target (issue 4): llama-2-70b, seq 4096, full checkpointing, --zero 3 over 64 GPUs in
+Target: llama-2-70b, seq 4096, full checkpointing, --zero 3 over 64 GPUs in
 <= 10 s, and >= 10x faster than `torch.distributed._tools.mem_tracker.MemTracker`
 tracking the same fake training step. MemTracker runs on the full-depth single-device
 step (FSDPMemTracker needs FSDP2 applied on a process group, which it cannot do on
-fake tensors without a GPU here); memplan's figure is the whole `estimate()` call
+fake tensors without a GPU); memplan's figure is the whole `estimate()` call
 (tracing at 3 and 4 blocks, the ZeRO-3 rank model, GPU terms, caching-allocator
 replay). memplan is timed twice: FSDP2 applied for real on a fake process group (the
 default: `fully_shard` traced at 3 and 4 blocks) and the modelled ZeRO-3 rules over a

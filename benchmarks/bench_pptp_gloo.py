@@ -1,4 +1,4 @@
-"""PP 2 x TP 2 on 4 real gloo processes against `memplan estimate` (issue 4 ground truth).
+"""PP 2 x TP 2 on 4 real gloo processes against `memplan estimate` (CPU ground truth).
 
 A hand-rolled 1F1B schedule with real `send`/`recv` between the two stages; each stage's
 modules under memplan's Llama TP plan (`apply_stage_layout`, as the trace applies it).

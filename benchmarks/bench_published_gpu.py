@@ -1,6 +1,6 @@
 """`memplan estimate` against published peak-memory measurements of real GPU fine-tuning runs.
 
-Issue 4 asks for the estimate to be checked against what real GPU runs reported. The
+The estimate is checked against what real GPU runs reported (docs/sources.md §10). The
 cases, their sources (URL and the quoted figure), the metric each source printed and
 every setup detail the source leaves unstated (`guessed`) are data, in
 `benchmarks/published_gpu.json`; nothing in memplan is tuned to them. For each case this
@@ -14,7 +14,7 @@ the reported metric with the matching figure:
   `peak_reserved_bytes`;
 - `nvidia_smi` -> `device_used_bytes`. Where the source also measured its own CUDA context
   (`context_measured`), the table adds memplan's reserved bytes plus that context as a
-  second figure: the device profile's context is today's (CUDA 12 lazy loading), and an
+  second figure: the device profile's context is CUDA 12's (lazy loading), and an
   older run's can be four times larger. The main error column keeps the profile's.
 
 Error is (memplan - published) / published. A case marked `setup_reproducible: false`

@@ -1,4 +1,4 @@
-"""`memplan.estimate(model, setup, layout, device=...)` is the Python API of the issue."""
+"""`memplan.estimate(model, setup, layout, device=...)` is the Python API of the estimate."""
 
 import memplan
 import memplan.hardware.devices  # noqa: F401 - importing the package must not shadow the function
@@ -28,7 +28,8 @@ def test_gradients_kept_as_zeros_between_steps_are_in_the_peak():
 
 
 def test_a_cpu_job_holds_one_cpu_rng_state_per_checkpointed_block_and_the_op_level_policy_none():
-    from memplan.estimation.pipeline import CPU_RNG_STATE_BYTES, capture_step, checkpoint_rng_states
+    from memplan.capture.step import capture_step
+    from memplan.estimation.pipeline import CPU_RNG_STATE_BYTES, checkpoint_rng_states
 
     config = models.tiny_config("llama-2-7b")
     for policy, count in (("full", config.num_hidden_layers), ("selective-op", 0), ("none", 0)):

@@ -1,6 +1,6 @@
 """`estimate(..., device="cpu", allocator="none")` against torch.profiler on real CPU steps.
 
-The issue's CPU ground truth: a real training step on this machine's CPU, measured by
+The CPU ground truth: a real training step on the host's CPU, measured by
 torch.profiler's memory timeline, must match the estimate within 1%, across at least
 five model families, with and without checkpointing, LoRA and autocast.
 """

@@ -1,4 +1,4 @@
-"""Device profiles: every --gpu name of the issue ships, with sane, sourced figures."""
+"""Device profiles: every documented --gpu name ships, with sane, sourced figures."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_profile_capacity_is_within_its_marketed_size_and_context_in_the_documen
     marketed_gb = int(gpu.split("-")[-1].removesuffix("gb")) if gpu.split("-")[-1].endswith("gb") else None
     if marketed_gb:
         assert 0.9 * marketed_gb * 1e9 <= profile.capacity_bytes <= marketed_gb * 2**30
-    assert 0.3e9 <= profile.cuda_context_bytes <= 1.3e9  # facts.md section 7
+    assert 0.3e9 <= profile.cuda_context_bytes <= 1.3e9  # docs/sources.md §7
     assert profile.cublas_workspace_bytes in (8_519_680, 32 * 2**20)
     assert profile.source
 

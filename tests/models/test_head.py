@@ -9,14 +9,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.models import (
     TrainingSetup,
-    add_setup_flags,
     build_model,
     forward_loss,
     make_batch,
-    setup_from_args,
     tiny_config,
 )
 

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
-from memplan.models import TrainingSetup, add_setup_flags, setup_from_args
+from memplan.models import TrainingSetup
 from memplan.models.setup import (
     ATTENTIONS,
     AUTOCASTS,

@@ -7,7 +7,7 @@ from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.parallel import Layout
 from memplan.parallel.apply import traceable
-from memplan.parallel.traced import capture_rank, gloo_staging_buffers
+from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
 from memplan.trace.model import ALLOC, CATEGORY
 
 LLAMA = models.tiny_config("llama-2-7b")
@@ -21,14 +21,14 @@ def _parameter_bytes_at_start(trace):
 
 def test_fsdp2_rank_holds_a_shard_of_every_parameter_between_steps():
     single = estimate(LLAMA, SETUP, None, device="cpu", allocator="none").per_rank[0]
-    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=4, zero=3), rank=1)
+    trace = capture_rank_step(LLAMA, SETUP, Layout(world_size=4, zero=3), rank=1).trace
     sharded = _parameter_bytes_at_start(trace)
     # FSDP2 pads each parameter's dim 0 to a multiple of 4 before sharding
     assert single.breakdown["parameters"] / 4 <= sharded <= single.breakdown["parameters"] / 4 * 1.05
 
 
 def test_fsdp2_frees_each_block_s_gathered_parameters_after_its_forward():
-    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0)
+    trace = capture_rank_step(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0).trace
     names = [trace.op_name(i) for i in range(trace.num_ops)]
     gathers = names.count("c10d._allgather_base_.default")
     assert gathers == 2 * (LLAMA.num_hidden_layers + 1)  # root and every block, forward and backward
@@ -36,7 +36,7 @@ def test_fsdp2_frees_each_block_s_gathered_parameters_after_its_forward():
 
 
 def test_gloo_stages_one_buffer_the_size_of_each_all_gather_output():
-    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0)
+    trace = capture_rank_step(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0).trace
     extras = gloo_staging_buffers(trace)
     outputs = [int(trace.buffers["nbytes"][trace.op_outputs(i)].sum()) for i in range(trace.num_ops)
                if trace.op_name(i) == "c10d._allgather_base_.default"]
@@ -44,7 +44,7 @@ def test_gloo_stages_one_buffer_the_size_of_each_all_gather_output():
 
 
 def test_gloo_staging_buffer_is_freed_before_fsdp2_allocates_the_unsharded_parameters():
-    trace, _ = capture_rank(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0)
+    trace = capture_rank_step(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0).trace
     allocs = trace.events["kind"] == ALLOC
     unsharded = allocs & (trace.buffers["category"][trace.events["buffer"]] == CATEGORY["parameter"])
     extras = gloo_staging_buffers(trace)
@@ -57,7 +57,7 @@ def test_gloo_staging_buffer_is_freed_before_fsdp2_allocates_the_unsharded_param
 
 
 def test_tensor_parallel_rank_holds_half_of_each_projection():
-    trace, _ = capture_rank(LLAMA, SETUP, Layout(tp=2), rank=0)
+    trace = capture_rank_step(LLAMA, SETUP, Layout(tp=2), rank=0).trace
     full = estimate(LLAMA, SETUP, None, device="cpu", allocator="none").per_rank[0].breakdown["parameters"]
     assert _parameter_bytes_at_start(trace) < full * 0.6
 
@@ -128,7 +128,7 @@ def test_estimate_can_be_told_to_model_a_traceable_layout():
 
 def test_ddp_with_tensor_parallel_is_traced_with_local_parameters_and_modelled_buckets():
     layout = Layout(world_size=4, tp=2)
-    trace, meta = capture_rank(LLAMA, SETUP, layout, rank=0)
+    trace = capture_rank_step(LLAMA, SETUP, layout, rank=0).trace
     tp_only = estimate(LLAMA, SETUP, Layout(tp=2), device="cpu", allocator="none").per_rank[0]
     result = estimate(LLAMA, SETUP, layout, device="cpu", allocator="none")
     assert result.parallel == "traced + modelled"
@@ -202,18 +202,15 @@ def _owned_parameter_bytes(stage, tp):
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_pipeline_stage_under_tensor_parallel_holds_its_own_modules_with_projections_split(stage):
-    from memplan.parallel.traced import capture_stage_rank
-
-    trace, meta = capture_stage_rank(PP_LLAMA, SETUP, Layout(pp=2, tp=2, microbatches=2), stage)
-    assert meta["rank"] == stage * 2 and meta["layers"] == 2
+    step = capture_stage_step(PP_LLAMA, SETUP, Layout(pp=2, tp=2, microbatches=2), stage)
+    trace = step.trace
+    assert trace.meta["rank"] == stage * 2 and step.layers == 2
     assert _parameter_bytes_at_start(trace) == _owned_parameter_bytes(stage, 2)
 
 
 def test_last_pipeline_stage_under_tensor_parallel_all_reduces_what_the_tp_plan_makes_partial():
-    from memplan.parallel.traced import capture_stage_rank
-
     microbatches, blocks = 2, 2
-    trace, _ = capture_stage_rank(PP_LLAMA, SETUP, Layout(pp=2, tp=2, microbatches=microbatches), 1)
+    trace = capture_stage_step(PP_LLAMA, SETUP, Layout(pp=2, tp=2, microbatches=microbatches), 1).trace
     names = [trace.op_name(i) for i in range(trace.num_ops)]
     reduces = sum(1 for n in names if n.startswith("_c10d_functional.all_reduce"))
     # per micro-batch and block: o_proj and down_proj outputs in forward, and in backward
@@ -224,13 +221,11 @@ def test_last_pipeline_stage_under_tensor_parallel_all_reduces_what_the_tp_plan_
 def test_traced_pipeline_stages_agree_with_the_modelled_rule_where_blocks_dominate():
     """With TP 1 the traced 1F1B stage and the modelled rule (one micro-batch's trace x
     micro-batches in flight) describe the same step: within 3% on a tiny Mistral."""
-    from memplan.parallel.traced import capture_stage_rank
-
     config = models.tiny_config("mistral-7b", num_hidden_layers=6)
     layout = Layout(pp=2, microbatches=4)
     modelled = estimate(config, SETUP, layout, device="cpu", allocator="none")
     for rank in modelled.per_rank:
-        trace, _ = capture_stage_rank(config, SETUP, layout, rank.rank)
+        trace = capture_stage_step(config, SETUP, layout, rank.rank).trace
         traced = int(trace.peak()[0])
         assert rank.peak_allocated_bytes == pytest.approx(traced, rel=0.03), rank.rank
 
@@ -244,11 +239,10 @@ def test_tied_embeddings_under_pipeline_and_tensor_parallel_are_traced():
 def test_interleaved_schedule_under_tensor_parallel_scales_the_traced_1f1b_activations():
     from dataclasses import replace
 
-    from memplan.estimation.pipeline import capture_pipeline_rank
     from memplan.parallel.transform import data_parallel_trace
 
     layout = Layout(tp=2, pp=2, microbatches=2, schedule="interleaved")
-    step = capture_pipeline_rank(PP_LLAMA, SETUP, replace(layout, schedule="1f1b"), 0, "cpu")
+    step = capture_stage_step(PP_LLAMA, SETUP, replace(layout, schedule="1f1b"), 0, "cpu")
     scaled = data_parallel_trace(step, layout, SETUP)
     act = step.trace.buffers["category"] == CATEGORY["activation"]
     # Korthikanti et al.: 1 + (p - 1) / (p v) with p = 2 stages, v = 2 chunks
@@ -268,7 +262,7 @@ def test_pipeline_with_tensor_and_data_parallel_traces_one_data_parallel_rank_pe
 def test_zero_3_under_pipeline_parallelism_keeps_each_block_gathered_from_forward_to_backward():
     from memplan.parallel.transform import _fsdp_buffers, block_spans
 
-    trace, _ = capture_rank(LLAMA, SETUP, Layout(tp=2), rank=0)
+    trace = capture_rank_step(LLAMA, SETUP, Layout(tp=2), rank=0).trace
     spans = block_spans(trace, "model.layers")
     blocks = sorted(spans)
     extras = _fsdp_buffers(trace, "model.layers", {b: 1000 for b in blocks}, {}, 0, 0, reshard_after_forward=False)

@@ -1,195 +1,33 @@
 """Capture the lifetime trace of a training step, on real or fake tensors.
 
-`capture(step_fn, ...)` runs any training step under the dispatch-level `Recorder`
-and returns a validated `Trace`. It knows what the storages are from the model and
-the optimizer: parameters, `.grad` tensors, `optimizer.state`, the step's inputs and
-autograd's saved tensors (through `saved_tensors_hooks`); the recorder derives the
-phase (forward, backward, recompute, optimizer) and the micro-batch on its own.
+`capture(step_fn, ...)` (`memplan.capture.api`) runs any training step under the
+dispatch-level `Recorder` and returns a validated `Trace`.
 
-`capture_model(model, setup, fake=True)` builds a registry model, its optimizer and
-a batch (inside `FakeTensorMode` when `fake`), and captures its training step:
-forward, loss, backward for each gradient-accumulation micro-batch, then the
-optimizer step and `zero_grad(set_to_none=True)`.
+`capture_model(model, setup, fake=True)` (`memplan.capture.step`) builds a registry
+model, its optimizer and a batch (inside `FakeTensorMode` when `fake`), and captures
+its training step: forward, loss, backward for each gradient-accumulation micro-batch,
+then the optimizer step and `zero_grad(set_to_none=True)`. `capture_step(config,
+setup, device)` captures the same step as a `StepTrace`: the trace plus the model
+facts (blocks, heads, sequence) the estimate's later stages need. See docs/capture.md.
 """
 
-from __future__ import annotations
-
-import contextlib
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
+from memplan.capture.api import capture
+from memplan.capture.recorder import Recorder, set_microbatch
+from memplan.capture.step import (
+    StepTrace,
+    TrainingStep,
+    build_training_step,
+    capture_model,
+    capture_step,
 )
 
-from memplan.capture.hf_masks import masks_as_on_real_tensors
-from memplan.capture.recorder import Recorder, _tensors, set_microbatch
-from memplan.capture.step import build_training_step, capture_model
-from memplan.trace.model import Trace
-
-__all__ = ["Recorder", "build_training_step", "capture", "capture_model", "set_microbatch"]
-
-
-def _trainable_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
-    """Bytes of the parameters the optimizers step, rank-local shards for DTensors: what
-    a data-parallel wrapper's gradient buckets hold (a gradient's storage can be larger:
-    DTensor's vocabulary-sharded embedding computes a full-vocabulary dense gradient)."""
-    seen: dict[int, int] = {}
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                local = p.to_local() if hasattr(p, "to_local") else p
-                seen[id(p)] = local.numel() * local.element_size()
-    return sum(seen.values())
-
-
-def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        owner = name.rpartition(".")[0] or type(model).__name__
-        rec.mark(p, "parameter", module=owner)
-        if p.grad is not None:
-            rec.mark(p.grad, "gradient", module=owner)
-            rec.name(p.grad, f"grad.{name}")
-    for name, buf in model.named_buffers():
-        rec.mark(buf, "other", module=name.rpartition(".")[0] or type(model).__name__)
-
-
-def _mark_gradient(rec: Recorder, p: torch.Tensor, names: dict[int, str]) -> None:
-    """`p`'s gradient, if it has one, and its name as the offload runtime keys it."""
-    if p.grad is not None:
-        rec.mark(p.grad, "gradient")
-        if id(p) in names:
-            rec.name(p.grad, f"grad.{names[id(p)]}")
-
-
-def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
-    """Categories of the optimizer's tensors; with `names` (id of a parameter -> its qualified
-    name), also the names the offload runtime keys them by (`memplan.offload.runtime`)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            rec.mark(p, "parameter")
-            _mark_gradient(rec, p, names)
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            for t in _tensors(value):
-                rec.mark(t, "optimizer_state")
-                if id(p) in names:
-                    rec.name(t, f"state.{names[id(p)]}.{key}")
-
-
-def _parameter_names(models: list[torch.nn.Module]) -> dict[int, str]:
-    return {id(p): name for model in models for name, p in model.named_parameters()}
-
-
-@contextlib.contextmanager
-def _recording_hooks(
-    rec: Recorder, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
-) -> Iterator[None]:
-    """Phase and category hooks active while the recorder runs."""
-    names = _parameter_names(models)
-
-    def pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        rec.in_optimizer = True
-        # gradients are final when the optimizer starts
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                rec.mark(p, "parameter")
-                _mark_gradient(rec, p, names)
-
-    def post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        _mark_optimizer(rec, optimizer, names)
-        rec.in_optimizer = False
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        rec.note_saved(t)
-        return t
-
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    grad_hooks = []
-    for model in models:
-        for p in model.parameters():
-            if p.requires_grad:
-                grad_hooks.append(p.register_post_accumulate_grad_hook(lambda q: _mark_gradient(rec, q, names)))
-    h_pre = register_optimizer_step_pre_hook(pre_step)
-    h_post = register_optimizer_step_post_hook(post_step)
-    try:
-        with rec.module_hooks(models), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-    finally:
-        h_pre.remove()
-        h_post.remove()
-        for h in grad_hooks:
-            h.remove()
-        rec.in_optimizer = False
-
-
-def capture(
-    step_fn: Callable[..., Any],
-    *args: Any,
-    model: torch.nn.Module | list[torch.nn.Module] | None = None,
-    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
-    iterations: int = 1,
-    warmup: int = 0,
-    meta: dict[str, Any] | None = None,
-    record_flops: bool = True,
-    inputs: Any = None,
-    recorder: Recorder | None = None,
-    **kwargs: Any,
-) -> Trace:
-    """Run `step_fn(*args, **kwargs)` `warmup` times untraced, then `iterations` times
-    under the recorder, and return the trace of the traced iterations.
-
-    Give `model` and `optimizer` so that every parameter, gradient and optimizer
-    state is in the trace from its first event, even if the step never touches it.
-    Tensors in `args`/`kwargs`, and in `inputs` (for a step that closes over its
-    batch), are the step's inputs. `recorder` records with a `Recorder` subclass
-    (e.g. the DTensor-aware one of `memplan.parallel.traced`) instead of a plain one. Works on real tensors and on
-    fake ones (call it inside the `FakeTensorMode` that made them).
-    """
-    if iterations < 1:
-        raise ValueError("iterations must be >= 1")
-    models = [model] if isinstance(model, torch.nn.Module) else list(model or [])
-    optimizers = (
-        [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
-    )
-    with masks_as_on_real_tensors():
-        return _capture(step_fn, args, kwargs, models, optimizers, iterations, warmup, meta,
-                        recorder or Recorder(record_flops=record_flops), inputs)
-
-
-def _capture(
-    step_fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    models: list[torch.nn.Module],
-    optimizers: list[torch.optim.Optimizer],
-    iterations: int,
-    warmup: int,
-    meta: dict[str, Any] | None,
-    rec: Recorder,
-    inputs: Any,
-) -> Trace:
-    for _ in range(warmup):
-        step_fn(*args, **kwargs)
-    for m in models:
-        _mark_model(rec, m)
-    for opt in optimizers:
-        _mark_optimizer(rec, opt, _parameter_names(models))
-    for t in _tensors((args, kwargs, inputs)):
-        rec.mark(t, "input")
-    start = time.perf_counter()
-    with _recording_hooks(rec, models, optimizers), rec.extra_hooks(), rec:
-        for it in range(iterations):
-            rec.iteration = it
-            rec.microbatch = 0
-            rec.reset_phase()
-            step_fn(*args, **kwargs)
-    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup,
-            "trainable_bytes": _trainable_bytes(optimizers)}
-    info.update(meta or {})
-    return rec.finish(meta=info)
+__all__ = [
+    "Recorder",
+    "StepTrace",
+    "TrainingStep",
+    "build_training_step",
+    "capture",
+    "capture_model",
+    "capture_step",
+    "set_microbatch",
+]

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from memplan.capture.cuda_autocast import autocast_as_on_cuda
+
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -91,7 +93,5 @@ def kernels_as_on_cuda() -> Iterator[None]:
     """What a CUDA job runs differently from the cpu it is traced on: SDPA's fused
     kernels (`sdpa_as_on_cuda`) and autocast's CUDA op lists
     (`memplan.capture.cuda_autocast.autocast_as_on_cuda`)."""
-    from memplan.capture.cuda_autocast import autocast_as_on_cuda
-
     with sdpa_as_on_cuda(), autocast_as_on_cuda():
         yield

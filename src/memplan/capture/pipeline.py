@@ -19,13 +19,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan import models
+from memplan.capture.api import capture
+from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.capture.recorder import set_microbatch
 from memplan.errors import UserError
+from memplan.models.registry import FactorySpec
+from memplan.models.setup import TrainingSetup
 from memplan.trace.model import Trace
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 
 def one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -79,15 +88,13 @@ def pipeline_stage_step(
     batch: int,
     seq: int,
     device: str = "cpu",
-    setup: Any = None,
+    setup: TrainingSetup | None = None,
     cuda_kernels: bool = False,
 ) -> Callable[[], None]:
     """The training step of `stage` (0-based): its 1F1B forwards and backwards, then
     the optimizer step over its own parameters. `setup` (optional) supplies the
     autocast dtype of the forward, as `memplan.capture.step` applies it;
     `cuda_kernels`: CUDA's attention kernels and autocast lists, as there."""
-    from memplan.capture.cuda_kernels import kernels_as_on_cuda
-    from memplan.models import autocast
     mine, _ = stage_modules(model, stages, stage)
     inner = model.model
     first, last = stage == 0, stage == stages - 1
@@ -123,7 +130,7 @@ def pipeline_stage_step(
         for op, m in one_f_one_b(stages, stage, microbatches):
             set_microbatch(m)
             if op == "F":
-                with autocast(setup, "cpu") if setup is not None else contextlib.nullcontext():
+                with models.autocast(setup, "cpu") if setup is not None else contextlib.nullcontext():
                     outputs[m] = forward(m)
             else:
                 out = outputs.pop(m)
@@ -137,8 +144,8 @@ def pipeline_stage_step(
 
 
 def capture_pipeline_stage(
-    model_spec: Any,
-    setup: Any,
+    model_spec: str | PretrainedConfig | FactorySpec,
+    setup: TrainingSetup,
     *,
     stages: int,
     stage: int,
@@ -150,11 +157,6 @@ def capture_pipeline_stage(
 ) -> Trace:
     """Capture one 1F1B pipeline stage of `model_spec` (batch and seq from `setup`) as it
     runs on `device` (a fake "cuda" capture runs CUDA's kernels and autocast lists)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memplan import models
-    from memplan.capture import capture
-
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:
@@ -172,7 +174,7 @@ def capture_pipeline_stage(
 
 def build_pipeline_stage(
     model: torch.nn.Module,
-    setup: Any,
+    setup: TrainingSetup,
     *,
     stages: int,
     stage: int,
@@ -186,8 +188,6 @@ def build_pipeline_stage(
     optimizer never sees them. `distribute(owned)`, when given, applies a parallel layout
     to the stage's modules (`memplan.parallel.apply.apply_stage_layout`) before the
     optimizer is built over the resulting parameters."""
-    from memplan import models
-
     seq = models.sequence_length(setup, model)
     # a peft model (LoRA): its adapters sit inside the base model's modules
     decoder = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -9,8 +9,13 @@ One iteration is what a Hugging Face-style training loop does:
     optimizer.zero_grad(set_to_none=True)            (False with setup.zero_grad="zeros")
 
 With `fake=True` the model, optimizer and batches are all built inside one
-`FakeTensorMode` (facts.md §5: an optimizer built over real parameters and traced
-with fake inputs silently loses its update), so any model size traces with no memory.
+`FakeTensorMode`, as torchtitan's `scripts/estimate/estimation.py` builds them (an
+optimizer built over real parameters and traced with fake inputs loses its update:
+docs/capture.md, docs/sources.md §8), so any model size traces with no memory.
+
+`capture_model` returns the step's `Trace`; `capture_step` returns it as a `StepTrace`,
+with the facts about the model that the estimate's later stages need (where the blocks
+are, heads, sequence length).
 """
 
 from __future__ import annotations
@@ -19,32 +24,40 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan import models
+from memplan.capture.api import capture
+from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
+from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.registry import FactorySpec
+from memplan.models.setup import TrainingSetup
 from memplan.trace.model import Trace
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
+
 
 
 def make_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[dict[str, torch.Tensor]],
-    setup: Any,
+    setup: TrainingSetup,
     device: str,
     *,
     cuda_kernels: bool = False,
-) -> Any:
+) -> Callable[[], None]:
     """The training step closure for `capture`: micro-batches, backward, optimizer.
 
     `cuda_kernels`: route attention through CUDA's fused SDPA kernels and autocast
     through CUDA's op lists (for a CUDA job traced on fake cpu tensors; see
     `memplan.capture.cuda_kernels.kernels_as_on_cuda`).
     """
-    from memplan.capture.cuda_kernels import kernels_as_on_cuda
-    from memplan.models import autocast, forward_loss
-
     accum = len(batches)
 
     def step() -> None:
@@ -55,8 +68,8 @@ def make_step(
 
     def run_micro_batches() -> None:
         for batch in batches:
-            with autocast(setup, device):
-                loss = forward_loss(model, batch)
+            with models.autocast(setup, device):
+                loss = models.forward_loss(model, batch)
                 if accum > 1:
                     loss = loss / accum
             loss.backward()
@@ -76,8 +89,36 @@ class TrainingStep:
     meta: dict[str, Any]
 
 
+@dataclass
+class StepTrace:
+    """A captured step and what the later stages of an estimate need to know about its
+    model: the path of its repeated blocks, its parameter count, attention heads and head
+    size, the sequence length, and the number of blocks the trace holds."""
+
+    trace: Trace
+    blocks_path: str
+    parameters: int
+    heads: int
+    head_dim: int
+    seq: int
+    layers: int
+
+    @classmethod
+    def of_model(cls, trace: Trace, config: PretrainedConfig, setup: TrainingSetup, *, blocks_path: str,
+                 parameters: int, layers: int) -> StepTrace:
+        """The `StepTrace` of `trace`, a step of `config` under `setup`."""
+        heads = int(getattr(config, "num_attention_heads", 1) or 1)
+        head_dim = getattr(config, "head_dim", None) or (int(getattr(config, "hidden_size", heads)) // heads)
+        return cls(trace, blocks_path, int(parameters), heads, int(head_dim),
+                   models.sequence_length(setup, config), int(layers))
+
+
 def build_training_step(
-    model_spec: Any, setup: Any = None, *, device: str = "cpu", target_device: str | None = None
+    model_spec: str | PretrainedConfig | FactorySpec,
+    setup: TrainingSetup | None = None,
+    *,
+    device: str = "cpu",
+    target_device: str | None = None,
 ) -> TrainingStep:
     """Build model, optimizer and batches for `setup` on `device` under the current mode.
 
@@ -85,9 +126,7 @@ def build_training_step(
     tensors live: a CUDA job traced on fake cpu tensors takes CUDA's defaults (foreach
     optimizers). Call it inside a `FakeTensorMode` for a fake step.
     """
-    from memplan import models
-
-    setup = setup if setup is not None else models.TrainingSetup()
+    setup = setup if setup is not None else TrainingSetup()
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     start = time.perf_counter()
     if not models.is_fake_mode_active():
@@ -114,8 +153,8 @@ def build_training_step(
 
 
 def capture_model(
-    model_spec: Any,
-    setup: Any = None,
+    model_spec: str | PretrainedConfig | FactorySpec,
+    setup: TrainingSetup | None = None,
     *,
     fake: bool = True,
     device: str = "cuda",
@@ -138,12 +177,35 @@ def capture_model(
     are labelled with the target device, and CUDA-only terms (allocator rounding,
     context, workspaces) are left to the allocator simulator and the estimator.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    trace, _ = _captured_training_step(model_spec, setup, fake=fake, device=device, iterations=iterations,
+                                       warmup=warmup, record_flops=record_flops)
+    return trace
 
-    from memplan.capture import capture
 
+def capture_step(config: PretrainedConfig, setup: TrainingSetup | None = None, device: str = "cuda") -> StepTrace:
+    """One training step of `config` under `setup`, traced on fake tensors for `device`
+    after one warm-up step (`capture_model`), with the facts about the model an estimate
+    needs (`StepTrace`)."""
+    setup = setup if setup is not None else TrainingSetup()
+    trace, step = _captured_training_step(config, setup, fake=True, device=device, iterations=1, warmup=1,
+                                          record_flops=True)
+    return StepTrace.of_model(trace, config, setup, blocks_path=transformer_blocks_path(step.model),
+                              parameters=step.meta["parameters"], layers=len(transformer_blocks(step.model)))
+
+
+def _captured_training_step(
+    model_spec: str | PretrainedConfig | FactorySpec,
+    setup: TrainingSetup | None,
+    *,
+    fake: bool,
+    device: str,
+    iterations: int,
+    warmup: int,
+    record_flops: bool,
+) -> tuple[Trace, TrainingStep]:
+    """The trace of `build_training_step`'s step (see `capture_model`) and the step."""
     if not fake and device != "cpu":
-        raise UserError(f"a real (non-fake) capture runs on this machine's cpu, not {device!r}")
+        raise UserError(f"a real (non-fake) capture runs on the host's cpu, not {device!r}")
     if device not in ("cpu", "cuda"):
         raise UserError(f"unknown device {device!r}: use cpu or cuda")
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -161,4 +223,4 @@ def capture_model(
         )
     if device == "cuda":
         trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]
-    return trace
+    return trace, step

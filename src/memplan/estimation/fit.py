@@ -28,13 +28,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
-from memplan.estimation.pipeline import Estimate, estimate
-from memplan.hardware.devices import device_profile
+from memplan.estimation.pipeline import Estimate, StepCache, estimate
+from memplan.hardware.devices import DeviceProfile, device_profile
 from memplan.models.depth import num_layers
-from memplan.parallel import Layout
+from memplan.models.registry import FactorySpec, load_config
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import Layout
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 MICRO_BATCHES = (1, 2, 4)
 CHECKPOINTING = ("full", "selective-op", "none")
@@ -54,7 +59,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(config: Any, gpus: int) -> Iterator[Candidate]:
+def candidates(config: PretrainedConfig, gpus: int) -> Iterator[Candidate]:
     heads = getattr(config, "num_attention_heads", 1) or 1
     kv = getattr(config, "num_key_value_heads", None) or heads
     blocks = num_layers(config) or 1
@@ -73,7 +78,8 @@ def candidates(config: Any, gpus: int) -> Iterator[Candidate]:
                                         mb, ckpt, "caching")
 
 
-def step_seconds(result: Estimate, cand: Candidate, config: Any, profile: Any, setup: Any) -> dict[str, float]:
+def step_seconds(result: Estimate, cand: Candidate, config: PretrainedConfig, profile: DeviceProfile,
+                 setup: TrainingSetup) -> dict[str, float]:
     """Roofline step time of one candidate (see the module docstring)."""
     lay = cand.layout
     element = 4 if (setup.autocast == "none" and setup.dtype == "fp32") else 2
@@ -101,18 +107,16 @@ def step_seconds(result: Estimate, cand: Candidate, config: Any, profile: Any, s
             "s_per_token": total / tokens}
 
 
-def fit(model: Any, gpu: str, gpus: int, setup: Any = None, *, progress: bool = True,
-        top: int | None = None) -> list[dict[str, Any]]:
+def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int, setup: TrainingSetup | None = None, *,
+        progress: bool = True, top: int | None = None) -> list[dict[str, Any]]:
     """The configurations that fit on `gpus` x `gpu`, fastest (seconds per token) first."""
-    from memplan import models
-
     if not isinstance(gpus, int) or gpus < 1:
         raise UserError(f"--gpus must be a whole number >= 1, not {gpus!r}")
     profile = device_profile(gpu)
-    setup = setup if setup is not None else models.TrainingSetup()
-    config = models.load_config(model) if isinstance(model, str) else model
+    setup = setup if setup is not None else TrainingSetup()
+    config = load_config(model) if isinstance(model, str) else model
     todo = list(candidates(config, gpus))
-    cache: dict[Any, Any] = {}
+    cache: StepCache = {}
     fitting = []
     bar = _progress(len(todo)) if progress else None
     try:

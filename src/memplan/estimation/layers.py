@@ -1,7 +1,6 @@
 """Trace a deep model fast: identical transformer blocks traced twice, then extrapolated.
 
-Method (memplan's own; the issue asks for "identical blocks traced once and replicated,
-or any other method that keeps the accuracy"): the step of a model with `k` blocks and
+Method (memplan's own; docs/estimation.md, "Deep models"): the step of a model with `k` blocks and
 the step of the same model with `k + 1` blocks differ by one block's worth of events,
 in every phase. memplan traces both with k = 3, so that a middle block with a block
 on each side exists in both (the first block can differ from the others, e.g. its
@@ -20,7 +19,7 @@ regions; the breakdown and phase come from the winning region's maximiser.
 Assumptions: the blocks are identical (same class, same shapes), and ops outside
 the blocks do not repeat per block. `check_regions` refuses the method (and the
 caller traces the full depth) when the two traces' regions do not line up.
-Validated against full-depth traces in `tests/estimate/test_layers.py`.
+Validated against full-depth traces in `tests/estimation/test_layers.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Models and training setups: what a memplan trace is a trace *of*.
 
 A registry of public model configs shipped as Hugging Face `config.json` files
-(`registry`), the training setup and its command-line flags (`setup`), and builders of
+(`registry`), the training setup (`setup`), and builders of
 the model, optimizer and batch for one training step (`build`). See each module.
 """
 
@@ -23,12 +23,11 @@ from memplan.models.registry import (
     provenance,
     tiny_config,
 )
-from memplan.models.setup import TrainingSetup, add_setup_flags, setup_from_args
+from memplan.models.setup import TrainingSetup
 
 __all__ = [
     "FactorySpec",
     "TrainingSetup",
-    "add_setup_flags",
     "autocast",
     "build_model",
     "build_optimizer",
@@ -41,6 +40,5 @@ __all__ = [
     "model_class",
     "provenance",
     "sequence_length",
-    "setup_from_args",
     "tiny_config",
 ]

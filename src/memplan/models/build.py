@@ -40,7 +40,7 @@ import contextlib
 import copy
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,6 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.errors import UserError
 from memplan.models.registry import FactorySpec, as_config, load_config
 from memplan.models.setup import DEFAULT_MAX_SEQ, TrainingSetup
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,7 +73,7 @@ def is_fake_mode_active() -> bool:
     return torch._guards.detect_fake_mode() is not None
 
 
-def model_class(config: Any, head: str = "lm") -> Any:
+def model_class(config: PretrainedConfig, head: str = "lm") -> type[nn.Module]:
     """The Hugging Face class `build_model` builds for a config and task head."""
     import transformers
 
@@ -104,14 +107,14 @@ def model_class(config: Any, head: str = "lm") -> Any:
     raise UserError(f"model type '{config.model_type}' has no causal or masked language-model class in transformers")
 
 
-def instantiate(cls: Any, config: Any, **kwargs: Any) -> nn.Module:
+def instantiate(cls: type[nn.Module], config: PretrainedConfig, **kwargs: Any) -> nn.Module:
     """`cls` built from `config` (Auto classes via `from_config`, concrete ones `_from_config`)."""
     if cls.__name__.startswith("AutoModel"):
         return cls.from_config(config, **kwargs)
     return cls._from_config(config, **kwargs)
 
 
-def is_masked_lm(model_or_config: Any) -> bool:
+def is_masked_lm(model_or_config: nn.Module | PretrainedConfig) -> bool:
     """True for BERT-style models trained with a masked-LM loss."""
     if isinstance(model_or_config, nn.Module):
         names = [cls.__name__ for cls in type(_base_model(model_or_config)).__mro__]
@@ -126,7 +129,7 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def max_positions(config: Any) -> int | None:
+def max_positions(config: PretrainedConfig) -> int | None:
     """Longest sequence the config's position encoding covers (None when unbounded)."""
     value = getattr(config, "max_position_embeddings", None)
     if value is None:
@@ -136,7 +139,7 @@ def max_positions(config: Any) -> int | None:
     return int(value)
 
 
-def sequence_length(setup: TrainingSetup, model_or_config: Any) -> int:
+def sequence_length(setup: TrainingSetup, model_or_config: nn.Module | PretrainedConfig) -> int:
     """The setup's sequence length, resolving `seq=None` to min(max positions, 1024)."""
     if setup.seq is not None:
         return setup.seq
@@ -152,7 +155,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def build_model(spec: Any, setup: TrainingSetup, device: str = "cpu") -> nn.Module:
+def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup, device: str = "cpu") -> nn.Module:
     """Build the model a spec names, ready for one training step of `setup`.
 
     `spec` is a registry name, a config.json path, `package.module:factory`, a
@@ -182,7 +185,7 @@ def build_model(spec: Any, setup: TrainingSetup, device: str = "cpu") -> nn.Modu
     return model
 
 
-def _build_from_config(config: Any, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:
+def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:
     from transformers.initialization import no_init_weights
 
     cls = model_class(config, setup.head)
@@ -267,6 +270,12 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def transformer_blocks_path(model: nn.Module) -> str:
+    """The qualified module name of `model`'s repeated blocks (`transformer_blocks`)."""
+    blocks = transformer_blocks(model)
+    return next(name for name, mod in model.named_modules() if mod is blocks)
+
+
 def op_sac_context() -> Any:
     """The `context_fn` of one checkpointed block under torchtitan's op-level selective
     activation checkpointing (`--activation_checkpoint.selective_ac_option op`,
@@ -315,6 +324,12 @@ def _checkpoint_forward(module: nn.Module, op_level: bool = False) -> None:
 def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
     if setup.checkpointing == "none":
         return
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # as transformers' models do under gradient checkpointing (e.g. GPT2Model.forward:
+        # "`use_cache=True` is incompatible with gradient checkpointing"): a recomputed block
+        # would append to the KV cache again
+        config.use_cache = False
     if setup.checkpointing == "full":
         if getattr(model, "supports_gradient_checkpointing", False):
             kwargs = {"use_reentrant": False}
@@ -444,7 +459,8 @@ class FakeTensorSafeAdafactor(torch.optim.Adafactor):
             return super().step(closure)
 
 
-def make_batch(model_or_config: Any, setup: TrainingSetup, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+def make_batch(model_or_config: nn.Module | PretrainedConfig, setup: TrainingSetup, device: str = "cpu",
+               seed: int = 0) -> dict[str, torch.Tensor]:
     """One micro-batch (`setup.batch` x sequence length) that makes the model return a loss.
 
     Causal LMs get `input_ids` and `labels` (the model shifts labels itself); masked LMs
@@ -523,7 +539,7 @@ def autocast(setup: TrainingSetup, device: str = "cpu") -> contextlib.AbstractCo
     return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast])
 
 
-def count_parameters(spec: Any) -> int:
+def count_parameters(spec: str | PretrainedConfig | FactorySpec) -> int:
     """Number of parameters of the model a spec builds (tied weights counted once).
 
     Builds on the meta device: no memory, a fraction of a second even for 70B models.

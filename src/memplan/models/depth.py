@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 
-def num_layers(config: Any) -> int | None:
+def num_layers(config: PretrainedConfig) -> int | None:
     """Number of transformer blocks of an HF config (None when it has no such field)."""
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         value = getattr(config, key, None)
@@ -15,7 +18,7 @@ def num_layers(config: Any) -> int | None:
     return None
 
 
-def with_layers(config: Any, layers: int) -> Any:
+def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     """A copy of `config` with `layers` transformer blocks (per-layer lists cut to match)."""
     new = copy.deepcopy(config)
     new.num_hidden_layers = layers

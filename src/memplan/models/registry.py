@@ -22,9 +22,12 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 CONFIG_PACKAGE = "memplan.models.configs"
 PROVENANCE_KEY = "_memplan"
@@ -81,8 +84,8 @@ def list_models() -> list[str]:
 def _read_json(path: Path | Any, label: str) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot read model config {label}: {exc.strerror or exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read model config {label}: {getattr(exc, 'strerror', None) or exc}") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -114,7 +117,7 @@ def _unknown_model_message(spec: str) -> str:
     )
 
 
-def config_from_dict(data: dict[str, Any], label: str) -> Any:
+def config_from_dict(data: dict[str, Any], label: str) -> PretrainedConfig:
     """A `PretrainedConfig` of the class its `model_type` names."""
     from transformers import AutoConfig
 
@@ -129,7 +132,7 @@ def config_from_dict(data: dict[str, Any], label: str) -> Any:
         raise UserError(f"model config {label} is invalid: {message}") from exc
 
 
-def load_config(spec: str) -> Any:
+def load_config(spec: str) -> PretrainedConfig | FactorySpec:
     """Resolve a model spec to a `transformers.PretrainedConfig`, or a `FactorySpec`.
 
     `spec` is a registry name, a path to a local HF `config.json` (or a directory holding
@@ -153,7 +156,7 @@ def load_config(spec: str) -> Any:
     raise UserError(_unknown_model_message(spec))
 
 
-def as_config(spec: Any) -> Any:
+def as_config(spec: str | PretrainedConfig | FactorySpec) -> PretrainedConfig:
     """The HF config a spec names (a registry name or config path); UserError for a factory."""
     if isinstance(spec, str):
         spec = load_config(spec)
@@ -162,7 +165,7 @@ def as_config(spec: Any) -> Any:
     return spec
 
 
-def tiny_config(spec: Any, **overrides: Any) -> Any:
+def tiny_config(spec: str | PretrainedConfig, **overrides: Any) -> PretrainedConfig:
     """The same architecture as `spec` at toy size, for tests and real CPU runs.
 
     2 layers, hidden 64, 4 heads (head dim 16), 2 KV heads when the model has grouped-query
@@ -228,7 +231,7 @@ def tiny_config(spec: Any, **overrides: Any) -> Any:
     return tiny
 
 
-def _canonical_keys(config: Any, values: dict[str, Any]) -> dict[str, Any]:
+def _canonical_keys(config: PretrainedConfig, values: dict[str, Any]) -> dict[str, Any]:
     """Map generic names (hidden_size) to the class's own keys (n_embd) for `from_dict`."""
     attribute_map = getattr(config, "attribute_map", {}) or {}
     return {attribute_map.get(k, k): v for k, v in values.items()}

@@ -1,7 +1,7 @@
 """The training setup: everything about a training step except the model itself.
 
-One dataclass, `TrainingSetup`, and the command-line flags that fill it (the same flags on
-every subcommand that takes a model). Defaults are what PyTorch and Hugging Face do when
+One dataclass, `TrainingSetup` (its command-line flags are `memplan.cli.setup_flags`, the
+same flags on every subcommand that takes a model). Defaults are what PyTorch and Hugging Face do when
 the user says nothing:
 
 - `batch=1` sequences per micro-batch, `grad_accum=1` micro-batch per optimizer step;
@@ -26,7 +26,6 @@ the user says nothing:
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -127,50 +126,3 @@ class TrainingSetup:
         if unknown:
             raise UserError(f"unknown training setup field(s): {', '.join(unknown)}")
         return cls(**data)
-
-
-def add_setup_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the training-setup flags shared by every subcommand that takes a model."""
-    group = parser.add_argument_group("training setup")
-    group.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per micro-batch (default 1)")
-    group.add_argument("--seq", type=int, default=None, metavar="N",
-                       help=f"sequence length (default: the model's max positions, at most {DEFAULT_MAX_SEQ})")
-    group.add_argument("--dtype", choices=DTYPES, default="fp32", help="parameter dtype (default fp32)")
-    group.add_argument("--autocast", choices=AUTOCASTS, default="none", help="autocast dtype (default none)")
-    group.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default adamw)")
-    group.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
-                       help="optimizer kernels (default: foreach on CUDA, loop on CPU, as PyTorch)")
-    group.add_argument("--checkpointing", choices=CHECKPOINTINGS, default="none",
-                       help="activation checkpointing: full blocks, or selective (attention only)")
-    group.add_argument("--lora-rank", type=int, default=0, metavar="R", help="LoRA rank; 0 trains all weights")
-    group.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches per optimizer step")
-    group.add_argument("--attn", choices=ATTENTIONS, default="sdpa",
-                       help="attention implementation (flash: memory-efficient SDPA kernels)")
-    group.add_argument("--head", choices=HEADS, default="lm",
-                       help="task head: lm (the model's language-model head, default) or seq-cls "
-                            "(AutoModelForSequenceClassification, as an HF Trainer classification fine-tune)")
-    group.add_argument("--num-labels", type=int, default=2, metavar="N",
-                       help="classes of the seq-cls head (default 2; 1 is regression)")
-    group.add_argument("--zero-grad", choices=ZERO_GRADS, default="none",
-                       help="what optimizer.zero_grad() leaves between steps: none (set_to_none=True, "
-                            "PyTorch >= 2.0, default) or zeros (set_to_none=False: gradients stay allocated)")
-
-
-def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
-    """The `TrainingSetup` the flags of `add_setup_flags` describe."""
-    return TrainingSetup(
-        batch=args.batch,
-        seq=args.seq,
-        dtype=args.dtype,
-        autocast=args.autocast,
-        optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl,
-        checkpointing=args.checkpointing,
-        lora_rank=args.lora_rank,
-        grad_accum=args.grad_accum,
-        attn=args.attn,
-        # subcommands that build their own parser without these flags keep the defaults
-        head=getattr(args, "head", "lm"),
-        num_labels=getattr(args, "num_labels", 2),
-        zero_grad=getattr(args, "zero_grad", "none"),
-    )

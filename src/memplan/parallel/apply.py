@@ -43,19 +43,30 @@ that the model is built on cpu (real or fake tensors).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from memplan import models
+from memplan.capture.step import TrainingStep, make_step
 from memplan.errors import UserError
+from memplan.models.build import TORCH_DTYPES, transformer_blocks, transformer_blocks_path
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import Layout
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PretrainedConfig
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
 STAGE_TP = "pp_tp"  # the TP dimension of a pipelined job's mesh (`pipeline_mesh`)
 
 
-def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
+def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: TrainingSetup | None = None) -> str | None:
     """Why `layout` cannot be traced on a fake process group (None: it can)."""
     if layout.world_size == 1:
         return "one device: nothing to apply"
@@ -74,14 +85,13 @@ def traceable(layout: Any, config: Any = None, setup: Any = None) -> str | None:
     return None
 
 
-def traced_part(layout: Any, config: Any = None, setup: Any = None) -> Any:
+def traced_part(layout: Layout, config: PretrainedConfig | None = None,
+                setup: TrainingSetup | None = None) -> Layout | None:
     """The part of `layout` that is traced on a fake process group: the whole layout
     where `traceable` accepts it; else, with TP, its TP (x PP, 1F1B) part alone, one
     data-parallel rank, whose trace the data-parallel rules and the interleaved
     schedule's factor then reshape (`memplan.parallel.transform.data_parallel_trace`);
     None where nothing is traced (no TP, or TP this plan cannot apply)."""
-    from dataclasses import replace
-
     if traceable(layout, config, setup) is None:
         return layout
     if layout.tp == 1 or _tensor_parallel_refusal(config) is not None:
@@ -91,7 +101,7 @@ def traced_part(layout: Any, config: Any = None, setup: Any = None) -> Any:
     return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None, schedule="1f1b")
 
 
-def modelled_rest(layout: Any, part: Any) -> bool:
+def modelled_rest(layout: Layout, part: Layout | None) -> bool:
     """Whether tracing `part` (`traced_part(layout)`) leaves some of `layout` to the
     modelled rules: what a smaller traced layout left out (DDP, ZeRO-1/2, data
     parallelism across pipeline stages, the interleaved schedule), or DDP's buckets when
@@ -99,14 +109,15 @@ def modelled_rest(layout: Any, part: Any) -> bool:
     return part is not None and (part != layout or (layout.dp > 1 and layout.zero == 0))
 
 
-def _tensor_parallel_refusal(config: Any) -> str | None:
+def _tensor_parallel_refusal(config: PretrainedConfig | None) -> str | None:
     if config is not None and not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
                 f"model type {getattr(config, 'model_type', '?')!r} does not have")
     return None
 
 
-def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = None) -> str | None:
+def untraceable_tensor_parallel(layout: Layout, config: PretrainedConfig | None = None,
+                                setup: TrainingSetup | None = None) -> str | None:
     """Why `memplan estimate` refuses `layout`'s TP (None: it does not).
 
     TP is only estimated where its TP part is traced (`traced_part`): the modelled TP
@@ -129,12 +140,12 @@ def untraceable_tensor_parallel(layout: Any, config: Any = None, setup: Any = No
     return None if refusal is None else f"cannot estimate --tp {layout.tp}: {refusal}"
 
 
-def _llama_like(config: Any) -> bool:
+def _llama_like(config: PretrainedConfig) -> bool:
     return getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                                                   "olmo", "olmo2", "granite", "smollm3")
 
 
-def device_mesh(layout: Any, device: str = "cpu") -> Any:
+def device_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:
     """The job's device mesh: ("dp", "tp"), or ("replicate", "shard", "tp") for HSDP."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -226,14 +237,12 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, modules: list[nn.Module] | 
         ReplicateParallel().apply(module, mesh)
 
 
-def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = None, *,
+def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: DeviceMesh | None = None, *,
                  reducer: bool = True) -> nn.Module:
     """`model` with `layout` applied (TP, then FSDP2 or DDP); returns the module to train.
     `reducer=False` (a fake process group, where DDP's reducer cannot run): DDP + TP gets
     only DDP's parameter transform (the DTensor parameters become rank-local leaves, as
     under DDP), and DDP alone nothing; the caller models the reducer's buckets."""
-    from memplan.models.build import transformer_blocks
-
     if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
         raise UserError("only DDP, FSDP2 (zero 3), TP, DDP + TP and FSDP2 + TP can be applied to a model")
     mesh = mesh if mesh is not None else device_mesh(layout)
@@ -252,8 +261,6 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
         options: dict[str, Any] = {}
         if getattr(layout, "fsdp_param_dtype", None) is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            from memplan.models.build import TORCH_DTYPES
 
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[layout.fsdp_param_dtype],
                                                         reduce_dtype=torch.float32)
@@ -279,12 +286,7 @@ def apply_layout(model: nn.Module, layout: Any, blocks_path: str, mesh: Any = No
     return model
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def pipeline_mesh(layout: Any, device: str = "cpu") -> Any:
+def pipeline_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:
     """The device mesh of a pipeline-parallel job: ("pp", "pp_dp", "pp_tp"), pp outermost
     (torchtitan's order). Its TP dimension is named apart from the non-pipelined mesh's
     "tp": DTensor caches sharding decisions keyed by mesh *value* (ranks, layout, names),
@@ -296,8 +298,8 @@ def pipeline_mesh(layout: Any, device: str = "cpu") -> Any:
     return init_device_mesh(device, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "pp_dp", STAGE_TP))
 
 
-def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: list[nn.Module],
-                       mesh: Any) -> None:
+def apply_stage_layout(model: nn.Module, layout: Layout, blocks_path: str, owned: list[nn.Module],
+                       mesh: DeviceMesh) -> None:
     """Apply `layout`'s TP to the modules of one pipeline stage (`owned`: its blocks, plus
     the embedding on the first stage, the final norm and LM head on the last), in place.
 
@@ -319,3 +321,32 @@ def apply_stage_layout(model: nn.Module, layout: Any, blocks_path: str, owned: l
             any(m is model.get_output_embeddings() for m in owned):
         _retie_embeddings(model)
     _replicate_the_rest(model, mesh[STAGE_TP], owned)
+
+
+def build_parallel_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, *,
+                        target_device: str = "cpu", mesh: DeviceMesh | None = None) -> TrainingStep:
+    """A `TrainingStep` of `config` under `setup` with `layout` applied, on cpu tensors
+    (real or, inside a FakeTensorMode, fake). `torch.distributed` must be initialised.
+    The same step runs on real gloo ranks (`memplan.parallel.groundtruth`) and on a fake
+    process group (`memplan.parallel.traced`)."""
+    if not models.is_fake_mode_active():
+        torch.manual_seed(setup.seed)  # identical weights on every rank, as a checkpoint load gives
+    model = models.build_model(config, setup, device="cpu")
+    layers, blocks_path = len(transformer_blocks(model)), transformer_blocks_path(model)
+    if models.is_fake_mode_active():
+        # the wrappers' set-up computes device-mesh coordinates and checks parameter
+        # shapes with small real tensors; everything made from the (fake) parameters
+        # stays fake
+        with unset_fake_temporarily():
+            trained = apply_layout(model, layout, blocks_path, mesh, reducer=False)
+    else:
+        trained = apply_layout(model, layout, blocks_path, mesh)
+    optimizer = models.build_optimizer(trained, setup, device=target_device)
+    batches = [models.make_batch(model, setup, device="cpu", seed=setup.seed + mb) for mb in range(setup.grad_accum)]
+    meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": target_device,
+            "parameters": models.count_parameters(config), "blocks_path": blocks_path,
+            "layers": layers}
+    cuda_kernels = target_device == "cuda" and models.is_fake_mode_active()
+    meta["attention_kernels"] = "cuda" if cuda_kernels else "cpu"
+    return TrainingStep(trained, optimizer, batches,
+                        make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels), meta)

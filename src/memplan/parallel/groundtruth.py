@@ -5,20 +5,20 @@
 does, with less process overhead), applies the layout with the same code the traced
 estimate uses (`memplan.parallel.apply`), runs one untraced warm-up step (so the
 optimizer state exists, as in the estimate's traced step) and then measures one step on
-every rank with torch.profiler's memory timeline (`memplan.capture.groundtruth`).
+every rank with torch.profiler's memory timeline (`memplan.capture.groundtruth`); the
+step is `memplan.parallel.apply.build_parallel_step`, the one the traced estimate runs.
 It returns, per case, the per-rank peak bytes in rank order. Profile one step per set
 of processes: torch's memory-profiler analysis fails ("version mismatch") on a second
 profiled step in the same process more often than not.
 
 One step's figure depends a little on scheduling: gloo stages every all-gather in a
 buffer on its own thread, freed when the collective completes, so whether one is still
-alive at the main thread's peak depends on how the ranks' processes run (on a loaded
-2-core machine one step of FSDP2 x2 measured 2,969,852 B on rank 0 where every other
-measurement gave 2,707,452 B: one root all-gather staging buffer more). Repeat the
-measurement in fresh processes and take medians where that matters.
+alive at the main thread's peak depends on how the ranks' processes run (a loaded host
+can show one root all-gather staging buffer more on a rank; docs/estimation.md). Repeat
+the measurement in fresh processes and take medians where that matters.
 
-Assumes a small model (every rank holds its shard in this machine's memory) and a
-layout that `memplan.parallel.apply.traceable` accepts.
+Assumes a small model (every rank holds its shard in the host's memory) and a layout
+that `memplan.parallel.apply.traceable` accepts.
 """
 
 from __future__ import annotations
@@ -29,44 +29,20 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memplan.capture.groundtruth import profiler_peak_bytes
+from memplan.capture.step import TrainingStep
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.apply import build_parallel_step
+from memplan.parallel.layout import Layout
 
-def build_parallel_step(config: Any, setup: Any, layout: Any, *, target_device: str = "cpu",
-                        mesh: Any = None) -> Any:
-    """A `TrainingStep` of `config` under `setup` with `layout` applied, on cpu tensors
-    (real or, inside a FakeTensorMode, fake). `torch.distributed` must be initialised."""
-    from memplan import models
-    from memplan.capture.step import TrainingStep, make_step
-    from memplan.models.build import transformer_blocks
-    from memplan.parallel.apply import apply_layout
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
-    if not models.is_fake_mode_active():
-        torch.manual_seed(setup.seed)  # identical weights on every rank, as a checkpoint load gives
-    model = models.build_model(config, setup, device="cpu")
-    blocks = transformer_blocks(model)
-    blocks_path = next(name for name, mod in model.named_modules() if mod is blocks)
-    if models.is_fake_mode_active():
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        # the wrappers' set-up computes device-mesh coordinates and checks parameter
-        # shapes with small real tensors; everything made from the (fake) parameters
-        # stays fake
-        with unset_fake_temporarily():
-            trained = apply_layout(model, layout, blocks_path, mesh, reducer=False)
-    else:
-        trained = apply_layout(model, layout, blocks_path, mesh)
-    optimizer = models.build_optimizer(trained, setup, device=target_device)
-    batches = [models.make_batch(model, setup, device="cpu", seed=setup.seed + mb) for mb in range(setup.grad_accum)]
-    meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": target_device,
-            "parameters": models.count_parameters(config), "blocks_path": blocks_path, "layers": len(blocks)}
-    cuda_kernels = target_device == "cuda" and models.is_fake_mode_active()
-    meta["attention_kernels"] = "cuda" if cuda_kernels else "cpu"
-    return TrainingStep(trained, optimizer, batches,
-                        make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels), meta)
-
+Case = tuple["PretrainedConfig", TrainingSetup, Layout]  # what one measurement runs
 
 PROFILER_ATTEMPTS = 3
 PROFILER_LOGGER = "torch.profiler._memory_profiler"
@@ -86,11 +62,9 @@ class _SizeMismatches(logging.Handler):
             self.count += 1
 
 
-def _profiled_peak(step: Any) -> int:
+def _profiled_peak(step: TrainingStep) -> int:
     """The profiler peak of one step; AssertionError when torch's analysis fails or
     reports itself inconsistent (see `_measured_step`)."""
-    from memplan.capture.groundtruth import profiler_peak_bytes
-
     logger = logging.getLogger(PROFILER_LOGGER)
     mismatches = _SizeMismatches()
     logger.addHandler(mismatches)
@@ -103,15 +77,13 @@ def _profiled_peak(step: Any) -> int:
     return peak
 
 
-def _measured_step(step: Any, dist: Any) -> int:
+def _measured_step(step: TrainingStep, dist: Any) -> int:
     """Profiler peak of one step. torch's memory-profiler analysis sometimes fails on
     FSDP2 steps ("version mismatch" assertion, after the step ran), and sometimes
     reports its own timeline inconsistent ("Mismatch between allocation and free": gloo's
-    worker thread frees and re-uses an address, the analysis pairs an allocation with
-    the free of another buffer and both stay live in the timeline: +467,712 B = one
-    262,400-B and one 205,312-B buffer on one rank of FSDP2 + LoRA, seen in 1 of 4 runs,
-    always with the warning). Either way every rank runs and measures one more step
-    together; the value is never chosen among attempts."""
+    worker thread frees and re-uses an address, and the analysis pairs an allocation with
+    the free of another buffer; docs/estimation.md). Either way every rank runs and
+    measures one more step together; the value is never chosen among attempts."""
     for _ in range(PROFILER_ATTEMPTS):
         try:
             peak, ok = _profiled_peak(step), 1
@@ -125,7 +97,7 @@ def _measured_step(step: Any, dist: Any) -> int:
     raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times")
 
 
-def _rank_main(rank: int, cases: list[tuple[Any, Any, Any]], world_size: int, workdir: str) -> None:
+def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> None:
     import gc
 
     import torch.distributed as dist
@@ -146,7 +118,7 @@ def _rank_main(rank: int, cases: list[tuple[Any, Any, Any]], world_size: int, wo
         dist.destroy_process_group()
 
 
-def measure_rank_peaks(cases: list[tuple[Any, Any, Any]]) -> list[list[int]]:
+def measure_rank_peaks(cases: list[Case]) -> list[list[int]]:
     """Per case `(config, setup, layout)`, the profiler peak bytes of one real training
     step on every rank (rank order). All cases share one world size and run, one after
     the other, in the same set of processes."""

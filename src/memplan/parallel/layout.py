@@ -1,22 +1,22 @@
 """Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP.
 
-`Layout` holds the degrees and checks them against a model; `rank_plans` lists the
-ranks whose memory differs (one per pipeline stage role: with PP, the first stage,
-a middle stage and the last; without, rank 0 stands for every rank) and, for each,
-the training setup its trace runs with and how to reshape that trace to the rank
-(`memplan.parallel.transform.rank_trace`).
+`Layout` holds the degrees and checks them against a model. Which ranks differ, and how
+each is estimated, is `memplan.parallel.plans`.
 
 Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
 from memplan.models.depth import num_layers
+from memplan.models.setup import TrainingSetup
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 SCHEDULES = ("1f1b", "interleaved")
 FSDP_PARAM_DTYPES = ("bf16", "fp16", "fp32")
@@ -77,7 +77,7 @@ class Layout:
             return 1
         return self.shard_size if self.shard_size is not None else self.dp
 
-    def check(self, config: Any, setup: Any) -> None:
+    def check(self, config: PretrainedConfig, setup: TrainingSetup) -> None:
         """Raise `UserError` when the model cannot take this layout."""
         heads = getattr(config, "num_attention_heads", None)
         kv = getattr(config, "num_key_value_heads", None) or heads
@@ -99,58 +99,3 @@ class Layout:
         data = asdict(self)
         data["dp"] = self.dp
         return data
-
-
-@dataclass
-class RankPlan:
-    """How to estimate one distinct rank."""
-
-    rank: int
-    stage: int
-    setup: Any
-    layers: int | None
-    transform: Callable[[Any], Any]
-    communicators: int
-    same_as: list[int] = field(default_factory=list)
-    # what is traced on a fake process group (`memplan.parallel.apply.traced_part`): the
-    # whole layout, its TP (x PP) part, or nothing (None: `transform` models the rank)
-    traced_layout: Any = None
-    traced_rank: int = 0  # this rank's number in `traced_layout`
-    # the modelled rest, applied to the traced step (None: the trace is the rank's)
-    traced_transform: Callable[[Any], Any] | None = None
-
-    @property
-    def traceable(self) -> bool:
-        return self.traced_layout is not None
-
-
-def rank_plans(layout: Layout, config: Any, setup: Any, total_layers: int | None) -> list[RankPlan]:
-    """One plan per distinct rank (see the module docstring)."""
-    from memplan.parallel.apply import modelled_rest, traced_part
-    from memplan.parallel.transform import data_parallel_trace, rank_trace
-
-    per_stage = layout.dp * layout.tp
-    stages = [0] if layout.pp == 1 else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
-    communicators = int(layout.dp > 1) + int(layout.tp > 1) + int(layout.pp > 1) + int(layout.shard_size is not None)
-    plans = []
-    for stage in stages:
-        layers = total_layers if layout.pp == 1 or total_layers is None else total_layers // layout.pp
-        stage_setup = setup if layout.pp == 1 else replace(setup, grad_accum=1)
-        if layout.pp > 1:
-            covered = [stage] if stage in (0, layout.pp - 1) else list(range(1, layout.pp - 1))
-        else:
-            covered = [0]
-        ranks = [s * per_stage + i for s in covered for i in range(per_stage)]
-
-        def transform(step: Any, stage: int = stage) -> Any:
-            return rank_trace(step, layout, setup, stage)
-
-        part = traced_part(layout, config, setup)
-        traced_rank = stage * part.dp * part.tp if part is not None else 0
-
-        def rest(step: Any) -> Any:
-            return data_parallel_trace(step, layout, setup)
-
-        plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
-                              part, traced_rank, rest if modelled_rest(layout, part) else None))
-    return plans

@@ -1,6 +1,6 @@
 """Trace one rank of a parallel job in one process: fake tensors, fake process group.
 
-`capture_rank(config, setup, layout, rank, device)` initialises PyTorch's fake process
+`capture_rank_step(config, setup, layout, rank, device)` initialises PyTorch's fake process
 group (`torch.testing._internal.distributed.fake_pg.FakeStore`,
 `dist.init_process_group("fake", ..., rank=rank, world_size=N)`: collectives are no-ops
 that return correctly shaped outputs), builds the model, applies the layout with the
@@ -45,16 +45,34 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
-from memplan.capture import capture
+from memplan import models
+from memplan.capture.api import capture
+from memplan.capture.pipeline import build_pipeline_stage
 from memplan.capture.recorder import Recorder
+from memplan.capture.step import StepTrace, TrainingStep
+from memplan.errors import UserError
+from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.apply import (
+    apply_stage_layout,
+    build_parallel_step,
+    device_mesh,
+    pipeline_mesh,
+)
+from memplan.parallel.layout import Layout
 from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, FREE, Trace
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default")
 
@@ -156,8 +174,9 @@ class DistributedRecorder(Recorder):
             _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
 
 
-def capture_parallel_step(step: Any, *, warmup: int = 1, meta: dict[str, Any] | None = None) -> Trace:
-    """`memplan.capture.capture` of `step` (a `TrainingStep`) with the DTensor-aware recorder."""
+def parallel_step_trace(step: TrainingStep, *, warmup: int = 1, meta: dict[str, Any] | None = None) -> Trace:
+    """`memplan.capture.capture` of `step` with the DTensor-aware recorder: the trace of a
+    step whose model runs on a (real or fake) process group."""
     return capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=warmup,
                    meta=meta, inputs=step.batches, recorder=DistributedRecorder())
 
@@ -166,7 +185,6 @@ def _forget_previous_meshes() -> None:
     """DTensor caches sharding decisions keyed by mesh *value*, and the cached results
     hold the mesh object (and its process-group names) of the first call: after the
     fake group of one rank is destroyed, the next rank's trace would reach into it."""
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     propagator = DTensor._op_dispatcher.sharding_propagator
@@ -175,35 +193,47 @@ def _forget_previous_meshes() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def capture_rank(config: Any, setup: Any, layout: Any, rank: int, device: str = "cpu") -> tuple[Trace, dict]:
-    """The trace of `rank` of `layout` (see the module docstring) and the step's meta."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
+@contextlib.contextmanager
+def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """PyTorch's fake process group of `world_size` ranks, joined as `rank`, for the
+    duration of the block (module docstring)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from memplan.errors import UserError
-    from memplan.parallel.apply import device_mesh
-    from memplan.parallel.groundtruth import build_parallel_step
 
     if dist.is_initialized():
         raise UserError("a process group is already initialised in this process: trace ranks in a fresh one")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
-            trace = capture_parallel_step(step, meta={**step.meta, "fake": True, "rank": rank,
-                                                      "layout": layout.to_dict()})
+        yield
     finally:
         dist.destroy_process_group()
         _forget_previous_meshes()
+
+
+def _on_target_device(trace: Trace, device: str) -> Trace:
+    """`trace`'s buffers labelled with the job's device (a "cuda" job is traced on cpu)."""
     if device == "cuda":
         trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]
-    return trace, step.meta
+    return trace
 
 
-def capture_stage_rank(config: Any, setup: Any, layout: Any, stage: int, device: str = "cpu") -> tuple[Trace, dict]:
-    """The trace of the first rank of pipeline `stage` of `layout` and the step's meta.
+def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, rank: int,
+                      device: str = "cpu") -> StepTrace:
+    """`rank` of `layout`, its step traced with DDP / FSDP2 / DTensor TP applied on a
+    fake process group (see the module docstring)."""
+    with _fake_process_group(rank, layout.world_size):
+        mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
+            trace = parallel_step_trace(step, meta={**step.meta, "fake": True, "rank": rank,
+                                                    "layout": layout.to_dict()})
+    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
+                              parameters=step.meta["parameters"], layers=step.meta["layers"])
+
+
+def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
+                       device: str = "cpu") -> StepTrace:
+    """The first rank of pipeline `stage` of `layout`, its step traced on a fake process
+    group; the trace's meta holds the rank, the layout and the pipeline.
 
     The stage's 1F1B step (`memplan.capture.pipeline`: embeddings on the first stage,
     the final norm, LM head and loss on the last) runs on the fake process group of
@@ -219,29 +249,15 @@ def capture_stage_rank(config: Any, setup: Any, layout: Any, stage: int, device:
     shards, and DTensor caches sharding strategies keyed by mesh *value*, which leaves out
     the calling rank, so a second stage traced in the same process as another global rank
     would reach into the first one's (destroyed) process groups."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from memplan import models
-    from memplan.capture.pipeline import build_pipeline_stage
-    from memplan.errors import UserError
-    from memplan.models.build import transformer_blocks
-    from memplan.parallel.apply import apply_stage_layout, pipeline_mesh
-
-    if dist.is_initialized():
-        raise UserError("a process group is already initialised in this process: trace ranks in a fresh one")
     rank = stage * layout.dp * layout.tp
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
-    try:
+    with _fake_process_group(0, layout.world_size):
         mesh = pipeline_mesh(layout)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = models.build_model(config, setup, device="cpu")
-            blocks = transformer_blocks(model)
-            blocks_path = next(name for name, mod in model.named_modules() if mod is blocks)
+            layers, blocks_path = len(transformer_blocks(model)) // layout.pp, transformer_blocks_path(model)
 
             def distribute(owned: list[torch.nn.Module]) -> None:
-                with unset_fake_temporarily():  # see memplan.parallel.groundtruth.build_parallel_step
+                with unset_fake_temporarily():  # see memplan.parallel.apply.build_parallel_step
                     apply_stage_layout(model, layout, blocks_path, owned, mesh)
 
             stage_model, optimizer, step = build_pipeline_stage(
@@ -249,17 +265,13 @@ def capture_stage_rank(config: Any, setup: Any, layout: Any, stage: int, device:
                 distribute=distribute, target_device=device)
             meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": device,
                     "parameters": models.count_parameters(config), "blocks_path": blocks_path,
-                    "layers": len(blocks) // layout.pp, "fake": True, "rank": rank, "layout": layout.to_dict(),
+                    "layers": layers, "fake": True, "rank": rank, "layout": layout.to_dict(),
                     "pipeline": {"stages": layout.pp, "stage": stage, "microbatches": layout.microbatches,
                                  "schedule": "1f1b"}}
             trace = capture(step, model=stage_model, optimizer=optimizer, iterations=1, warmup=1, meta=meta,
                             recorder=DistributedRecorder())
-    finally:
-        dist.destroy_process_group()
-        _forget_previous_meshes()
-    if device == "cuda":
-        trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]
-    return trace, meta
+    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=blocks_path,
+                              parameters=meta["parameters"], layers=layers)
 
 
 def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:

@@ -36,17 +36,20 @@ fake process group where it can (`memplan.parallel.traced`) and uses the rules f
 ZeRO-1/2, PP, and `memplan fit`'s search. Against real gloo runs (docs/estimation.md):
 the DDP rule is exact on every rank; the modelled ZeRO-3 rule is 2% low on a tiny Llama;
 the TP rule assumes sequence and loss parallel, which the real (and traced) TP does not
-apply: it was 31% low on Qwen2.5 TP 2, so `estimate` refuses TP it cannot trace and only
+apply: it is 31% low on Qwen2.5 TP 2, so `estimate` refuses TP it cannot trace and only
 `fit` uses this rule.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from memplan.capture.step import StepTrace
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import Layout
 from memplan.trace.edit import ExtraBuffer, with_extra_buffers
 from memplan.trace.model import CATEGORY, PHASE, Trace
 
@@ -90,7 +93,13 @@ def block_spans(trace: Trace, blocks_path: str) -> dict[int, dict[str, tuple[int
     return spans
 
 
-def data_parallel_trace(step: Any, layout: Any, setup: Any) -> Trace:
+def _with_nbytes(trace: Trace, nbytes: np.ndarray) -> Trace:
+    """`trace` with its buffers resized to `nbytes` (same events, ops and names)."""
+    return Trace(buffers={**trace.buffers, "nbytes": nbytes}, events=trace.events, ops=trace.ops, csr=trace.csr,
+                 op_names=trace.op_names, modules=trace.modules, devices=trace.devices, meta=dict(trace.meta))
+
+
+def data_parallel_trace(step: StepTrace, layout: Layout, setup: TrainingSetup) -> Trace:
     """One rank of `layout` from the traced step of its TP (x PP, 1F1B) part
     (`memplan.parallel.apply.traced_part`): the data-parallel rules of `rank_trace` (DDP,
     ZeRO 1-3, HSDP) on the traced buffers, which are already the rank's TP shards; under
@@ -99,111 +108,152 @@ def data_parallel_trace(step: Any, layout: Any, setup: Any) -> Trace:
     block's parameters unsharded from its first micro-batch's forward to its last
     micro-batch's backward (torchtitan's `reshard_after_forward` default when PP is on:
     resharding after every micro-batch's forward would gather them again per micro-batch)."""
-    from dataclasses import replace
-
-    trace: Trace = step.trace
+    trace = step.trace
     if layout.pp > 1 and layout.schedule == "interleaved":
         nbytes = trace.buffers["nbytes"].astype(np.int64)
         act = trace.buffers["category"] == CATEGORY["activation"]
         nbytes[act] = np.ceil(nbytes[act] * (1 + (layout.pp - 1) / (layout.pp * 2))).astype(np.int64)
-        trace = Trace(buffers={**trace.buffers, "nbytes": nbytes}, events=trace.events, ops=trace.ops,
-                      csr=trace.csr, op_names=trace.op_names, modules=trace.modules, devices=trace.devices,
-                      meta=dict(trace.meta))
-    data_parallel = type(layout)(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size)
+        trace = _with_nbytes(trace, nbytes)
+    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size)
     return rank_trace(replace(step, trace=trace), data_parallel, setup, 0, reshard_after_forward=layout.pp == 1)
 
 
-def rank_trace(step: Any, layout: Any, setup: Any, stage: int, *, reshard_after_forward: bool = True) -> Trace:
+@dataclass
+class _Buffers:
+    """Per-buffer masks of a trace that the layout rules select by."""
+
+    cat: np.ndarray
+    in_block: np.ndarray
+    block: np.ndarray  # the block index of each buffer's module, or -1
+    is_param: np.ndarray
+    is_grad: np.ndarray
+    is_state: np.ndarray
+    opt_temp: np.ndarray  # temporaries of the optimizer step
+    flowing: np.ndarray  # forward / backward activations and temporaries
+    is_norm: np.ndarray
+    device: int
+
+    @classmethod
+    def of(cls, trace: Trace, blocks_path: str) -> _Buffers:
+        b = trace.buffers
+        cat, phase = b["category"], b["phase"]
+        block = _block_index(trace, blocks_path)[b["module"]]
+        in_optimizer = phase == PHASE["optimizer"]
+        module_names = np.asarray(trace.modules, dtype=object)
+        is_norm = np.array([bool(NORM_PATTERN.search(str(m))) for m in module_names], bool)[b["module"]]
+        return cls(cat=cat, in_block=block >= 0, block=block, is_param=cat == CATEGORY["parameter"],
+                   is_grad=cat == CATEGORY["gradient"], is_state=cat == CATEGORY["optimizer_state"],
+                   opt_temp=in_optimizer & (cat == CATEGORY["temporary"]),
+                   flowing=~in_optimizer & np.isin(cat, [CATEGORY["activation"], CATEGORY["temporary"]]),
+                   is_norm=is_norm, device=int(np.bincount(b["device"]).argmax()) if trace.num_buffers else 0)
+
+
+def rank_trace(step: StepTrace, layout: Layout, setup: TrainingSetup, stage: int, *,
+               reshard_after_forward: bool = True) -> Trace:
     """The trace of one rank (pipeline `stage`) of `layout`; see the module docstring.
     `reshard_after_forward=False`: ZeRO-3 keeps each block's parameters unsharded from
     its forward to the end of its backward."""
-    trace: Trace = step.trace
-    tp, d, zero = layout.tp, layout.shard_degree, layout.zero
-    if tp == 1 and layout.dp == 1 and layout.pp == 1:
+    trace = step.trace
+    if layout.tp == 1 and layout.dp == 1 and layout.pp == 1:
         return trace
-    b = trace.buffers
-    nbytes = b["nbytes"].astype(np.int64)
-    cat, phase = b["category"], b["phase"]
-    block_of_module = _block_index(trace, step.blocks_path)
-    in_block = block_of_module[b["module"]] >= 0
-    is_param = cat == CATEGORY["parameter"]
-    is_grad = cat == CATEGORY["gradient"]
-    is_state = cat == CATEGORY["optimizer_state"]
-    in_optimizer = phase == PHASE["optimizer"]
-    opt_temp = in_optimizer & (cat == CATEGORY["temporary"])
-    flowing = ~in_optimizer & np.isin(cat, [CATEGORY["activation"], CATEGORY["temporary"]])
-    module_names = np.asarray(trace.modules, dtype=object)
-    is_norm = np.array([bool(NORM_PATTERN.search(str(m))) for m in module_names], bool)[b["module"]]
+    nbytes = trace.buffers["nbytes"].astype(np.int64)
+    buf = _Buffers.of(trace, step.blocks_path)
     extras: list[ExtraBuffer] = []
-    device = int(np.bincount(b["device"]).argmax()) if trace.num_buffers else 0
-
-    # pipeline stage: middle stages hold no embedding / head; activations in flight
     if layout.pp > 1:
-        last = layout.pp - 1
-        if 0 < stage < last:
-            nbytes[~in_block & (is_param | is_grad | flowing)] = 0
-        in_flight = min(layout.microbatches, layout.pp - stage)
-        if layout.schedule == "interleaved":
-            in_flight *= 1 + (layout.pp - 1) / (layout.pp * 2)
-        act = cat == CATEGORY["activation"]
-        nbytes[act] = np.ceil(nbytes[act] * in_flight).astype(np.int64)
-
-    # tensor parallel
-    if tp > 1:
-        tp_state = (is_param | is_grad) & ~is_norm
-        full_param = nbytes[is_param].sum()
-        nbytes = _shrink(nbytes, tp_state, tp)
-        ratio = nbytes[is_param].sum() / full_param if full_param else 1.0
-        nbytes = _shrink(nbytes, is_state | opt_temp, 1.0 / ratio if ratio else 1.0)
-        nbytes = _shrink(nbytes, flowing, tp)
-        hidden_bytes = _block_input_bytes(step, setup)
-        full_ckpt = setup.checkpointing == "full"
-        for spans in block_spans(trace, step.blocks_path).values():
-            fwd, bwd = spans.get("forward"), spans.get("backward")
-            if fwd is None:
-                continue
-            for _ in range(2):  # attention input and MLP input, all-gathered
-                if full_ckpt or bwd is None:
-                    extras.append(ExtraBuffer(hidden_bytes, fwd[0], fwd[1], "activation", "forward", device=device))
-                    if bwd is not None:
-                        extras.append(ExtraBuffer(hidden_bytes, bwd[0], bwd[1], "activation", "backward", device=device))
-                else:
-                    extras.append(ExtraBuffer(hidden_bytes, fwd[0], bwd[1], "activation", "forward", device=device))
-
+        _pipeline_stage_rule(nbytes, buf, layout, stage)
+    if layout.tp > 1:
+        nbytes = _tensor_parallel_rule(nbytes, buf, layout.tp)
+        extras += _sequence_parallel_buffers(step, setup, buf.device)
     # data parallel / ZeRO: the buckets hold one gradient per trainable parameter, sized
     # as the parameter (the traced rank's shard; the storage of a gradient can be larger)
-    grad_bytes_full = int(nbytes[is_grad].sum())
-    if tp == 1 and "trainable_bytes" in trace.meta:
+    grad_bytes_full = int(nbytes[buf.is_grad].sum())
+    if layout.tp == 1 and "trainable_bytes" in trace.meta:
         grad_bytes_full = min(grad_bytes_full, int(trace.meta["trainable_bytes"]))
     if layout.dp > 1:
-        if zero == 0:
-            extras.append(ExtraBuffer(grad_bytes_full, 0, -1, "other", device=device))
-        if zero >= 1:
-            nbytes = _shrink(nbytes, is_state | opt_temp, d)
-        if zero >= 2:
-            nbytes = _shrink(nbytes, is_grad, d)
-        if zero == 2:
-            element = 4 if setup.dtype == "fp32" else 2
-            extras.append(ExtraBuffer(min(grad_bytes_full, ZERO2_BUCKET_ELEMENTS * element), 0, -1, "other",
-                                      device=device))
-        if zero == 3:
-            param_block = block_of_module[b["module"]]
-            block_param_bytes = {int(k): int(nbytes[is_param & (param_block == k)].sum())
-                                 for k in np.unique(param_block[is_param & in_block])}
-            block_grad_bytes = {int(k): int(nbytes[is_grad & (param_block == k)].sum())
-                                for k in np.unique(param_block[is_grad & in_block])}
-            root_param_bytes = int(nbytes[is_param & ~in_block].sum())
-            nbytes = _shrink(nbytes, is_param, d)
-            extras += _fsdp_buffers(trace, step.blocks_path, block_param_bytes, block_grad_bytes,
-                                    root_param_bytes, device, reshard_after_forward)
-    buffers = dict(trace.buffers)
-    buffers["nbytes"] = nbytes
-    reshaped = Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr, op_names=trace.op_names,
-                     modules=trace.modules, devices=trace.devices, meta=dict(trace.meta))
-    return with_extra_buffers(reshaped, extras)
+        nbytes = _data_parallel_rule(nbytes, buf, layout, setup, grad_bytes_full, extras)
+        if layout.zero == 3:
+            nbytes = _zero3_rule(nbytes, buf, layout.shard_degree, trace, step.blocks_path, reshard_after_forward,
+                                 extras)
+    return with_extra_buffers(_with_nbytes(trace, nbytes), extras)
 
 
-def _block_input_bytes(step: Any, setup: Any) -> int:
+def _pipeline_stage_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, stage: int) -> None:
+    """Pipeline `stage`, in place: middle stages hold no embedding / head; activations
+    times the micro-batches in flight."""
+    last = layout.pp - 1
+    if 0 < stage < last:
+        nbytes[~buf.in_block & (buf.is_param | buf.is_grad | buf.flowing)] = 0
+    in_flight = min(layout.microbatches, layout.pp - stage)
+    if layout.schedule == "interleaved":
+        in_flight *= 1 + (layout.pp - 1) / (layout.pp * 2)
+    act = buf.cat == CATEGORY["activation"]
+    nbytes[act] = np.ceil(nbytes[act] * in_flight).astype(np.int64)
+
+
+def _tensor_parallel_rule(nbytes: np.ndarray, buf: _Buffers, tp: int) -> np.ndarray:
+    """TP degree `tp`: parameters outside norms and their gradients by `tp`, optimizer
+    states and temporaries by the parameters' ratio, activations and temporaries by `tp`."""
+    tp_state = (buf.is_param | buf.is_grad) & ~buf.is_norm
+    full_param = nbytes[buf.is_param].sum()
+    nbytes = _shrink(nbytes, tp_state, tp)
+    ratio = nbytes[buf.is_param].sum() / full_param if full_param else 1.0
+    nbytes = _shrink(nbytes, buf.is_state | buf.opt_temp, 1.0 / ratio if ratio else 1.0)
+    return _shrink(nbytes, buf.flowing, tp)
+
+
+def _sequence_parallel_buffers(step: StepTrace, setup: TrainingSetup, device: int) -> list[ExtraBuffer]:
+    """Per block, the two all-gathered [B, S, H] inputs of attention and MLP (module docstring)."""
+    hidden_bytes = _block_input_bytes(step, setup)
+    full_ckpt = setup.checkpointing == "full"
+    extras = []
+    for spans in block_spans(step.trace, step.blocks_path).values():
+        fwd, bwd = spans.get("forward"), spans.get("backward")
+        if fwd is None:
+            continue
+        for _ in range(2):  # attention input and MLP input, all-gathered
+            if full_ckpt or bwd is None:
+                extras.append(ExtraBuffer(hidden_bytes, fwd[0], fwd[1], "activation", "forward", device=device))
+                if bwd is not None:
+                    extras.append(ExtraBuffer(hidden_bytes, bwd[0], bwd[1], "activation", "backward", device=device))
+            else:
+                extras.append(ExtraBuffer(hidden_bytes, fwd[0], bwd[1], "activation", "forward", device=device))
+    return extras
+
+
+def _data_parallel_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, setup: TrainingSetup,
+                        grad_bytes_full: int, extras: list[ExtraBuffer]) -> np.ndarray:
+    """DDP's buckets, ZeRO-1/2's sharded states and gradients and ZeRO-2's reduce bucket
+    (module docstring); the buckets are appended to `extras`."""
+    zero, d = layout.zero, layout.shard_degree
+    if zero == 0:
+        extras.append(ExtraBuffer(grad_bytes_full, 0, -1, "other", device=buf.device))
+    if zero >= 1:
+        nbytes = _shrink(nbytes, buf.is_state | buf.opt_temp, d)
+    if zero >= 2:
+        nbytes = _shrink(nbytes, buf.is_grad, d)
+    if zero == 2:
+        element = 4 if setup.dtype == "fp32" else 2
+        extras.append(ExtraBuffer(min(grad_bytes_full, ZERO2_BUCKET_ELEMENTS * element), 0, -1, "other",
+                                  device=buf.device))
+    return nbytes
+
+
+def _zero3_rule(nbytes: np.ndarray, buf: _Buffers, d: int, trace: Trace, blocks_path: str,
+                reshard_after_forward: bool, extras: list[ExtraBuffer]) -> np.ndarray:
+    """ZeRO-3 / FSDP2 over `d` ranks: parameters sharded; the all-gather outputs and
+    unsharded gradients (`_fsdp_buffers`) appended to `extras`."""
+    block_param_bytes = {int(k): int(nbytes[buf.is_param & (buf.block == k)].sum())
+                         for k in np.unique(buf.block[buf.is_param & buf.in_block])}
+    block_grad_bytes = {int(k): int(nbytes[buf.is_grad & (buf.block == k)].sum())
+                        for k in np.unique(buf.block[buf.is_grad & buf.in_block])}
+    root_param_bytes = int(nbytes[buf.is_param & ~buf.in_block].sum())
+    nbytes = _shrink(nbytes, buf.is_param, d)
+    extras += _fsdp_buffers(trace, blocks_path, block_param_bytes, block_grad_bytes, root_param_bytes, buf.device,
+                            reshard_after_forward)
+    return nbytes
+
+
+def _block_input_bytes(step: StepTrace, setup: TrainingSetup) -> int:
     """Bytes of one [B, S, H] block input in the activation dtype."""
     hidden = step.head_dim * step.heads
     dtype = setup.autocast if setup.autocast != "none" else setup.dtype

@@ -1,0 +1,131 @@
+"""`estimate_trace(trace, gpu=...)`: the peak memory of the step a trace recorded.
+
+The single-device part of `memplan.estimation.pipeline.estimate`, applied to a trace
+that already exists instead of one it captures:
+
+1. a memplan capture of a CUDA job on fake tensors gets the GPU-only terms the capture
+   cannot see (`pipeline.gpu_view`: SDPA kernel workspaces, cuBLAS workspace), sized
+   from the model and setup its metadata names; a PyTorch memory snapshot of a real GPU
+   already holds them and gets nothing;
+2. each CUDA device the trace has buffers on is replayed through the allocator
+   simulator (`pipeline.replay_counters`) for peak allocated and reserved;
+3. device used = reserved + the profile's CUDA context (or `cuda_context`).
+
+A trace fixes the model, the setup and the parallel layout it was recorded under: to
+estimate another one, capture it (`memplan.estimation.estimate` takes the model).
+A trace of a CPU job is refused: its code paths (optimizer kernels, attention) are the
+CPU's, not a GPU's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from memplan import models
+from memplan.alloc import AllocConf
+from memplan.capture.step import StepTrace
+from memplan.errors import UserError
+from memplan.estimation.pipeline import (
+    ESTIMATE_ALLOCATORS,
+    Estimate,
+    RankEstimate,
+    figures_full,
+    gpu_view,
+    replay_counters,
+)
+from memplan.hardware.devices import device_profile
+from memplan.parallel.layout import Layout
+from memplan.trace import edit as trace_edit
+from memplan.trace.model import Trace
+
+
+def estimate_trace(
+    trace: Trace,
+    gpu: str | None = None,
+    capacity: int | None = None,
+    allocator: str = "caching",
+    alloc_conf: str | None = None,
+    *,
+    cuda_context: int | None = None,
+    name: str | None = None,
+) -> Estimate:
+    """Peak allocated, reserved and device used of `trace`'s step, one `RankEstimate`
+    per CUDA device it has buffers on (`rank` is the device index).
+
+    `gpu` names a device profile (capacity, CUDA context, cuBLAS workspace);
+    `capacity` overrides its capacity; `cuda_context` (bytes) its CUDA context.
+    `allocator`: caching, expandable, planned or none (tensor bytes only). `name`
+    labels the result when the trace's metadata names no model (a snapshot).
+    """
+    start = time.perf_counter()
+    _check_options(allocator, alloc_conf, cuda_context)
+    profile = device_profile(gpu) if gpu is not None else None
+    if capacity is None and profile is not None:
+        capacity = profile.capacity_bytes
+    meta = trace.meta
+    device = meta.get("device", "cuda")
+    if device != "cuda" or not any(d.startswith("cuda") for d in trace.devices):
+        raise UserError(f"{name or 'the trace'} records a {device} job: estimate a GPU from a trace captured for "
+                        "cuda, or pass the model with --device cpu")
+    view = _with_gpu_terms(trace, profile) if meta.get("fake") else trace
+    context = profile.cuda_context_bytes if profile is not None else 0
+    if cuda_context is not None:
+        context = cuda_context
+    per_device = []
+    for index in _cuda_devices(view):
+        one = _one_device(view, index) if len(view.devices) > 1 else view
+        fig = figures_full(one, replay_counters(one, allocator, alloc_conf))
+        per_device.append(RankEstimate(index, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
+                                       fig.peak_reserved_bytes + context, fig.breakdown, fig.peak_phase, [index]))
+    return Estimate(
+        model=str(meta.get("model") or name or "trace"), parameters=int(meta.get("parameters", 0)),
+        setup=dict(meta.get("setup") or {}), layout=Layout().to_dict(), per_rank=per_device,
+        capacity_bytes=capacity, device="cuda", allocator=allocator, gpu=gpu, method="trace",
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def _check_options(allocator: str, alloc_conf: str | None, cuda_context: int | None) -> None:
+    """UserError for an allocator, allocator configuration or context size that cannot be."""
+    if allocator not in ESTIMATE_ALLOCATORS:
+        raise UserError(f"unknown allocator {allocator!r}: choose one of {', '.join(ESTIMATE_ALLOCATORS)}")
+    if cuda_context is not None and (isinstance(cuda_context, bool) or not isinstance(cuda_context, int)
+                                     or cuda_context < 0):
+        raise UserError(f"the CUDA context must be a size >= 0, not {cuda_context!r}")
+    if alloc_conf is not None:
+        AllocConf.parse(alloc_conf)
+
+
+def _cuda_devices(trace: Trace) -> list[int]:
+    """Indices of the CUDA devices `trace` has buffers on (the first CUDA device if none)."""
+    used = np.unique(trace.buffers["device"]).tolist() if trace.num_buffers else []
+    cuda = [i for i in used if trace.devices[i].startswith("cuda")]
+    return cuda or [next(i for i, d in enumerate(trace.devices) if d.startswith("cuda"))]
+
+
+def _one_device(trace: Trace, index: int) -> Trace:
+    """`trace` as device `index` sees it: every other device's buffers get zero bytes
+    (`memplan.trace.edit.device_view`) and that device's index, so that the allocator
+    simulator, which serves one device, replays it."""
+    view = trace_edit.device_view(trace, trace.devices[index])
+    buffers = {**view.buffers, "device": np.full_like(view.buffers["device"], index)}
+    return dataclasses.replace(view, buffers=buffers)
+
+
+def _with_gpu_terms(trace: Trace, profile: Any) -> Trace:
+    """A fake capture's trace plus the GPU-only buffers `pipeline.gpu_view` adds, sized
+    from the model and setup named in its metadata (as `memplan.capture.step.capture_step` does)."""
+    spec = trace.meta.get("model")
+    try:
+        config = models.load_config(spec)
+    except UserError as exc:
+        raise UserError(f"the trace's model {spec!r} cannot be found here ({exc}); memplan needs it to size the "
+                        "GPU kernels' workspaces: pass the model instead of the trace") from None
+    setup = models.TrainingSetup.from_dict(trace.meta.get("setup") or {})
+    step = StepTrace.of_model(trace, config, setup, blocks_path="", parameters=int(trace.meta.get("parameters", 0)),
+                              layers=0)
+    return gpu_view(step, setup, profile)

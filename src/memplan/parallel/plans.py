@@ -1,0 +1,79 @@
+"""The ranks of a parallel layout whose memory differs, and how each one is estimated.
+
+`rank_plans` lists one rank per pipeline stage role (with PP, the first stage, a middle
+stage and the last; without, rank 0 stands for every rank) and, for each, the training
+setup its trace runs with, how to reshape a single-device trace to the rank
+(`memplan.parallel.transform.rank_trace`) and what of the layout is traced on a fake
+process group instead (`memplan.parallel.apply.traced_part`).
+
+Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from memplan.capture.step import StepTrace
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.apply import modelled_rest, traced_part
+from memplan.parallel.layout import Layout
+from memplan.parallel.transform import data_parallel_trace, rank_trace
+from memplan.trace.model import Trace
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
+
+
+@dataclass
+class RankPlan:
+    """How to estimate one distinct rank."""
+
+    rank: int
+    stage: int
+    setup: TrainingSetup
+    layers: int | None
+    transform: Callable[[StepTrace], Trace]
+    communicators: int
+    same_as: list[int] = field(default_factory=list)
+    # what is traced on a fake process group (`memplan.parallel.apply.traced_part`): the
+    # whole layout, its TP (x PP) part, or nothing (None: `transform` models the rank)
+    traced_layout: Layout | None = None
+    traced_rank: int = 0  # this rank's number in `traced_layout`
+    # the modelled rest, applied to the traced step (None: the trace is the rank's)
+    traced_transform: Callable[[StepTrace], Trace] | None = None
+
+    @property
+    def traceable(self) -> bool:
+        return self.traced_layout is not None
+
+
+def rank_plans(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
+               total_layers: int | None) -> list[RankPlan]:
+    """One plan per distinct rank (see the module docstring)."""
+    per_stage = layout.dp * layout.tp
+    stages = [0] if layout.pp == 1 else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+    communicators = int(layout.dp > 1) + int(layout.tp > 1) + int(layout.pp > 1) + int(layout.shard_size is not None)
+    plans = []
+    for stage in stages:
+        layers = total_layers if layout.pp == 1 or total_layers is None else total_layers // layout.pp
+        stage_setup = setup if layout.pp == 1 else replace(setup, grad_accum=1)
+        if layout.pp > 1:
+            covered = [stage] if stage in (0, layout.pp - 1) else list(range(1, layout.pp - 1))
+        else:
+            covered = [0]
+        ranks = [s * per_stage + i for s in covered for i in range(per_stage)]
+
+        def transform(step: StepTrace, stage: int = stage) -> Trace:
+            return rank_trace(step, layout, setup, stage)
+
+        part = traced_part(layout, config, setup)
+        traced_rank = stage * part.dp * part.tp if part is not None else 0
+
+        def rest(step: StepTrace) -> Trace:
+            return data_parallel_trace(step, layout, setup)
+
+        plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
+                              part, traced_rank, rest if modelled_rest(layout, part) else None))
+    return plans
