@@ -1,5 +1,7 @@
 """memplan: how much GPU memory a training step takes, and how to make it take less."""
 
+import importlib
+
 from memplan.errors import UserError
 from memplan.trace import Trace, load, save, validate
 
@@ -7,30 +9,22 @@ __version__ = "0.1.0"
 
 __all__ = ["Trace", "UserError", "load", "save", "validate", "__version__"]
 
+# Names `memplan.<name>` gives, and the module each comes from; imported on first use,
+# which keeps `import memplan` free of torch.
+_LAZY_NAMES = {
+    "capture": "memplan.capture",
+    "replay": "memplan.alloc",
+    "planned_allocator": "memplan.runtime",
+    "estimate": "memplan.estimation",
+    "fit": "memplan.estimation",
+    "reorder": "memplan.order.run",
+    "plan_addresses": "memplan.layout",
+    "save_address_plan": "memplan.layout",
+    "pack": "memplan.layout",
+}
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import memplan` fast
-    if name == "capture":
-        from memplan.capture import capture
 
-        return capture
-    if name == "simulate":
-        from memplan.alloc import simulate
-
-        return simulate
-    if name == "planned_allocator":
-        from memplan.runtime import planned_allocator
-
-        return planned_allocator
-    if name in ("estimate", "fit"):
-        import memplan.estimation as estimation
-
-        return getattr(estimation, name)
-    if name == "reorder":
-        from memplan.order.run import reorder
-
-        return reorder
-    if name in ("plan", "pack"):
-        import memplan.layout as layout
-
-        return getattr(layout, name)
-    raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+def __getattr__(name: str):  # noqa: ANN202 - the type depends on the name
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)

@@ -4,7 +4,9 @@ Each subcommand lives in its own module of this package with two functions,
 `add_parser(subparsers)` and `run(args) -> int`. Parsing and rendering happen here;
 the work is done by library functions of the same names. `--json` prints exactly one
 JSON object on stdout; progress and logs go to stderr. Bad input (`UserError`) is
-one line on stderr and exit code 2, with nothing written.
+one line on stderr and exit code 2, with nothing written. A mistake of memplan's own
+caught by one of its validators (`MemplanBug`) is exit code 3, with the message, a
+request to report it and the input the command was working on.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import warnings
 from typing import Any
 
-from memplan.errors import UserError
+import numpy as np
+
+from memplan.errors import BUG_EXIT_CODE, MemplanBug, UserError
 
 # Subcommand modules, in the order `memplan --help` lists them.
 SUBCOMMANDS = ["trace", "show", "simulate", "pack", "plan", "reorder", "estimate", "fit", "offload", "report", "demo"]
@@ -29,19 +35,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, one sub-parser per available subcommand."""
+    """The full argument parser, one sub-parser per subcommand."""
     parser = _Parser(prog="memplan", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
     subparsers.required = True
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"memplan.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"memplan.cli.{name}":
-                continue  # that capability has not landed yet
-            raise
+        module = importlib.import_module(f"memplan.cli.{name}")
         sub = module.add_parser(subparsers)
-        sub.set_defaults(_run=module.run)
+        positionals = [action.dest for action in sub._actions if not action.option_strings]
+        sub.set_defaults(_run=module.run, _inputs=positionals)
     return parser
 
 
@@ -51,8 +53,7 @@ def print_json(obj: Any) -> None:
 
 
 def _json_default(obj: Any) -> Any:
-    import numpy as np
-
+    """numpy scalars and arrays as JSON numbers and lists."""
     if isinstance(obj, np.integer):
         return int(obj)
     if isinstance(obj, np.floating):
@@ -64,25 +65,38 @@ def _json_default(obj: Any) -> Any:
 
 def _quiet_libraries() -> None:
     """Keep stderr for memplan's own progress: silence library chatter users cannot act on."""
-    import os
-    import warnings
-
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
+def _inputs_of(args: argparse.Namespace) -> str:
+    """The positional arguments of the command (its input files or model), as typed."""
+    values: list[str] = []
+    for dest in args._inputs:
+        value = getattr(args, dest, None)
+        values.extend(value if isinstance(value, list) else [value])
+    return " ".join(str(v) for v in values if v is not None) or "(no input)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     _quiet_libraries()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse has already printed
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args._run(args) or 0)
     except UserError as exc:
         sys.stderr.write(f"memplan: error: {exc}\n")
         return 2
+    except MemplanBug as exc:
+        sys.stderr.write(f"memplan: internal error (a memplan bug, please report it): {exc}\n"
+                         f"memplan: it was working on: {_inputs_of(args)}\n")
+        return BUG_EXIT_CODE
     except KeyboardInterrupt:
         sys.stderr.write("memplan: interrupted\n")
         return 130

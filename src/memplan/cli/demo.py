@@ -4,13 +4,14 @@ The default is a GPT-2 (124M) fine-tuning step as it would run on one GPU: batch
 sequence 1024, bf16 weights, AdamW (foreach), full activation checkpointing, traced on
 fake tensors (no memory, no GPU needed). The demo
 
-1. captures the step (`memplan trace`) and exports a PyTorch memory snapshot;
-2. estimates it on an A10G (`memplan estimate`);
+1. captures the step once (`memplan trace`) and exports a PyTorch memory snapshot;
+2. estimates that trace on an A10G (`memplan estimate TRACE`);
 3. replays it through the caching allocator, expandable segments and the ideal one,
    plans its addresses (`memplan plan`) and replays the plan (`memplan simulate`);
-4. reorders its operators (`memplan reorder`, batch 1 and seq 128 to stay quick);
-5. plans offloading to one NVMe drive and host memory (`memplan offload`);
-6. checks the capture against torch.profiler on a small real CPU training step;
+4. reorders the operators of the step's graph (`memplan reorder`, which traces the
+   step as one operator graph; batch 1 and seq 128 to stay quick);
+5. plans offloading of that trace to one NVMe drive and host memory (`memplan offload TRACE`);
+6. checks a capture against torch.profiler on a small real CPU training step;
 7. draws the report (`memplan report`).
 
 Every step goes through the same command-line entry points a user would type, and
@@ -23,15 +24,29 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from memplan.cli import print_json
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from memplan import models
+from memplan.capture import capture
+from memplan.capture.groundtruth import profiler_peak_bytes
+from memplan.capture.step import build_training_step
+from memplan.cli import main, print_json
 from memplan.errors import UserError
+from memplan.trace import load, save_snapshot
+from memplan.units import format_bytes
 
 DEFAULT_MODEL = "gpt2"
 DEFAULT_SETUP = ["--batch", "8", "--seq", "1024", "--dtype", "bf16", "--checkpointing", "full"]
 DEFAULT_GPU = "a10g"
+STAGES = 7  # what the progress bar counts: the numbered steps of the module docstring
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -48,8 +63,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _run_cli(argv: list[str], log: io.TextIOBase) -> str:
     """Run one memplan subcommand in-process; return its stdout, send its stderr to `log`."""
-    from memplan.cli import main
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(log):
         code = main(argv)
@@ -59,10 +72,8 @@ def _run_cli(argv: list[str], log: io.TextIOBase) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_fds() -> Any:
-    import os
-    import sys
-
+def _quiet_fds() -> Iterator[None]:
+    """Send what is written on the raw stdout and stderr file descriptors to /dev/null."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
@@ -80,11 +91,6 @@ def _quiet_fds() -> Any:
 
 def _real_cpu_check() -> dict[str, Any]:
     """A small real CPU training step: captured peak vs torch.profiler's peak."""
-    from memplan import models
-    from memplan.capture import capture
-    from memplan.capture.groundtruth import profiler_peak_bytes
-    from memplan.capture.step import build_training_step
-
     step = build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=4, seq=64), device="cpu")
     step.run()
     with _quiet_fds():  # the profiler's C++ side prints start/stop lines on the raw fds
@@ -95,18 +101,9 @@ def _real_cpu_check() -> dict[str, Any]:
             "error": (captured - truth) / truth}
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from memplan.units import format_bytes
-
-    out_dir = Path(args.output_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir} exists and is not a directory: choose another --output-dir")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
+def _output_paths(out_dir: Path) -> dict[str, Path]:
+    """Where each output of the demo goes."""
+    return {
         "trace": out_dir / f"{DEFAULT_MODEL}-step.memtrace",
         "snapshot": out_dir / f"{DEFAULT_MODEL}-step.pickle",
         "plan": out_dir / "plan.json",
@@ -116,51 +113,59 @@ def run(args: argparse.Namespace) -> int:
         "report": out_dir / "report",
         "log": out_dir / "demo.log",
     }
-    results: dict[str, Any] = {}
-    err = Console(stderr=True)
-    steps = 7
+
+
+def _json_stage(argv: list[str], path: Path, log: io.TextIOBase) -> dict[str, Any]:
+    """Run one subcommand with --json, keep its output in `path`, return it parsed."""
+    text = _run_cli([*argv, "--json"], log)
+    path.write_text(text)
+    return json.loads(text)
+
+
+def _run_stages(paths: dict[str, Path], log: io.TextIOBase, advance: Callable[[str], None]) -> dict[str, Any]:
+    """Every stage of the demo on the one captured trace; their results by stage."""
+    trace_file = str(paths["trace"])
+    _run_cli(["trace", DEFAULT_MODEL, *DEFAULT_SETUP, "-o", trace_file], log)
+    save_snapshot(load(paths["trace"]), paths["snapshot"])
+    advance("estimate it on one GPU")
+    results: dict[str, Any] = {
+        "estimate": _json_stage(["estimate", trace_file, "--gpu", DEFAULT_GPU], paths["estimate"], log)}
+    advance("allocators and the address plan")
+    _run_cli(["plan", trace_file, "-o", str(paths["plan"])], log)
+    results["allocators"] = {
+        a: json.loads(_run_cli(["simulate", trace_file, "--allocator", a, "--json"]
+                               + (["--plan", str(paths["plan"])] if a == "planned" else []), log))
+        for a in ("caching", "expandable", "ideal", "planned")
+    }
+    advance("reorder the operators")
+    results["reorder"] = _json_stage(["reorder", DEFAULT_MODEL, "--batch", "1", "--seq", "128", "--dtype", "bf16",
+                                      "--time-limit", "10"], paths["reorder"], log)
+    advance("plan offloading")
+    results["offload"] = _json_stage(["offload", trace_file, "--gpu", DEFAULT_GPU, "--nvme", "1x990pro",
+                                      "--host-mem", "32GiB"], paths["offload"], log)
+    advance("real CPU step vs torch.profiler")
+    results["real_cpu_check"] = _real_cpu_check()
+    advance("draw the report")
+    _run_cli(["report", trace_file, str(paths["plan"]), str(paths["estimate"]), str(paths["reorder"]),
+              str(paths["offload"]), "-o", str(paths["report"])], log)
+    advance("done")
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.output_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a directory: choose another --output-dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = _output_paths(out_dir)
     with open(paths["log"], "w") as log, Progress(
         TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=err,
+        TimeElapsedColumn(), console=Console(stderr=True),
     ) as progress:
-        task = progress.add_task("capture the training step", total=steps)
-
-        def advance(next_description: str) -> None:
-            progress.update(task, advance=1, description=next_description)
-
-        _run_cli(["trace", DEFAULT_MODEL, *DEFAULT_SETUP, "-o", str(paths["trace"])], log)
-        from memplan.trace import load, save_snapshot
-
-        trace = load(paths["trace"])
-        save_snapshot(trace, paths["snapshot"])
-        advance("estimate it on one GPU")
-        est = _run_cli(["estimate", DEFAULT_MODEL, *DEFAULT_SETUP, "--gpu", DEFAULT_GPU, "--json"], log)
-        paths["estimate"].write_text(est)
-        results["estimate"] = json.loads(est)
-        advance("allocators and the address plan")
-        _run_cli(["plan", str(paths["trace"]), "-o", str(paths["plan"])], log)
-        results["allocators"] = {
-            a: json.loads(_run_cli(["simulate", str(paths["trace"]), "--allocator", a, "--json"]
-                                   + (["--plan", str(paths["plan"])] if a == "planned" else []), log))
-            for a in ("caching", "expandable", "ideal", "planned")
-        }
-        advance("reorder the operators")
-        reo = _run_cli(["reorder", DEFAULT_MODEL, "--batch", "1", "--seq", "128", "--dtype", "bf16",
-                        "--time-limit", "10", "--json"], log)
-        paths["reorder"].write_text(reo)
-        results["reorder"] = json.loads(reo)
-        advance("plan offloading")
-        off = _run_cli(["offload", DEFAULT_MODEL, "--batch", "8", "--seq", "1024", "--dtype", "bf16",
-                        "--gpu", DEFAULT_GPU, "--nvme", "1x990pro", "--host-mem", "32GiB", "--json"], log)
-        paths["offload"].write_text(off)
-        results["offload"] = json.loads(off)
-        advance("real CPU step vs torch.profiler")
-        results["real_cpu_check"] = _real_cpu_check()
-        advance("draw the report")
-        _run_cli(["report", str(paths["trace"]), str(paths["plan"]), str(paths["estimate"]),
-                  str(paths["reorder"]), str(paths["offload"]), "-o", str(paths["report"])], log)
-        advance("done")
-
+        task = progress.add_task("capture the training step", total=STAGES)
+        results = _run_stages(paths, log, lambda next_description: progress.update(
+            task, advance=1, description=next_description))
+    trace = load(paths["trace"])
     summary = trace.summary(top=0)
     doc = {
         "model": DEFAULT_MODEL,
@@ -174,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
         return 0
+    _render(summary, results, paths, out_dir)
+    return 0
+
+
+def _render(summary: dict[str, Any], results: dict[str, Any], paths: dict[str, Path], out_dir: Path) -> None:
+    """The demo's answers as a table on stdout."""
     console = Console()
     est = results["estimate"]
     console.print(
@@ -200,4 +211,3 @@ def run(args: argparse.Namespace) -> int:
                   f"({100 * real['error']:+.2f}%)")
     console.print(table)
     console.print(f"report: [bold]{paths['report'] / 'index.html'}[/bold]  (all outputs in {out_dir}/)")
-    return 0

@@ -1,29 +1,42 @@
-"""`memplan estimate MODEL [setup flags] [parallel flags]`: per-GPU peak memory of a training step."""
+"""`memplan estimate MODEL|TRACE [setup flags] [parallel flags]`: per-GPU peak memory of a training step."""
 
 from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.table import Table
+
 from memplan.cli import print_json
+from memplan.cli.inputs import refuse_retracing, trace_path
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.errors import UserError
+from memplan.estimation import Estimate, estimate
+from memplan.estimation.from_trace import estimate_trace
+from memplan.models import FactorySpec, load_config
+from memplan.parallel.flags import add_layout_flags, layout_from_args
+from memplan.trace import load
+from memplan.units import format_bytes, parse_size
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from memplan.models import add_setup_flags
-    from memplan.parallel.flags import add_layout_flags
-
     p = subparsers.add_parser(
         "estimate",
         help="predict per-GPU peak memory of a training step (no GPU needed)",
-        description="Trace one training step on fake tensors and predict, per rank, peak allocated and "
-        "reserved memory, device memory used, the breakdown and phase at the peak, and whether it fits.",
+        description="Trace one training step on fake tensors (or take the step a TRACE recorded) and predict, "
+        "per rank, peak allocated and reserved memory, device memory used, the breakdown and phase at the "
+        "peak, and whether it fits.",
     )
-    p.add_argument("model", metavar="MODEL", help="registry name, config.json path or package.module:factory")
+    p.add_argument("model", metavar="MODEL|TRACE",
+                   help="registry name, config.json path, package.module:factory, or a .memtrace / PyTorch "
+                   "snapshot pickle of the step")
     add_setup_flags(p)
     add_layout_flags(p)
     target = p.add_mutually_exclusive_group()
     target.add_argument("--gpu", default=None, metavar="NAME", help="device profile, e.g. h100-80gb")
     target.add_argument("--capacity", default=None, metavar="SIZE", help="device memory, e.g. 80GiB")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="target device (default cuda)")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="target device (default cuda; a TRACE's is the one it was captured for)")
     p.add_argument("--allocator", default="caching", metavar="NAME",
                    help="caching (default), expandable, planned or none (tensor bytes only)")
     p.add_argument("--alloc-conf", default=None, metavar="STR", help="a PYTORCH_CUDA_ALLOC_CONF string")
@@ -38,19 +51,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.estimation import estimate
-    from memplan.models import setup_from_args
-    from memplan.parallel.flags import layout_from_args
-    from memplan.units import parse_size
-
     capacity = parse_size(args.capacity) if args.capacity is not None else None
     cuda_context = parse_size(args.cuda_context) if args.cuda_context is not None else None
-    setup = setup_from_args(args)
-    layout = layout_from_args(args)
-    result = estimate(args.model, setup, layout, device=args.device, allocator=args.allocator,
-                      alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
-                      extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout,
-                      cuda_context=cuda_context)
+    path = trace_path(args.model)
+    if path is not None:
+        trace = load(path)
+        refuse_retracing(args.model, trace, args, layout_flags=True)
+        if args.device == "cpu":
+            raise UserError(f"{args.model} is a trace: it cannot be re-traced for another device (--device cpu): "
+                            "pass the model instead of the trace")
+        result = estimate_trace(trace, args.gpu, capacity, args.allocator, args.alloc_conf,
+                                cuda_context=cuda_context, name=path.name)
+    else:
+        layout = layout_from_args(args)
+        if (layout.tp > 1 or layout.pp > 1) and isinstance(load_config(args.model), FactorySpec):
+            raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
+                            f"{args.model} builds its own model: estimate it on one GPU, or data-parallel with --world-size")
+        result = estimate(args.model, setup_from_args(args), layout, device=args.device or "cuda",
+                          allocator=args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
+                          extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout,
+                          cuda_context=cuda_context)
     if args.json:
         print_json(result.to_json())
         return 0
@@ -58,12 +78,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(result) -> None:  # noqa: ANN001 - memplan.estimation.Estimate
-    from rich.console import Console
-    from rich.table import Table
-
-    from memplan.units import format_bytes
-
+def render(result: Estimate) -> None:
+    """The estimate as a table of ranks and a verdict, on stdout."""
     console = Console()
     layout = result.layout
     title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "

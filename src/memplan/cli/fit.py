@@ -1,21 +1,30 @@
-"""`memplan fit MODEL --gpu NAME --gpus N`: the parallel layouts that fit, fastest first."""
+"""`memplan fit MODEL --gpu NAME --gpus N`: the parallel layouts that fit, fastest first.
+
+fit traces the model under every layout, micro-batch and checkpointing policy it
+searches, so it takes a model, not a trace (`memplan estimate TRACE` gives a trace's memory).
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.table import Table
+
 from memplan.cli import print_json
+from memplan.cli.inputs import refuse_trace
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.estimation.fit import fit
+from memplan.units import format_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from memplan.models import add_setup_flags
-
     p = subparsers.add_parser(
         "fit",
         help="search DP / ZeRO / TP / PP, micro-batch, checkpointing and allocator for what fits",
         description="Estimate every layout of N GPUs and list those that fit, ranked by a roofline step time.",
     )
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", help="registry name, config.json path or package.module:factory")
     p.add_argument("--gpu", required=True, metavar="NAME", help="device profile, e.g. h100-80gb")
     p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs")
     p.add_argument("--top", type=int, default=None, metavar="K", help="show the K fastest (default all)")
@@ -25,18 +34,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.estimation.fit import fit
-    from memplan.models import setup_from_args
-
+    refuse_trace(args.model, "fit", "searches layouts, micro-batches and checkpointing by re-tracing the model "
+                 "(memplan estimate TRACE gives the trace's own memory)")
     configs = fit(args.model, args.gpu, args.gpus, setup_from_args(args), progress=True, top=args.top)
     if args.json:
         print_json({"model": args.model, "gpu": args.gpu, "gpus": args.gpus, "configurations": configs})
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    from memplan.units import format_bytes
-
     table = Table(title=f"{args.model} on {args.gpus} x {args.gpu}: {len(configs)} configurations fit")
     for col in ("dp", "zero", "tp", "pp", "micro-batch", "ckpt", "allocator", "device used", "step (s)", "ms/token"):
         table.add_column(col, justify="right")

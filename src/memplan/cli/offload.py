@@ -1,24 +1,44 @@
-"""`memplan offload MODEL --gpu NAME --nvme SPEC --host-mem SIZE`: plan and simulate TERAIO-style offloading."""
+"""`memplan offload MODEL|TRACE --gpu NAME --nvme SPEC --host-mem SIZE`: plan and simulate TERAIO-style offloading."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from memplan.capture.step import capture_step
+from memplan.cli import print_json
+from memplan.cli.inputs import refuse_retracing, trace_path
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.errors import UserError
+from memplan.hardware.links import Hardware, make_hardware
+from memplan.models import TrainingSetup, load_config
+from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
+from memplan.parallel.layout import Layout
+from memplan.parallel.transform import rank_trace
+from memplan.trace import edit as trace_edit
+from memplan.trace import load
+from memplan.trace.io import atomic_write
+from memplan.trace.model import Trace
+from memplan.units import format_bytes, parse_size
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from memplan.models import add_setup_flags
-
     p = subparsers.add_parser(
         "offload",
         help="plan lifetime-aware offloading to NVMe and host memory (TERAIO) and simulate the step",
-        description="Capture MODEL's training step on fake tensors, plan which idle tensors leave "
-        "device memory and when (greedy benefit/cost with one bandwidth timeline per link), "
-        "simulate the step with the transfers, and compare with ZeRO-Offload-, ZeRO-Infinity- "
-        "and torchtune-like baselines in the same simulator.",
+        description="Capture MODEL's training step on fake tensors (or take the step a TRACE recorded), "
+        "plan which idle tensors leave device memory and when (greedy benefit/cost with one bandwidth "
+        "timeline per link), simulate the step with the transfers, and compare with ZeRO-Offload-, "
+        "ZeRO-Infinity- and torchtune-like baselines in the same simulator.",
     )
-    p.add_argument("model", metavar="MODEL", help="registry model name, e.g. llama-3-8b")
+    p.add_argument("model", metavar="MODEL|TRACE",
+                   help="registry model name (e.g. llama-3-8b), config.json path, package.module:factory, "
+                   "or a .memtrace / PyTorch snapshot pickle of the step")
     add_setup_flags(p)
     p.add_argument("--gpu", required=True, metavar="NAME", help="GPU profile, e.g. h100-nvl-94gb")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the node, one NVMe array each (default 1)")
@@ -35,31 +55,77 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--try-checkpointing", action="store_true",
                    help="also plan the step under each activation-checkpointing policy (selective, selective-op, "
                    "full) and report the fastest plan, against the ideal step without recomputation")
+    p.add_argument("--device", default=None, metavar="NAME",
+                   help="which device's buffers to plan when a TRACE has several (e.g. cuda:0)")
     p.add_argument("--plan-output", default=None, metavar="plan.json", help="write the plan as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
+@dataclass
+class _Steps:
+    """The traces one offload evaluation takes (see `memplan.offload.evaluate.evaluate`)."""
+
+    trace: Trace  # the trace memplan plans
+    setup: dict[str, Any]  # the setup it was captured under ({} when unknown)
+    baseline_trace: Trace | None = None  # the whole step, when `trace` is one FSDP2 rank's
+    checkpointed: Trace | None = None  # the step with full activation checkpointing (the ZeRO baselines')
+    alternatives: dict[str, Trace] = field(default_factory=dict)  # checkpointing policy -> planned trace
+
+
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from memplan.cli import print_json
-    from memplan.errors import UserError
-    from memplan.estimation.pipeline import capture_step
-    from memplan.hardware.links import make_hardware
-    from memplan.models import load_config, setup_from_args
-    from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
-    from memplan.parallel.layout import Layout
-    from memplan.parallel.transform import rank_trace
-    from memplan.trace.io import atomic_write
-    from memplan.trace.model import Trace
-    from memplan.units import format_bytes, parse_size
-
     if args.zero == 3 and args.gpus < 2:
         raise UserError("--zero 3 shards over the node's GPUs: give --gpus N with N >= 2")
     hardware = make_hardware(args.gpu, nvme=args.nvme, host_mem=args.host_mem, gpus=args.gpus, pcie=args.pcie)
     budget = None if args.budget is None else parse_size(args.budget)
+    path = trace_path(args.model)
+    steps = _traced_steps(path, args) if path is not None else _captured_steps(args)
+    sys.stderr.write(f"memplan: planning {steps.trace.num_ops} ops"
+                     f"{' under 4 checkpointing policies' if steps.alternatives else ''}"
+                     f"{f' (one FSDP2 rank of {args.gpus})' if args.zero == 3 else ''} ...\n")
+    report, plan = evaluate(steps.trace, hardware, budget, steps.checkpointed, steps.alternatives,
+                            baseline_trace=steps.baseline_trace)
+    report = {"model": args.model, "setup": steps.setup, "zero": args.zero, **report}
+    if args.plan_output:
+        doc = json.dumps(plan.to_json()).encode()
+        atomic_write(args.plan_output, lambda f: f.write(doc))
+        report["plan_output"] = args.plan_output
+    if args.json:
+        print_json(report)
+        return 0
+    _render(report, plan, hardware, args)
+    return 0
+
+
+def _traced_steps(path: Path, args: argparse.Namespace) -> _Steps:
+    """The step a trace file recorded, as it is: no other setup, layout or checkpointing policy."""
+    trace = load(path)
+    refuse_retracing(args.model, trace, args)
+    if args.zero == 3:
+        raise UserError(f"{args.model} is a trace of one device: it cannot be re-traced as one FSDP2 rank "
+                        "(--zero 3): pass the model instead of the trace")
+    if args.try_checkpointing:
+        raise UserError(f"{args.model} is a trace: it cannot be re-traced under other checkpointing policies "
+                        "(--try-checkpointing): pass the model instead of the trace")
+    if trace.meta.get("device", "cuda") != "cuda":
+        raise UserError(f"{args.model} records a {trace.meta['device']} job: offloading plans a GPU's step; "
+                        "capture it for cuda (memplan trace without --real) or pass the model instead")
+    view = trace_edit.device_view(trace, args.device)
+    if view.num_ops == 0:
+        raise UserError(f"{args.model} records no ops (a PyTorch memory snapshot holds allocations only): "
+                        "offloading needs the ops that use each buffer; capture the step with memplan trace")
+    setup = trace.meta.get("setup") if isinstance(trace.meta.get("setup"), dict) else {}
+    if setup and TrainingSetup.from_dict(setup).resolved_optimizer_impl("cuda") != "loop":
+        sys.stderr.write("memplan: the trace's optimizer steps every state in one kernel: no state can be away "
+                         "during it (capture with --optimizer-impl loop to let them leave)\n")
+    return _Steps(view, setup)
+
+
+def _captured_steps(args: argparse.Namespace) -> _Steps:
+    """MODEL's step captured on fake tensors, and the variants the evaluation compares it with."""
+    if args.device is not None:
+        raise UserError("--device picks a device of a TRACE; a captured MODEL step runs on one GPU")
+    config = load_config(args.model)
     setup = setup_from_args(args)
     if args.try_checkpointing and setup.checkpointing != "none":
         raise UserError(f"--try-checkpointing tries every checkpointing policy itself: drop --checkpointing "
@@ -69,9 +135,7 @@ def run(args: argparse.Namespace) -> int:
         setup = dataclasses.replace(setup, optimizer_impl="loop")
         sys.stderr.write("memplan: offload plans a per-parameter optimizer step (--optimizer-impl loop)\n")
 
-    config = load_config(args.model)
-
-    def captured(step_setup: Any, what: str, planned: bool = True) -> tuple[Trace | None, Trace]:
+    def captured(step_setup: TrainingSetup, what: str, planned: bool = True) -> tuple[Trace | None, Trace]:
         """(the trace memplan plans, None unless `planned`; the whole step's trace) under `step_setup`."""
         sys.stderr.write(f"memplan: capturing {args.model}{what} on fake tensors ...\n")
         step = capture_step(config, step_setup, "cuda")
@@ -81,33 +145,28 @@ def run(args: argparse.Namespace) -> int:
 
     trace, whole = captured(setup, "")
     assert trace is not None
-    checkpointed = planned_full = None
-    alternatives = {}
+    steps = _Steps(trace, setup.to_dict(), baseline_trace=whole if args.zero == 3 else None)
     if setup.checkpointing == "none":
         # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing;
         # memplan plans this step too only when it searches the checkpointing policies
-        planned_full, checkpointed = captured(dataclasses.replace(setup, checkpointing="full"),
-                                              " with full activation checkpointing (the ZeRO baselines')",
-                                              planned=args.try_checkpointing)
+        planned_full, steps.checkpointed = captured(dataclasses.replace(setup, checkpointing="full"),
+                                                    " with full activation checkpointing (the ZeRO baselines')",
+                                                    planned=args.try_checkpointing)
+        if planned_full is not None:
+            steps.alternatives["full"] = planned_full
     if args.try_checkpointing:
         for policy in RECOMPUTE_POLICIES:
-            if policy == "full":
-                alternatives[policy] = planned_full
-                continue
-            alternatives[policy], _ = captured(dataclasses.replace(setup, checkpointing=policy),
-                                               f" with checkpointing {policy}")
-    sys.stderr.write(f"memplan: planning {trace.num_ops} ops{' under 4 checkpointing policies' if alternatives else ''}"
-                     f"{f' (one FSDP2 rank of {args.gpus})' if args.zero == 3 else ''} ...\n")
-    report, plan = evaluate(trace, hardware, budget, checkpointed, alternatives,
-                            baseline_trace=whole if args.zero == 3 else None)
-    report = {"model": args.model, "setup": setup.to_dict(), "zero": args.zero, **report}
-    if args.plan_output:
-        doc = json.dumps(plan.to_json()).encode()
-        atomic_write(args.plan_output, lambda f: f.write(doc))
-        report["plan_output"] = args.plan_output
-    if args.json:
-        print_json(report)
-        return 0
+            if policy != "full":
+                alternative, _ = captured(dataclasses.replace(setup, checkpointing=policy),
+                                          f" with checkpointing {policy}")
+                assert alternative is not None
+                steps.alternatives[policy] = alternative
+        steps.alternatives = {policy: steps.alternatives[policy] for policy in RECOMPUTE_POLICIES}
+    return steps
+
+
+def _render(report: dict[str, Any], plan: Any, hardware: Hardware, args: argparse.Namespace) -> None:
+    """The report as text on stdout."""
     out = sys.stdout
     out.write(
         f"{args.model} on {hardware.gpu.name} (budget {format_bytes(report['budget_bytes'])}, "
@@ -134,6 +193,5 @@ def run(args: argparse.Namespace) -> int:
                   "for a plan it applies)\n")
     elif args.plan_output:
         out.write(f"  plan written to {args.plan_output}; apply it to this step's training with "
-                  f"memplan.offload.run(model, optimizer, memplan.offload.load_plan({args.plan_output!r}), "
-                  "directory=...)\n")
-    return 0
+                  f"memplan.offload.run(model, optimizer, memplan.offload.load_offload_plan({args.plan_output!r}), "
+                  "memplan.offload.RunOptions(directory=...))\n")

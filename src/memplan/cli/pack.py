@@ -1,7 +1,8 @@
 """`memplan pack PROBLEM.csv`: offsets for a minimalloc CSV problem, minimal or within a capacity.
 
 Exit codes: 0 a packing was found (and written with -o); 1 the capacity is proven
-infeasible; 3 the time limit ran out before the capacity was decided; 2 bad input.
+infeasible; 4 the time limit ran out before the capacity was decided; 2 bad input
+(3 is every subcommand's exit code for a memplan bug).
 """
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ import argparse
 import sys
 
 from memplan.cli import print_json
+from memplan.errors import UserError
+from memplan.layout import pack
+from memplan.layout.minimalloc_csv import read_csv, write_csv
+from memplan.units import format_bytes, parse_size
+
+UNDECIDED_EXIT_CODE = 4  # the time limit ran out before the capacity was decided
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,11 +37,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.errors import UserError
-    from memplan.layout import pack
-    from memplan.layout.minimalloc_csv import read_csv, write_csv
-    from memplan.units import format_bytes, parse_size
-
     if args.time_limit < 0:
         raise UserError(f"--time-limit {args.time_limit} must be >= 0")
     problem, _ = read_csv(args.problem)
@@ -76,5 +78,5 @@ def run(args: argparse.Namespace) -> int:
     if solution.status == "infeasible":
         return 1
     if solution.status == "unknown":
-        return 3
+        return UNDECIDED_EXIT_CODE
     return 0

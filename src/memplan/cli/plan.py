@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from memplan.cli import print_json
+from memplan.layout import plan_addresses, save_address_plan
+from memplan.trace import load
+from memplan.units import format_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,13 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.layout import plan, save_plan
-    from memplan.trace import load
-    from memplan.units import format_bytes
-
     trace = load(args.trace)
-    result = plan(trace, alignment_bytes=args.alignment, device=args.device)
-    save_plan(result, args.output)
+    result = plan_addresses(trace, alignment_bytes=args.alignment, device=args.device)
+    save_address_plan(result, args.output)
     doc = {
         "arena_bytes": result.arena_bytes,
         "lower_bound_bytes": result.lower_bound_bytes,

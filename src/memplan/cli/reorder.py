@@ -13,12 +13,16 @@ import sys
 import time
 
 from memplan.cli import print_json
+from memplan.cli.inputs import refuse_trace
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
+from memplan.models import load_config
+from memplan.order import capture_model_step, layout_peak
+from memplan.order.solve import optimize_order
+from memplan.units import format_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from memplan.models import add_setup_flags
-
     p = subparsers.add_parser(
         "reorder",
         help="find an operator order of the whole training step with a lower peak",
@@ -41,10 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.models import load_config, setup_from_args
-    from memplan.order import capture_model_step, layout_peak
-    from memplan.order.solve import optimize_order
-
+    refuse_trace(args.model, "reorder", "traces the model's step as one operator graph, which a trace does not hold")
     if not args.time_limit or args.time_limit <= 0:
         raise UserError(f"--time-limit must be more than 0 seconds, not {args.time_limit:g}")
     if args.node_limit < 2:
@@ -80,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(out)
         return 0
-    from memplan.units import format_bytes
 
     base = result.baseline_peak_bytes
     lines = [

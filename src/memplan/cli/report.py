@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rich.console import Console
+
 from memplan.cli import print_json
 
 
@@ -22,8 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    # memplan.report draws with matplotlib: imported only when a report is drawn
     from memplan.report import build_report
 
     with Console(stderr=True).status("drawing the report…"):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.table import Table
+
 from memplan.cli import print_json
 from memplan.errors import UserError
 from memplan.trace import load
+from memplan.units import format_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,11 +26,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from memplan.units import format_bytes
-
     if args.top < 0:
         raise UserError("--top must be >= 0")
     trace = load(args.trace)

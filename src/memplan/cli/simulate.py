@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.table import Table
+
+from memplan.alloc import ALLOCATORS, AllocReplay, replay
 from memplan.cli import print_json
 from memplan.errors import UserError
+from memplan.layout.plan import load_address_plan
+from memplan.trace import load
+from memplan.units import format_bytes, parse_size
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,10 +39,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from memplan.alloc import ALLOCATORS, simulate
-    from memplan.trace import load
-    from memplan.units import parse_size
-
     if args.allocator not in ALLOCATORS:
         raise UserError(f"unknown allocator {args.allocator!r}: choose one of {', '.join(ALLOCATORS)}")
     capacity = parse_size(args.capacity) if args.capacity is not None else None
@@ -43,12 +46,12 @@ def run(args: argparse.Namespace) -> int:
     if args.allocator == "planned":
         if args.plan is None:
             raise UserError("--allocator planned needs --plan FILE (make one with 'memplan plan')")
-        plan = _load_plan(args.plan)
+        plan = load_address_plan(args.plan)
     elif args.plan is not None:
         raise UserError("--plan is only used with --allocator planned")
     trace = load(args.trace)
-    result = simulate(trace, args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, plan=plan,
-                      memory_fraction=args.memory_fraction, segment_map=False, device=args.device)
+    result = replay(trace, args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, plan=plan,
+                    memory_fraction=args.memory_fraction, segment_map=False, device=args.device)
     if args.json:
         print_json(result.to_json())
         return 0
@@ -56,19 +59,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_plan(path: str):  # noqa: ANN202 - memplan.layout.plan.Plan
-    """The plan in FILE, read by the plan format's own loader (UserError if unreadable)."""
-    from memplan.layout.plan import load_plan
-
-    return load_plan(path)
-
-
-def _render(result, args: argparse.Namespace) -> None:  # noqa: ANN001
-    from rich.console import Console
-    from rich.table import Table
-
-    from memplan.units import format_bytes
-
+def _render(result: AllocReplay, args: argparse.Namespace) -> None:
+    """The replay's statistics as a table on stdout."""
     console = Console()
     table = Table(title=f"{args.trace} through the {result.allocator} allocator"
                   + (f" ({args.alloc_conf})" if args.alloc_conf else ""))

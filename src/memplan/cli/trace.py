@@ -6,13 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
+from memplan.capture import capture_model
 from memplan.cli import print_json
+from memplan.cli.inputs import refuse_trace
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
+from memplan.trace import save
+from memplan.units import format_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from memplan.models import add_setup_flags
-
     p = subparsers.add_parser(
         "trace",
         help="capture the lifetime trace of one training step",
@@ -38,12 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from memplan.capture import capture_model
-    from memplan.models import setup_from_args
-    from memplan.trace import save
-
+    refuse_trace(args.model, "trace", "captures a model's step")
     if args.iterations < 1 or args.warmup < 0:
         raise UserError("--iterations must be >= 1 and --warmup >= 0")
     out = Path(args.output)
@@ -77,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     else:
-        from memplan.units import format_bytes
-
         sys.stdout.write(
             f"wrote {out}: {summary['num_ops']} ops, {summary['num_buffers']} buffers, "
             f"peak {format_bytes(summary['peak_bytes'])} in {summary['peak_phase']} "

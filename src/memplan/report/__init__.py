@@ -22,7 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from memplan.alloc import replay
+from memplan.alloc.caching import CachingAllocator
+from memplan.alloc.conf import AllocConf
+from memplan.alloc.simulate import record_replay
 from memplan.errors import UserError
+from memplan.layout.plan import AddressPlan, requests_by_group
+from memplan.report import figures
+from memplan.trace import load
+from memplan.trace.edit import device_view
 from memplan.trace.model import Trace
 from memplan.units import format_bytes
 
@@ -42,9 +50,6 @@ class ReportInputs:
 
 def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
     """Load and classify every input; UserError for unknown or mismatched ones."""
-    from memplan.layout.plan import Plan
-    from memplan.trace import load
-
     inputs = ReportInputs()
     if not paths:
         raise UserError("give at least one input: a .memtrace, a plan, or estimate/reorder/offload JSON")
@@ -66,7 +71,7 @@ def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
                     "estimate, reorder or offload"
                 )
             if kind == "plan":
-                inputs.plans.append((path.name, Plan.from_json(doc, source=str(path))))
+                inputs.plans.append((path.name, AddressPlan.from_json(doc, source=str(path))))
             else:
                 getattr(inputs, kind + "s").append((path.name, doc))
         else:
@@ -107,8 +112,6 @@ def _belongs(plan: Any, trace: Trace) -> bool:
 def planned_addresses(trace: Trace, plan: Any) -> tuple[np.ndarray, np.ndarray, int]:
     """Per buffer: planned offset and slot bytes (0 where the plan does not place it),
     and how many allocations it leaves to the dynamic space or the fallback."""
-    from memplan.layout.plan import requests_by_group
-
     addr = np.zeros(trace.num_buffers, np.int64)
     nbytes = np.zeros(trace.num_buffers, np.int64)
     unplanned = 0
@@ -128,14 +131,9 @@ def planned_addresses(trace: Trace, plan: Any) -> tuple[np.ndarray, np.ndarray, 
 
 def caching_addresses(trace: Trace, expandable: bool = False) -> tuple[Trace, np.ndarray, np.ndarray]:
     """Replay through the caching allocator; per buffer its block address (from 0) and size."""
-    from memplan.alloc.caching import CachingAllocator
-    from memplan.alloc.conf import AllocConf
-    from memplan.alloc.simulate import replay
-    from memplan.trace.edit import device_view
-
     view = device_view(trace)
     conf = AllocConf.parse("expandable_segments:True" if expandable else None)
-    rep = replay(view, CachingAllocator(conf))
+    rep = record_replay(view, CachingAllocator(conf))
     addr = np.asarray(rep.block_addr, np.int64)
     size = np.asarray(rep.block_nbytes, np.int64)
     base = addr[size > 0].min() if (size > 0).any() else 0
@@ -149,9 +147,7 @@ class _Page:
     figures: list[str] = field(default_factory=list)
 
     def figure(self, fig: Any, name: str, caption: str) -> None:
-        from memplan.report.figures import save_png
-
-        save_png(fig, self.out_dir / name)
+        figures.save_png(fig, self.out_dir / name)
         self.figures.append(name)
         self.sections.append(
             f'<figure><img src="{html.escape(name)}" alt="{html.escape(caption)}">'
@@ -183,105 +179,122 @@ th{background:#f5f5f5}td:first-child,th:first-child{text-align:left}
 
 def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike) -> Path:
     """Write `out_dir/index.html` and its PNGs from `paths`; return the page's path."""
-    from memplan.alloc import simulate
-    from memplan.report import figures
-
     inputs = read_inputs(paths)  # refuses bad input before anything is written
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir)
-
     for i, (name, trace) in enumerate(inputs.traces):
-        stem = f"trace{i}"
-        label = trace.meta.get("model", name)
-        peak, event = trace.peak()
-        page.heading(f"{label} — one training step ({name})")
-        page.figure(
-            figures.memory_over_time(trace, f"{label}: live memory over the step"),
-            f"{stem}_memory.png",
-            f"Live tensor memory by category; the dashed line is the peak, "
-            f"{format_bytes(peak)} in {trace.phase_at(event)}.",
-        )
-        results = {a: simulate(trace, allocator=a, segment_map=False).to_json()
-                   for a in ("caching", "expandable", "ideal")}
-        plan = next((p for _, p in inputs.plans if _belongs(p, trace)), None)
-        if plan is not None:
-            results["planned"] = simulate(trace, allocator="planned", plan=plan, segment_map=False).to_json()
-        page.figure(
-            figures.allocator_bars(results, f"{label}: peak memory per allocator"),
-            f"{stem}_allocators.png",
-            "Bars compare what each allocator reserves; the gap between allocated and reserved is fragmentation.",
-        )
-        view, addr, size = caching_addresses(trace)
-        panels = [("caching allocator", view, addr, size)]
-        if plan is not None:
-            paddr, psize, unplanned = planned_addresses(view, plan)
-            panels.append(("planned arena", view, paddr, psize))
-            caption = (f"Same scale: white space under the dashed line is reserved but unused — the caching "
-                       f"allocator's fragmentation; the plan packs the same tensors tightly"
-                       f"{f' ({unplanned} unplanned allocations not drawn)' if unplanned else ''}.")
-        else:
-            _, eaddr, esize = caching_addresses(trace, expandable=True)
-            panels.append(("expandable segments", view, eaddr, esize))
-            caption = ("Same scale: every tensor is a rectangle at its address from allocation to free; "
-                       "white space under the dashed line is reserved but unused.")
-        page.figure(figures.address_maps(panels, f"{label}: addresses over time"), f"{stem}_addresses.png", caption)
-        page.table(
-            ["allocator", "peak requested", "peak allocated", "peak reserved", "fragmentation", "segments"],
-            [[a, format_bytes(r["peak_requested_bytes"]), format_bytes(r["peak_allocated_bytes"]),
-              format_bytes(r["peak_reserved_bytes"]), f"{100 * r['fragmentation']:.1f}%", r["segments"]]
-             for a, r in results.items()],
-        )
-
+        _trace_section(page, i, name, trace, next((p for _, p in inputs.plans if _belongs(p, trace)), None))
     for i, (name, doc) in enumerate(inputs.estimates):
-        page.heading(f"Estimate: {doc.get('model', name)} ({name})")
-        page.figure(
-            figures.rank_breakdown(doc["per_rank"], doc.get("capacity_bytes")),
-            f"estimate{i}_ranks.png",
-            "Each bar is one rank's peak by category; the black tick is its reserved memory, the red line the GPU.",
-        )
-        page.table(
-            ["rank", "peak allocated", "peak reserved", "device used", "phase of the peak"],
-            [[r.get("rank"), format_bytes(r.get("peak_allocated_bytes", 0)),
-              format_bytes(r.get("peak_reserved_bytes", 0)), format_bytes(r.get("device_used_bytes", 0)),
-              r.get("peak_phase", "")] for r in doc["per_rank"]],
-        )
-
+        _estimate_section(page, i, name, doc)
     for i, (name, doc) in enumerate(inputs.reorders):
-        page.heading(f"Operator order ({name})")
-        series = doc.get("timelines") or {}
-        if series:
-            page.figure(
-                figures.before_after({k: np.asarray(v) / 2**30 for k, v in series.items()}, "live GiB",
-                                     "Live memory under each operator order"),
-                f"reorder{i}_timeline.png",
-                "Lower is better: memplan's order keeps fewer tensors alive at once than program order.",
-            )
-        labels = {"baseline_peak_bytes": "program order", "inductor_peak_bytes": "best Inductor order",
-                  "optimized_peak_bytes": "memplan order", "lower_bound_bytes": "lower bound"}
-        values = {label: doc[k] / 2**30 for k, label in labels.items() if isinstance(doc.get(k), (int, float))}
-        page.figure(figures.bars(values, "peak GiB", "Peak memory per operator order"), f"reorder{i}_peaks.png",
-                    "Program order, the best Inductor-style order and memplan's order, with the lower bound.")
-
+        _reorder_section(page, i, name, doc)
     for i, (name, doc) in enumerate(inputs.offloads):
-        page.heading(f"Offloading ({name})")
-        series = doc.get("timelines") or {}
-        if series:
-            page.figure(
-                figures.before_after({k: np.asarray(v) for k, v in series.items()}, "GiB or GB/s",
-                                     "Device memory and link use over the step"),
-                f"offload{i}_timeline.png",
-                "Device memory stays under the budget while the links carry the offloaded tensors.",
-            )
-        throughput = {"memplan": doc.get("throughput_vs_ideal", 0.0)}
-        for base, v in (doc.get("baselines") or {}).items():
-            throughput[base] = v.get("throughput_vs_ideal", 0.0) if isinstance(v, dict) else 0.0
-        page.figure(figures.bars(throughput, "throughput / ideal", "Throughput against an unlimited-memory GPU"),
-                    f"offload{i}_throughput.png",
-                    "Higher is better: memplan's lifetime-aware plan against the baselines, as a fraction of ideal.")
+        _offload_section(page, i, name, doc)
+    return _write_page(page, paths)
 
+
+def _trace_section(page: _Page, i: int, name: str, trace: Trace, plan: AddressPlan | None) -> None:
+    """A trace's figures: memory over the step, peak per allocator, addresses over time."""
+    stem = f"trace{i}"
+    label = trace.meta.get("model", name)
+    peak, event = trace.peak()
+    page.heading(f"{label} — one training step ({name})")
+    page.figure(
+        figures.memory_over_time(trace, f"{label}: live memory over the step"),
+        f"{stem}_memory.png",
+        f"Live tensor memory by category; the dashed line is the peak, "
+        f"{format_bytes(peak)} in {trace.phase_at(event)}.",
+    )
+    results = {a: replay(trace, allocator=a, segment_map=False).to_json()
+               for a in ("caching", "expandable", "ideal")}
+    if plan is not None:
+        results["planned"] = replay(trace, allocator="planned", plan=plan, segment_map=False).to_json()
+    page.figure(
+        figures.allocator_bars(results, f"{label}: peak memory per allocator"),
+        f"{stem}_allocators.png",
+        "Bars compare what each allocator reserves; the gap between allocated and reserved is fragmentation.",
+    )
+    view, addr, size = caching_addresses(trace)
+    panels = [("caching allocator", view, addr, size)]
+    if plan is not None:
+        paddr, psize, unplanned = planned_addresses(view, plan)
+        panels.append(("planned arena", view, paddr, psize))
+        caption = (f"Same scale: white space under the dashed line is reserved but unused — the caching "
+                   f"allocator's fragmentation; the plan packs the same tensors tightly"
+                   f"{f' ({unplanned} unplanned allocations not drawn)' if unplanned else ''}.")
+    else:
+        _, eaddr, esize = caching_addresses(trace, expandable=True)
+        panels.append(("expandable segments", view, eaddr, esize))
+        caption = ("Same scale: every tensor is a rectangle at its address from allocation to free; "
+                   "white space under the dashed line is reserved but unused.")
+    page.figure(figures.address_maps(panels, f"{label}: addresses over time"), f"{stem}_addresses.png", caption)
+    page.table(
+        ["allocator", "peak requested", "peak allocated", "peak reserved", "fragmentation", "segments"],
+        [[a, format_bytes(r["peak_requested_bytes"]), format_bytes(r["peak_allocated_bytes"]),
+          format_bytes(r["peak_reserved_bytes"]), f"{100 * r['fragmentation']:.1f}%", r["segments"]]
+         for a, r in results.items()],
+    )
+
+
+def _estimate_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
+    """An estimate's per-rank breakdown, as a figure and a table."""
+    page.heading(f"Estimate: {doc.get('model', name)} ({name})")
+    page.figure(
+        figures.rank_breakdown(doc["per_rank"], doc.get("capacity_bytes")),
+        f"estimate{i}_ranks.png",
+        "Each bar is one rank's peak by category; the black tick is its reserved memory, the red line the GPU.",
+    )
+    page.table(
+        ["rank", "peak allocated", "peak reserved", "device used", "phase of the peak"],
+        [[r.get("rank"), format_bytes(r.get("peak_allocated_bytes", 0)),
+          format_bytes(r.get("peak_reserved_bytes", 0)), format_bytes(r.get("device_used_bytes", 0)),
+          r.get("peak_phase", "")] for r in doc["per_rank"]],
+    )
+
+
+def _reorder_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
+    """A reorder result: live memory per operator order, and the peaks."""
+    page.heading(f"Operator order ({name})")
+    series = doc.get("timelines") or {}
+    if series:
+        page.figure(
+            figures.before_after({k: np.asarray(v) / 2**30 for k, v in series.items()}, "live GiB",
+                                 "Live memory under each operator order"),
+            f"reorder{i}_timeline.png",
+            "Lower is better: memplan's order keeps fewer tensors alive at once than program order.",
+        )
+    labels = {"baseline_peak_bytes": "program order", "inductor_peak_bytes": "best Inductor order",
+              "optimized_peak_bytes": "memplan order", "lower_bound_bytes": "lower bound"}
+    values = {label: doc[k] / 2**30 for k, label in labels.items() if isinstance(doc.get(k), (int, float))}
+    page.figure(figures.bars(values, "peak GiB", "Peak memory per operator order"), f"reorder{i}_peaks.png",
+                "Program order, the best Inductor-style order and memplan's order, with the lower bound.")
+
+
+def _offload_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
+    """An offload result: device memory and links over the step, and throughput against the baselines."""
+    page.heading(f"Offloading ({name})")
+    series = doc.get("timelines") or {}
+    if series:
+        page.figure(
+            figures.before_after({k: np.asarray(v) for k, v in series.items()}, "GiB or GB/s",
+                                 "Device memory and link use over the step"),
+            f"offload{i}_timeline.png",
+            "Device memory stays under the budget while the links carry the offloaded tensors.",
+        )
+    throughput = {"memplan": doc.get("throughput_vs_ideal", 0.0)}
+    for base, v in (doc.get("baselines") or {}).items():
+        throughput[base] = v.get("throughput_vs_ideal", 0.0) if isinstance(v, dict) else 0.0
+    page.figure(figures.bars(throughput, "throughput / ideal", "Throughput against an unlimited-memory GPU"),
+                f"offload{i}_throughput.png",
+                "Higher is better: memplan's lifetime-aware plan against the baselines, as a fraction of ideal.")
+
+
+def _write_page(page: _Page, paths: list[str | os.PathLike]) -> Path:
+    """Write the page's HTML atomically as `index.html` beside its figures; return its path."""
+    out_dir = page.out_dir
     index = out_dir / "index.html"
     body = "\n".join(page.sections)
     doc = (f"<!doctype html><html lang=en><head><meta charset=utf-8><title>memplan report</title>"

@@ -175,7 +175,7 @@ def address_maps(
 
 
 def allocator_bars(results: dict[str, dict[str, Any]], title: str = "") -> Figure:
-    """Peak requested, allocated and reserved per allocator (from SimResult.to_json())."""
+    """Peak requested, allocated and reserved per allocator (from AllocReplay.to_json())."""
     names = list(results)
     keys = [("peak_requested_bytes", "requested"), ("peak_allocated_bytes", "allocated"),
             ("peak_reserved_bytes", "reserved")]

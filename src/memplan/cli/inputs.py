@@ -1,0 +1,72 @@
+"""What a subcommand's MODEL argument is: a model to trace, or a trace already taken.
+
+A trace is an existing file that is a `.memtrace` (a zip archive), a pickle (a PyTorch
+memory snapshot) or named like one; anything else is a model spec (a registry name,
+a config.json path or `package.module:factory`, resolved by `memplan.models`). A trace
+fixes the model, the training setup and the parallel layout it was recorded under, so
+flags asking for another setup or layout are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.errors import UserError
+from memplan.parallel.flags import layout_from_args
+from memplan.parallel.layout import Layout
+from memplan.trace.model import Trace
+
+TRACE_SUFFIXES = (".memtrace", ".pickle", ".pkl")
+ZIP_MAGIC = b"PK"  # .memtrace files are numpy .npz archives, i.e. zip files
+PICKLE_MAGIC = b"\x80"  # the PROTO opcode that starts every pickle of protocol 2 or later
+
+
+def trace_path(spec: str) -> Path | None:
+    """`spec` as a path when it names a trace file, else None (a model spec)."""
+    path = Path(spec).expanduser()
+    if not path.is_file() or path.suffix == ".json":
+        return None
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC or path.suffix in TRACE_SUFFIXES:
+        return path
+    return None
+
+
+def refuse_trace(spec: str, command: str, why: str) -> None:
+    """UserError when `spec` is a trace file and `command` needs the model itself."""
+    if trace_path(spec) is not None:
+        raise UserError(f"{spec} is a trace; memplan {command} {why}: pass the model (a registry name, "
+                        "a config.json path or package.module:factory) instead")
+
+
+def _default_setup_fields() -> dict[str, object]:
+    """The training setup the setup flags describe when none is given."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_setup_flags(parser)
+    return setup_from_args(parser.parse_args([])).to_dict()
+
+
+def refuse_retracing(spec: str, trace: Trace, args: argparse.Namespace, *, layout_flags: bool = False) -> None:
+    """UserError (one line) when the setup flags (and, with `layout_flags`, the parallel
+    layout flags) ask for a step other than the one `trace` recorded.
+
+    A setup flag counts as asked for when its value differs from the flag's default; it
+    is refused unless it equals the setup in the trace's metadata.
+    """
+    recorded = trace.meta.get("setup")
+    defaults = _default_setup_fields()
+    for key, value in setup_from_args(args).to_dict().items():
+        if value == defaults.get(key) or (isinstance(recorded, dict) and recorded.get(key) == value):
+            continue
+        had = f"the trace has {recorded.get(key)}" if isinstance(recorded, dict) else "the trace records no setup"
+        raise UserError(f"{spec} is a trace: it cannot be re-traced under another setup (--{key.replace('_', '-')} "
+                        f"{value}; {had}): pass the model instead of the trace")
+    if layout_flags and layout_from_args(args).to_dict() != Layout().to_dict():
+        raise UserError(f"{spec} is a trace of one device: it cannot be re-traced under another parallel layout "
+                        "(--world-size, --zero, --tp, --pp): pass the model instead of the trace")
