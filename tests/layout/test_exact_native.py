@@ -107,20 +107,24 @@ def test_the_portfolio_proves_tight_generated_instances_optimal():
         check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
 
 
-def test_the_portfolio_runs_the_skyline_search_time_reversed_where_the_forward_search_stalls():
-    # 450 buffers cut from a rectangle: the skyline search (all its orders and
-    # restarts) takes over 30 s forward and under a second on the time-reversed
-    # problem; the portfolio starts the reversed run once the offset-order search has
-    # had its share (20% of the time limit), and its packing is the original problem's.
-    # The share is measured in seconds inside the C++ portfolio, so the limit is 30 s:
-    # three times what an unloaded 2-core host needs, for a CI host shared with others.
-    problem, _ = tight_instance(450, seed=15)
-    status, offsets, stats = solve_exact(
-        problem.lower, problem.upper, problem.nbytes, problem.alignment, problem.capacity,
-        deadline=time.monotonic() + 30, engine="portfolio",
-    )
-    assert status == FOUND and stats["engine"] == "portfolio: skyline (time-reversed)"
-    check_offsets(problem.lower, problem.upper, problem.nbytes, offsets, capacity=problem.capacity)
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.integers(0, 40))
+def test_the_time_reversed_problem_has_the_same_packings(buffers, slack):
+    # The portfolio's third search runs on the time-reversed problem (lower' = T - upper,
+    # upper' = T - lower) and returns its offsets for the original: a packing of one is a
+    # packing of the other, so the two decisions agree. Node budgets, not a clock, bound
+    # both searches; which instance the portfolio's reversed run wins on depends on its
+    # time share, so that is measured in BENCHMARKS.md (layout_exact), not asserted here.
+    lower, upper, nbytes, align, capacity = at_live_peak_plus(buffers, slack)
+    end = int(upper.max())
+    deadline = time.monotonic() + 3600
+    forward = solve_exact(lower, upper, nbytes, align, capacity, deadline=deadline, engine="native", max_nodes=20_000)
+    reverse = solve_exact(end - upper, end - lower, nbytes, align, capacity, deadline=deadline, engine="native",
+                          max_nodes=20_000)
+    if TIMEOUT not in (forward[0], reverse[0]):
+        assert forward[0] == reverse[0]
+    if reverse[0] == FOUND:
+        check_offsets(lower, upper, nbytes, reverse[1], alignment=align, capacity=capacity)
 
 
 @pytest.mark.parametrize("engine", ["python", "native", "offset-order"])
