@@ -26,13 +26,12 @@ from typing import Any
 import numpy as np
 
 from memplan import models
-from memplan.alloc import AllocConf
 from memplan.capture.step import StepTrace
 from memplan.errors import UserError
 from memplan.estimation.pipeline import (
-    ESTIMATE_ALLOCATORS,
     Estimate,
     RankEstimate,
+    check_options,
     figures_full,
     gpu_view,
     replay_counters,
@@ -62,7 +61,7 @@ def estimate_trace(
     labels the result when the trace's metadata names no model (a snapshot).
     """
     start = time.perf_counter()
-    _check_options(allocator, alloc_conf, cuda_context)
+    check_options("cuda", allocator, alloc_conf, cuda_context)
     profile = device_profile(gpu) if gpu is not None else None
     if capacity is None and profile is not None:
         capacity = profile.capacity_bytes
@@ -87,17 +86,6 @@ def estimate_trace(
         capacity_bytes=capacity, device="cuda", allocator=allocator, gpu=gpu, method="trace",
         elapsed_s=time.perf_counter() - start,
     )
-
-
-def _check_options(allocator: str, alloc_conf: str | None, cuda_context: int | None) -> None:
-    """UserError for an allocator, allocator configuration or context size that cannot be."""
-    if allocator not in ESTIMATE_ALLOCATORS:
-        raise UserError(f"unknown allocator {allocator!r}: choose one of {', '.join(ESTIMATE_ALLOCATORS)}")
-    if cuda_context is not None and (isinstance(cuda_context, bool) or not isinstance(cuda_context, int)
-                                     or cuda_context < 0):
-        raise UserError(f"the CUDA context must be a size >= 0, not {cuda_context!r}")
-    if alloc_conf is not None:
-        AllocConf.parse(alloc_conf)
 
 
 def _cuda_devices(trace: Trace) -> list[int]:

@@ -241,7 +241,7 @@ def estimate(
     start = time.perf_counter()
     setup = setup if setup is not None else TrainingSetup()
     layout = layout if layout is not None else Layout()
-    _check_options(device, allocator, alloc_conf, cuda_context)
+    check_options(device, allocator, alloc_conf, cuda_context)
     profile = device_profile(gpu) if gpu is not None else None
     if capacity is None and profile is not None:
         capacity = profile.capacity_bytes
@@ -264,7 +264,7 @@ def estimate(
     )
 
 
-def _check_options(device: str, allocator: str, alloc_conf: str | None, cuda_context: int | None) -> None:
+def check_options(device: str, allocator: str, alloc_conf: str | None, cuda_context: int | None) -> None:
     """`UserError` for an option no estimate can take, before any tracing."""
     if device not in ("cuda", "cpu"):
         raise UserError(f"unknown device {device!r}: use cuda or cpu")
