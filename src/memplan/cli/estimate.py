@@ -9,12 +9,12 @@ from rich.table import Table
 
 from memplan.cli import print_json
 from memplan.cli.inputs import refuse_retracing, trace_path
+from memplan.cli.layout_flags import add_layout_flags, layout_from_args
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.estimation import Estimate, estimate
 from memplan.estimation.from_trace import estimate_trace
 from memplan.models import FactorySpec, load_config
-from memplan.parallel.flags import add_layout_flags, layout_from_args
 from memplan.trace import load
 from memplan.units import format_bytes, parse_size
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from memplan.cli.layout_flags import layout_from_args
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
-from memplan.parallel.flags import layout_from_args
 from memplan.parallel.layout import Layout
 from memplan.trace.model import Trace
 
