@@ -21,10 +21,11 @@ import time
 from benchmarks_md import write_section
 from memplan.capture.step import capture_step
 from memplan.hardware.links import make_hardware
+from memplan.hardware.roofline import op_seconds
 from memplan.models import TrainingSetup, load_config
 from memplan.offload.baselines import run_baselines
 from memplan.offload.evaluate import evaluate
-from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+from memplan.offload.lifetimes import analyse_lifetimes
 from memplan.offload.planner import default_budget_bytes
 from memplan.parallel.layout import Layout
 from memplan.parallel.transform import rank_trace
@@ -54,9 +55,9 @@ def main() -> None:
             alternatives[policy] = rank_trace(capture_step(load_config(model), policy_setup, "cuda"),
                                               Layout(world_size=2, zero=3), policy_setup, 0)
         base_hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", host_mem="1.5TB", gpus=2, pcie="pcie-gen5-x16")
-        lt = analyse_lifetimes(trace, roofline_op_durations_s(trace, base_hw.gpu))
-        whole = analyse_lifetimes(step.trace, roofline_op_durations_s(step.trace, base_hw.gpu))
-        ck_whole = analyse_lifetimes(ck_step.trace, roofline_op_durations_s(ck_step.trace, base_hw.gpu))
+        lt = analyse_lifetimes(trace, op_seconds(trace, base_hw.gpu))
+        whole = analyse_lifetimes(step.trace, op_seconds(step.trace, base_hw.gpu))
+        ck_whole = analyse_lifetimes(ck_step.trace, op_seconds(ck_step.trace, base_hw.gpu))
         baselines = run_baselines(step.trace, whole, base_hw, default_budget_bytes(base_hw), (ck_step.trace, ck_whole))
         print(f"{model} {batch}x{seq}: " + "; ".join(f"{k} {lt.step_s / r.sim.step_s:.1%} ({r.note})"
                                                     for k, r in baselines.items() if k != "ideal"), file=sys.stderr)

@@ -128,13 +128,13 @@ def tiny_traces():
 
 
 def test_zero_baselines_recompute_when_activations_on_the_gpu_do_not_fit(tiny_traces):
+    from memplan.hardware.roofline import op_seconds
     from memplan.offload.baselines import zero_infinity, zero_offload
-    from memplan.offload.lifetimes import roofline_op_durations_s
 
     plain, ckpt = tiny_traces
     hw = make_hardware("h100-nvl-94gb", nvme="4x990pro", host_mem="1.5TB", gpus=1, pcie="pcie-gen5-x16")
-    lt = analyse_lifetimes(plain, roofline_op_durations_s(plain, hw.gpu))
-    ck_lt = analyse_lifetimes(ckpt, roofline_op_durations_s(ckpt, hw.gpu))
+    lt = analyse_lifetimes(plain, op_seconds(plain, hw.gpu))
+    ck_lt = analyse_lifetimes(ckpt, op_seconds(ckpt, hw.gpu))
     budget = ck_lt.op_bytes.max()  # the checkpointed step fits, the plain one does not
     assert lt.op_bytes.max() > 2 * budget
     for baseline in (zero_offload, zero_infinity):

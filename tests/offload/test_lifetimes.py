@@ -3,11 +3,11 @@ import pytest
 
 from memplan.errors import UserError
 from memplan.hardware.devices import device_profile
+from memplan.hardware.roofline import op_seconds
 from memplan.offload.lifetimes import (
     analyse_lifetimes,
     measured_op_durations_s,
     op_peak_bytes,
-    roofline_op_durations_s,
 )
 
 W, A, T = 0, 1, 2
@@ -61,7 +61,7 @@ def test_roofline_is_the_slower_of_compute_and_memory(make_trace):
     gpu = device_profile("h100-80gb")
     tr.ops["flops"][:] = [gpu.matmul_flops_per_s("fp32") * 2.0, 0.0]
     tr.ops["bytes_moved"][:] = [gpu.memory_bandwidth_bytes_per_s * 1.0, gpu.memory_bandwidth_bytes_per_s * 3.0]
-    assert roofline_op_durations_s(tr, gpu) == pytest.approx([2.0, 3.0])
+    assert op_seconds(tr, gpu) == pytest.approx([2.0, 3.0])
 
 
 def test_roofline_times_matmuls_at_the_autocast_rate_of_the_traced_setup(make_trace):
@@ -74,7 +74,7 @@ def test_roofline_times_matmuls_at_the_autocast_rate_of_the_traced_setup(make_tr
     tr.ops["bytes_moved"][:] = 0.0  # compute-bound
     bf16, fp32 = gpu.matmul_flops_per_s("bf16"), gpu.matmul_flops_per_s("fp32")
     assert bf16 > 2 * fp32  # the two rates are far apart on this profile
-    durations = roofline_op_durations_s(tr, gpu)
+    durations = op_seconds(tr, gpu)
     assert durations == pytest.approx([f / bf16 for f in flops])
     assert analyse_lifetimes(tr, durations).step_s == pytest.approx(sum(flops) / bf16)
 

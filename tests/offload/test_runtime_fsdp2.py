@@ -18,8 +18,9 @@ def _rank_main(rank: int, workdir: str) -> None:
 
     from memplan import models
     from memplan.hardware.links import make_hardware
+    from memplan.hardware.roofline import op_seconds
     from memplan.offload import plan_offload, runtime_categories
-    from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+    from memplan.offload.lifetimes import analyse_lifetimes
     from memplan.offload.runtime import OffloadError, RunOptions, run
     from memplan.parallel import Layout
     from memplan.parallel.apply import build_parallel_step
@@ -37,7 +38,7 @@ def _rank_main(rank: int, workdir: str) -> None:
         cap = build_parallel_step(config, setup, layout)
         trace = parallel_step_trace(cap, warmup=1)
         hardware = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
-        peak = int(analyse_lifetimes(trace, roofline_op_durations_s(trace, hardware.gpu)).op_bytes.max())
+        peak = int(analyse_lifetimes(trace, op_seconds(trace, hardware.gpu)).op_bytes.max())
         plan = plan_offload(trace, hardware, budget=int(0.5 * peak), min_nbytes=1024, categories=runtime_categories())
         # FSDP2's sharded gradients are views of one reduce-scatter buffer: a plan that moves one is refused
         with_grads = plan_offload(trace, hardware, budget=int(0.4 * peak), min_nbytes=1024,

@@ -14,9 +14,10 @@ from memplan.capture.step import build_training_step
 from memplan.cli import main
 from memplan.errors import UserError
 from memplan.hardware.links import make_hardware
+from memplan.hardware.roofline import op_seconds
 from memplan.models.build import instantiate, model_class
 from memplan.offload import load_offload_plan, plan_offload, runtime_categories
-from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+from memplan.offload.lifetimes import analyse_lifetimes
 from memplan.offload.runtime import OffloadError, RunOptions, run
 from memplan.offload.runtime import engine as engine_module
 from memplan.trace.model import CATEGORY
@@ -42,7 +43,7 @@ def trace():
 
 def plan_for_runtime(trace, fraction, streamed_step=False):
     """A plan of `trace` within `fraction` of its peak, among what the runtime mode moves."""
-    peak = int(analyse_lifetimes(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    peak = int(analyse_lifetimes(trace, op_seconds(trace, HARDWARE.gpu)).op_bytes.max())
     p = plan_offload(trace, HARDWARE, budget=int(fraction * peak), min_nbytes=1024,
                   categories=runtime_categories(streamed_step=streamed_step))
     assert p.feasible
@@ -147,7 +148,7 @@ def test_a_plan_and_resident_bytes_together_are_refused(tmp_path, planned):
 
 
 def test_a_plan_that_moves_parameters_is_refused(tmp_path, trace):
-    peak = int(analyse_lifetimes(trace, roofline_op_durations_s(trace, HARDWARE.gpu)).op_bytes.max())
+    peak = int(analyse_lifetimes(trace, op_seconds(trace, HARDWARE.gpu)).op_bytes.max())
     p = plan_offload(trace, HARDWARE, budget=int(0.4 * peak), min_nbytes=1024)  # every candidate category
     assert p.tensors.unnamed.get("parameter", 0) > 0
     off = tiny_step()

@@ -89,3 +89,9 @@ def test_fsdp_mixed_precision_is_refused_where_fsdp2_is_modelled():
     with pytest.raises(UserError, match="fsdp-param-dtype"):
         estimate(models.tiny_config("llama-2-7b", num_hidden_layers=4), models.TrainingSetup(batch=1, seq=16),
                  Layout(world_size=8, zero=3, pp=2, tp=2, microbatches=2, fsdp_param_dtype="bf16"), device="cpu")
+
+
+@pytest.mark.parametrize("layout", [Layout(world_size=2, tp=2), Layout(world_size=2, pp=2)])
+def test_a_factory_model_is_refused_tensor_and_pipeline_parallelism(layout):
+    with pytest.raises(UserError, match="factory mypkg.models:make builds its own model"):
+        layout.check(models.FactorySpec("mypkg.models", "make"), models.TrainingSetup())

@@ -40,7 +40,7 @@ from memplan.capture.groundtruth import profiler_peak_bytes
 from memplan.capture.step import build_training_step
 from memplan.cli import main, print_json
 from memplan.errors import UserError
-from memplan.trace import load, save_snapshot
+from memplan.trace import Trace, load, save_snapshot
 from memplan.units import format_bytes
 
 DEFAULT_MODEL = "gpt2"
@@ -122,11 +122,13 @@ def _json_stage(argv: list[str], path: Path, log: io.TextIOBase) -> dict[str, An
     return json.loads(text)
 
 
-def _run_stages(paths: dict[str, Path], log: io.TextIOBase, advance: Callable[[str], None]) -> dict[str, Any]:
-    """Every stage of the demo on the one captured trace; their results by stage."""
+def _run_stages(paths: dict[str, Path], log: io.TextIOBase,
+                advance: Callable[[str], None]) -> tuple[Trace, dict[str, Any]]:
+    """Every stage of the demo on the one captured trace: the trace, and the results by stage."""
     trace_file = str(paths["trace"])
     _run_cli(["trace", DEFAULT_MODEL, *DEFAULT_SETUP, "-o", trace_file], log)
-    save_snapshot(load(paths["trace"]), paths["snapshot"])
+    trace = load(paths["trace"])
+    save_snapshot(trace, paths["snapshot"])
     advance("estimate it on one GPU")
     results: dict[str, Any] = {
         "estimate": _json_stage(["estimate", trace_file, "--gpu", DEFAULT_GPU], paths["estimate"], log)}
@@ -149,7 +151,7 @@ def _run_stages(paths: dict[str, Path], log: io.TextIOBase, advance: Callable[[s
     _run_cli(["report", trace_file, str(paths["plan"]), str(paths["estimate"]), str(paths["reorder"]),
               str(paths["offload"]), "-o", str(paths["report"])], log)
     advance("done")
-    return results
+    return trace, results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,9 +165,8 @@ def run(args: argparse.Namespace) -> int:
         TimeElapsedColumn(), console=Console(stderr=True),
     ) as progress:
         task = progress.add_task("capture the training step", total=STAGES)
-        results = _run_stages(paths, log, lambda next_description: progress.update(
+        trace, results = _run_stages(paths, log, lambda next_description: progress.update(
             task, advance=1, description=next_description))
-    trace = load(paths["trace"])
     summary = trace.summary(top=0)
     doc = {
         "model": DEFAULT_MODEL,

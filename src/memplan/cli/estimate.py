@@ -14,7 +14,6 @@ from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.estimation import Estimate, estimate
 from memplan.estimation.from_trace import estimate_trace
-from memplan.models import FactorySpec, load_config
 from memplan.trace import load
 from memplan.units import format_bytes, parse_size
 
@@ -63,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
         result = estimate_trace(trace, args.gpu, capacity, args.allocator, args.alloc_conf,
                                 cuda_context=cuda_context, name=path.name)
     else:
-        layout = layout_from_args(args)
-        if (layout.tp > 1 or layout.pp > 1) and isinstance(load_config(args.model), FactorySpec):
-            raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
-                            f"{args.model} builds its own model: estimate it on one GPU, or data-parallel with --world-size")
-        result = estimate(args.model, setup_from_args(args), layout, device=args.device or "cuda",
+        result = estimate(args.model, setup_from_args(args), layout_from_args(args), device=args.device or "cuda",
                           allocator=args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
                           extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout,
                           cuda_context=cuda_context)

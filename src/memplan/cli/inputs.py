@@ -13,14 +13,14 @@ import argparse
 from pathlib import Path
 
 from memplan.cli.layout_flags import layout_from_args
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.setup_flags import setup_from_args
 from memplan.errors import UserError
+from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
+from memplan.trace.io import file_kind
 from memplan.trace.model import Trace
 
 TRACE_SUFFIXES = (".memtrace", ".pickle", ".pkl")
-ZIP_MAGIC = b"PK"  # .memtrace files are numpy .npz archives, i.e. zip files
-PICKLE_MAGIC = b"\x80"  # the PROTO opcode that starts every pickle of protocol 2 or later
 
 
 def trace_path(spec: str) -> Path | None:
@@ -29,13 +29,10 @@ def trace_path(spec: str) -> Path | None:
     if not path.is_file() or path.suffix == ".json":
         return None
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(2)
+        kind = file_kind(path)
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC or path.suffix in TRACE_SUFFIXES:
-        return path
-    return None
+    return path if kind is not None or path.suffix in TRACE_SUFFIXES else None
 
 
 def refuse_trace(spec: str, command: str, why: str) -> None:
@@ -43,13 +40,6 @@ def refuse_trace(spec: str, command: str, why: str) -> None:
     if trace_path(spec) is not None:
         raise UserError(f"{spec} is a trace; memplan {command} {why}: pass the model (a registry name, "
                         "a config.json path or package.module:factory) instead")
-
-
-def _default_setup_fields() -> dict[str, object]:
-    """The training setup the setup flags describe when none is given."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_setup_flags(parser)
-    return setup_from_args(parser.parse_args([])).to_dict()
 
 
 def refuse_retracing(spec: str, trace: Trace, args: argparse.Namespace, *, layout_flags: bool = False) -> None:
@@ -60,7 +50,7 @@ def refuse_retracing(spec: str, trace: Trace, args: argparse.Namespace, *, layou
     is refused unless it equals the setup in the trace's metadata.
     """
     recorded = trace.meta.get("setup")
-    defaults = _default_setup_fields()
+    defaults = TrainingSetup().to_dict()  # what the setup flags give when none is typed
     for key, value in setup_from_args(args).to_dict().items():
         if value == defaults.get(key) or (isinstance(recorded, dict) and recorded.get(key) == value):
             continue

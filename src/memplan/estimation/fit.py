@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from memplan.errors import UserError
 from memplan.estimation.pipeline import Estimate, StepCache, estimate
 from memplan.hardware.devices import DeviceProfile, device_profile
+from memplan.hardware.roofline import matmul_dtype
 from memplan.models.depth import num_layers
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
@@ -82,7 +83,7 @@ def step_seconds(result: Estimate, cand: Candidate, config: PretrainedConfig, pr
                  setup: TrainingSetup) -> dict[str, float]:
     """Roofline step time of one candidate (see the module docstring)."""
     lay = cand.layout
-    element = 4 if (setup.autocast == "none" and setup.dtype == "fp32") else 2
+    element = 4 if matmul_dtype(setup) == "fp32" else 2
     micro = lay.microbatches if lay.pp > 1 else setup.grad_accum
     compute = result.roofline_s / lay.tp * micro * (1 + (lay.pp - 1) / max(micro, 1) if lay.pp > 1 else 1)
     params = result.parameters / (lay.tp * lay.pp)

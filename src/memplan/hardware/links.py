@@ -1,7 +1,7 @@
 """Storage tiers and links for offloading, shipped as data (`links.json` beside this module).
 
 A `Hardware` describes what one GPU of a node sees: its device profile (from
-`memplan.estimation`), its RAID-0 array of NVMe drives, its share of the host-memory
+`memplan.hardware.devices`), its RAID-0 array of NVMe drives, its share of the host-memory
 limit, and its PCIe link. Transfers are modelled on four one-way channels per GPU,
 as TERAIO (arXiv 2506.06472, §4) keeps one bandwidth timeline per link:
 

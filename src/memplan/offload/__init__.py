@@ -12,7 +12,6 @@ from memplan.offload.lifetimes import (
     Lifetimes,
     analyse_lifetimes,
     measured_op_durations_s,
-    roofline_op_durations_s,
 )
 from memplan.offload.plan_file import OffloadPlan, Transfer, load_offload_plan
 from memplan.offload.planner import default_budget_bytes, plan_offload
@@ -38,8 +37,7 @@ __all__ = [
     "measured_op_durations_s",
     "parse_nvme_spec",
     "plan_offload",
-    "roofline_op_durations_s",
-    "run",
+        "run",
     "runtime_categories",
     "simulate_offload_plan",
     "validate_plan",

@@ -16,9 +16,10 @@ import math
 from typing import Any
 
 from memplan.hardware.links import Hardware
+from memplan.hardware.roofline import op_seconds
 from memplan.offload.baselines import run_baselines
 from memplan.offload.bounds import step_lower_bound_s
-from memplan.offload.lifetimes import analyse_lifetimes, roofline_op_durations_s
+from memplan.offload.lifetimes import analyse_lifetimes
 from memplan.offload.plan_file import OffloadPlan
 from memplan.offload.planner import default_budget_bytes, plan_lifetimes
 from memplan.offload.simulate import simulate_offload_plan
@@ -29,7 +30,7 @@ RECOMPUTE_POLICIES = ("selective", "selective-op", "full")
 
 def _planned(trace: Trace, hardware: Hardware, budget: int) -> tuple[Any, OffloadPlan, Any, float]:
     """(lifetimes, plan, simulated step, the links' lower bound on any plan's step) of one trace."""
-    lt = analyse_lifetimes(trace, roofline_op_durations_s(trace, hardware.gpu))
+    lt = analyse_lifetimes(trace, op_seconds(trace, hardware.gpu))
     offload_plan = plan_lifetimes(trace, lt, hardware, budget)
     bound = step_lower_bound_s(trace, lt, hardware, budget)
     return lt, offload_plan, simulate_offload_plan(lt, offload_plan, hardware.link_bytes_per_s()), bound
@@ -84,11 +85,11 @@ def evaluate(trace: Trace, hardware: Hardware, budget_bytes: int | None = None,
         checkpointed = None
         if checkpointed_trace is not None:
             checkpointed = (checkpointed_trace, analyse_lifetimes(checkpointed_trace,
-                                                        roofline_op_durations_s(checkpointed_trace, hardware.gpu)))
+                                                        op_seconds(checkpointed_trace, hardware.gpu)))
         if baseline_trace is None:
             baselines = run_baselines(trace, lt, hardware, budget, checkpointed)
         else:
-            whole = analyse_lifetimes(baseline_trace, roofline_op_durations_s(baseline_trace, hardware.gpu))
+            whole = analyse_lifetimes(baseline_trace, op_seconds(baseline_trace, hardware.gpu))
             baselines = run_baselines(baseline_trace, whole, hardware, budget, checkpointed)
     report = {
         "ideal_step_s": ideal_s,

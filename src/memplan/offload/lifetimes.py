@@ -23,14 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.hardware.devices import DeviceProfile
-from memplan.hardware.roofline import op_seconds
 from memplan.trace.model import ALLOC, Trace
-
-
-def roofline_op_durations_s(trace: Trace, gpu: DeviceProfile, dtype: str | None = None) -> np.ndarray:
-    """Per-op seconds on `gpu` by the roofline of `memplan.hardware.roofline` (autocast honoured)."""
-    return op_seconds(trace, gpu, dtype)
 
 
 def measured_op_durations_s(trace: Trace, durations_s: np.ndarray | list[float] | None = None) -> np.ndarray:

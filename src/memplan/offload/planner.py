@@ -50,7 +50,8 @@ import numpy as np
 
 from memplan.errors import UserError
 from memplan.hardware.links import Hardware
-from memplan.offload.lifetimes import Lifetimes, analyse_lifetimes, roofline_op_durations_s
+from memplan.hardware.roofline import op_seconds
+from memplan.offload.lifetimes import Lifetimes, analyse_lifetimes
 from memplan.offload.plan_file import OffloadPlan, Transfer
 from memplan.offload.schedule import tensor_schedule
 from memplan.offload.simulate import simulate_offload_plan
@@ -512,6 +513,6 @@ def plan_offload(
     else:
         budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
     if op_durations_s is None:
-        op_durations_s = roofline_op_durations_s(trace, hardware.gpu)
+        op_durations_s = op_seconds(trace, hardware.gpu)
     lt = analyse_lifetimes(trace, op_durations_s)
     return plan_lifetimes(trace, lt, hardware, budget_bytes, min_nbytes=min_nbytes, categories=categories)

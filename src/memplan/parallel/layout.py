@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
 from memplan.models.depth import num_layers
+from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
@@ -79,6 +80,10 @@ class Layout:
 
     def check(self, config: PretrainedConfig, setup: TrainingSetup) -> None:
         """Raise `UserError` when the model cannot take this layout."""
+        if isinstance(config, FactorySpec) and (self.tp > 1 or self.pp > 1):
+            raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
+                            f"{config.spec} builds its own model: estimate it on one GPU, or data-parallel "
+                            "with --world-size")
         heads = getattr(config, "num_attention_heads", None)
         kv = getattr(config, "num_key_value_heads", None) or heads
         if self.tp > 1:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from memplan.capture.step import StepTrace
+from memplan.hardware.roofline import matmul_dtype
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
 from memplan.trace.edit import ExtraBuffer, with_extra_buffers
@@ -256,8 +257,7 @@ def _zero3_rule(nbytes: np.ndarray, buf: _Buffers, d: int, trace: Trace, blocks_
 def _block_input_bytes(step: StepTrace, setup: TrainingSetup) -> int:
     """Bytes of one [B, S, H] block input in the activation dtype."""
     hidden = step.head_dim * step.heads
-    dtype = setup.autocast if setup.autocast != "none" else setup.dtype
-    element = 4 if dtype == "fp32" else 2
+    element = 4 if matmul_dtype(setup) == "fp32" else 2
     return int(setup.batch * step.seq * hidden * element)
 
 

@@ -10,7 +10,19 @@ from memplan.trace.memtrace import atomic_write, load_memtrace, save, save_json,
 from memplan.trace.model import Trace
 from memplan.trace.snapshot import load_snapshot
 
-__all__ = ["atomic_write", "load", "load_memtrace", "save", "save_json", "to_json"]
+__all__ = ["atomic_write", "file_kind", "load", "load_memtrace", "save", "save_json", "to_json"]
+
+MEMTRACE_MAGIC = b"PK"  # .memtrace files are numpy .npz archives, i.e. zip files
+PICKLE_MAGIC = b"\x80"  # the PROTO opcode that starts every pickle of protocol 2 or later
+
+
+def file_kind(path: Path) -> str | None:
+    """"memtrace" or "snapshot" by the first bytes of the file at `path`, else None."""
+    with open(path, "rb") as fh:
+        head = fh.read(2)
+    if head == MEMTRACE_MAGIC:
+        return "memtrace"
+    return "snapshot" if head[:1] == PICKLE_MAGIC else None
 
 
 def load(path: str | os.PathLike) -> Trace:
@@ -19,11 +31,10 @@ def load(path: str | os.PathLike) -> Trace:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"trace file {p} does not exist")
-    with open(p, "rb") as fh:
-        head = fh.read(2)
-    if head == b"PK":  # .memtrace files are numpy .npz archives, i.e. zip files
+    kind = file_kind(p)
+    if kind == "memtrace":
         return load_memtrace(p)
-    if head[:1] == b"\x80":  # a pickle of protocol 2 or later, as snapshots are written
+    if kind == "snapshot":
         return load_snapshot(p)
     try:
         return load_snapshot(p)
