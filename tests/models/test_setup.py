@@ -18,7 +18,7 @@ from memplan.models.setup import (
     DTYPES,
     HEADS,
     OPTIMIZER_IMPLS,
-    OPTIMIZERS,
+    TORCH_OPTIMIZERS,
     ZERO_GRADS,
 )
 
@@ -95,7 +95,7 @@ setups = st.builds(
     seq=st.none() | st.integers(1, 1 << 17),
     dtype=st.sampled_from(DTYPES),
     autocast=st.sampled_from(AUTOCASTS),
-    optimizer=st.sampled_from([o for o in OPTIMIZERS if o != "adafactor"]),
+    optimizer=st.sampled_from([o for o in TORCH_OPTIMIZERS if o != "adafactor"]),
     optimizer_impl=st.none() | st.sampled_from(OPTIMIZER_IMPLS),
     checkpointing=st.sampled_from(CHECKPOINTINGS),
     lora_rank=st.integers(0, 64),
@@ -114,3 +114,32 @@ def test_to_dict_and_from_dict_round_trip(setup):
     import json
 
     assert TrainingSetup.from_dict(json.loads(json.dumps(setup.to_dict()))) == setup
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"quant": "nf4"}, "full fine-tuning cannot train nf4-quantised weights"),
+    ({"double_quant": True}, "describe a quantised base"),
+    ({"quant": "int8", "lora_rank": 8, "double_quant": True}, "4-bit options"),
+    ({"optimizer_in_backward": True, "grad_accum": 4}, "use --grad-accum 1"),
+    ({"loss": "fused-linear", "head": "seq-cls"}, "use --loss full"),
+    ({"dora": True}, "add --lora-rank R"),
+    ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave --optimizer-impl out"),
+    ({"loss": "chunked:0"}, "chunked:N"),
+])
+def test_techniques_that_do_not_go_together_are_user_errors(fields, message):
+    with pytest.raises(UserError, match=message):
+        TrainingSetup(**fields)
+
+
+def test_a_chunked_loss_has_torchtunes_eight_chunks_unless_told():
+    assert TrainingSetup(loss="chunked").loss_chunks() == 8
+    assert TrainingSetup(loss="chunked:16").loss_chunks() == 16
+    assert TrainingSetup(loss="fused-linear").loss_chunks() == 1
+
+
+def test_technique_flags_parse_into_the_setup():
+    setup = parse(["--quant", "nf4", "--double-quant", "--lora-rank", "16", "--lora-targets", "all-linear",
+                   "--compile", "--activation-offload", "--loss", "chunked:4", "--dora", "--lora-alpha", "8"])
+    assert (setup.quant, setup.double_quant, setup.lora_targets) == ("nf4", True, ("all-linear",))
+    assert (setup.compile, setup.activation_offload, setup.loss) == ("blocks", "torchtune", "chunked:4")
+    assert (setup.dora, setup.lora_alpha) == (True, 8.0)

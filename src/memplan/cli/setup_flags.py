@@ -6,14 +6,22 @@ from __future__ import annotations
 import argparse
 
 from memplan.models.setup import (
+    ACTIVATION_OFFLOADS,
+    ALL_LINEAR,
     ATTENTIONS,
     AUTOCASTS,
     CHECKPOINTINGS,
+    COMPILES,
+    CPU_OFFLOADS,
+    DEFAULT_LOSS_CHUNKS,
     DEFAULT_MAX_SEQ,
     DTYPES,
     HEADS,
+    IMPLS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
+    QUANT_STORAGES,
+    QUANTS,
     ZERO_GRADS,
     TrainingSetup,
 )
@@ -44,6 +52,46 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-grad", choices=ZERO_GRADS, default="none",
                        help="what optimizer.zero_grad() leaves between steps: none (set_to_none=True, "
                             "PyTorch >= 2.0, default) or zeros (set_to_none=False: gradients stay allocated)")
+    _add_technique_flags(parser)
+
+
+def _add_technique_flags(parser: argparse.ArgumentParser) -> None:
+    """The memory techniques of `TrainingSetup` (quantised base, optimizers' placement,
+    losses, compile, activation offloading, LoRA variants, the model's implementation)."""
+    group = parser.add_argument_group("memory techniques")
+    group.add_argument("--quant", choices=QUANTS, default="none",
+                       help="quantise the frozen base weights with bitsandbytes (nf4/fp4: Linear4bit, int8: "
+                            "Linear8bitLt); with --lora-rank this is QLoRA")
+    group.add_argument("--double-quant", action="store_true", help="4-bit: quantise the quantisation constants too")
+    group.add_argument("--quant-storage", choices=QUANT_STORAGES, default="uint8",
+                       help="4-bit: the dtype packed weights are stored in (default uint8)")
+    group.add_argument("--compute-dtype", choices=DTYPES, default=None,
+                       help="the dtype quantised matmuls dequantise to (default: --autocast's, else --dtype)")
+    group.add_argument("--no-kbit-prep", dest="kbit_prep", action="store_false",
+                       help="skip peft's prepare_model_for_kbit_training (fp32 norms, input gradients)")
+    group.add_argument("--frozen-base", action="store_true",
+                       help="with --quant and no LoRA: train only what is not quantised")
+    group.add_argument("--optimizer-in-backward", action="store_true",
+                       help="step each parameter in its gradient's post-accumulate hook (needs --grad-accum 1)")
+    group.add_argument("--cpu-offload", choices=CPU_OFFLOADS, default="none",
+                       help="optimizer: state and step on the host (ZeRO-Offload); params: FSDP2 "
+                            "CPUOffloadPolicy (needs --zero 3)")
+    group.add_argument("--loss", default="full", metavar="full|chunked[:N]|fused-linear",
+                       help=f"LM loss: the model's own (full), head + cross-entropy in N chunks (chunked, "
+                            f"N={DEFAULT_LOSS_CHUNKS}), or fused linear cross-entropy (no [B, S, V] logits)")
+    group.add_argument("--compile", choices=COMPILES, default="none", nargs="?", const="blocks",
+                       help="torch.compile: blocks (each transformer block, as torchtitan; the bare flag) or "
+                            "the whole model")
+    group.add_argument("--activation-offload", choices=ACTIVATION_OFFLOADS, default="none", nargs="?",
+                       const="torchtune",
+                       help="saved activations to pinned host memory: torchtune (OffloadActivations, the bare "
+                            "flag) or memplan (its offload planner picks which)")
+    group.add_argument("--lora-targets", default=None, metavar=f"NAME,NAME|{ALL_LINEAR}",
+                       help="LoRA target module names (default: peft's for the family)")
+    group.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="LoRA alpha (default 2 x rank)")
+    group.add_argument("--dora", action="store_true", help="weight-decomposed LoRA (peft's use_dora)")
+    group.add_argument("--impl", choices=IMPLS, default="hf",
+                       help="whose code defines the model: hf (transformers, default) or litgpt")
 
 
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
@@ -63,4 +111,17 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         head=getattr(args, "head", "lm"),
         num_labels=getattr(args, "num_labels", 2),
         zero_grad=getattr(args, "zero_grad", "none"),
+        **_technique_fields(args),
     )
+
+
+def _technique_fields(args: argparse.Namespace) -> dict:
+    """The `TrainingSetup` fields of `_add_technique_flags` (defaults where a parser lacks them)."""
+    defaults = TrainingSetup()
+    names = ("quant", "double_quant", "quant_storage", "compute_dtype", "kbit_prep", "frozen_base",
+             "optimizer_in_backward", "cpu_offload", "loss", "compile", "activation_offload", "lora_alpha",
+             "dora", "impl")
+    fields = {name: getattr(args, name, getattr(defaults, name)) for name in names}
+    targets = getattr(args, "lora_targets", None)
+    fields["lora_targets"] = tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None
+    return fields

@@ -22,6 +22,38 @@ the user says nothing:
 - `zero_grad="none"`: `optimizer.zero_grad()` frees the gradients (`set_to_none=True`,
   PyTorch's default since 2.0); `"zeros"` keeps them allocated and zeroed between steps
   (`set_to_none=False`, the default of PyTorch 1.x and of training loops written for it).
+
+The techniques people turn on to make a job fit, each off by default:
+
+- `quant`: the frozen base weights quantised by bitsandbytes (`nf4`/`fp4`: `Linear4bit`,
+  `int8`: `Linear8bitLt`), with `double_quant` (4-bit quantisation constants quantised
+  again), `quant_storage` (the dtype 4-bit weights are packed in) and `compute_dtype` (the
+  dtype each matmul dequantises to; default: the setup's `dtype`, or the autocast dtype);
+  `kbit_prep`: peft's `prepare_model_for_kbit_training` (fp32 norms and head inputs,
+  input gradients for checkpointing). A quantised base trains through LoRA
+  (`lora_rank > 0`, QLoRA) or, with `frozen_base`, trains only what is not quantised;
+- `optimizer` beyond PyTorch's: bitsandbytes' 8-bit and paged AdamW (`adamw8bit`,
+  `paged-adamw8bit`, `paged-adamw`) and Lion (`lion`), torchao's low-bit AdamW
+  (`ao-adamw8bit`, `ao-adamw4bit`, `ao-adamw-fp8`);
+- `optimizer_in_backward`: each parameter's update runs in its gradient's
+  post-accumulate hook (the gradient is freed right after), as torchtune's recipes and
+  PyTorch's "optimizer step in backward" tutorial do;
+- `cpu_offload`: `optimizer` keeps the optimizer state (and its step) on the host, as
+  DeepSpeed's ZeRO-Offload and torchao's `CPUOffloadOptimizer` do; `params` keeps the
+  sharded parameters, gradients and optimizer on the host (FSDP2's `CPUOffloadPolicy`,
+  needs ZeRO-3);
+- `loss`: `full` (the model's own head and loss), `chunked` / `chunked:N` (the head and
+  cross-entropy in N chunks of the sequence, torchtune's `CEWithChunkedOutputLoss`, N=8
+  by default), `fused-linear` (head and loss fused so the [B, S, V] logits never exist
+  at once, as Liger's and cut-cross-entropy's kernels);
+- `compile`: `model` compiles the whole model, `blocks` each transformer block (as
+  torchtitan and torchtune do), both with the loss compiled too;
+- `activation_offload`: `torchtune` moves saved activations to pinned host memory with
+  a one-layer prefetch window (torchtune's `OffloadActivations`); `memplan` plans which
+  to move with memplan's own offload planner;
+- LoRA variants: `lora_targets` (module-name suffixes, or `("all-linear",)` as peft
+  spells it), `lora_alpha` (default 2 x rank), `dora` (weight-decomposed LoRA);
+- `impl`: whose code defines the model: `hf` (transformers) or `litgpt` (LitGPT's `GPT`).
 """
 
 from __future__ import annotations
@@ -33,7 +65,17 @@ from memplan.errors import UserError
 
 DTYPES = ("fp32", "bf16", "fp16")
 AUTOCASTS = ("none", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit", "paged-adamw8bit", "paged-adamw", "lion",
+              "ao-adamw8bit", "ao-adamw4bit", "ao-adamw-fp8")
+TORCH_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")  # the ones --optimizer-impl applies to
+QUANTS = ("none", "nf4", "fp4", "int8")
+QUANT_STORAGES = ("uint8", "bf16", "fp16", "fp32")
+CPU_OFFLOADS = ("none", "optimizer", "params")
+COMPILES = ("none", "model", "blocks")
+ACTIVATION_OFFLOADS = ("none", "torchtune", "memplan")
+IMPLS = ("hf", "litgpt")
+ALL_LINEAR = "all-linear"  # peft's spelling of "every linear layer but the output head"
+DEFAULT_LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss(num_output_chunks=8)
 OPTIMIZER_IMPLS = ("foreach", "fused", "loop")
 CHECKPOINTINGS = ("none", "full", "selective", "selective-op")
 ZERO_GRADS = ("none", "zeros")
@@ -50,7 +92,8 @@ class TrainingSetup:
     `batch` is the micro-batch (sequences per forward); one optimizer step runs
     `grad_accum` micro-batches. `allow_long_seq` permits `seq` beyond the model's
     maximum positions (for models whose position encoding extrapolates, e.g. RoPE).
-    `lora_targets` overrides the family's default LoRA target modules. `seed` makes
+    `lora_targets` overrides the family's default LoRA target modules.
+    The memory techniques (`quant` ... `impl`) are described in the module docstring. `seed` makes
     real-tensor weights and batches deterministic. `head` picks the task head (see the
     module docstring); `num_labels` is the classifier's width for `head="seq-cls"`.
     """
@@ -71,6 +114,20 @@ class TrainingSetup:
     head: str = "lm"
     num_labels: int = 2
     zero_grad: str = "none"
+    quant: str = "none"
+    double_quant: bool = False
+    quant_storage: str = "uint8"
+    compute_dtype: str | None = None
+    kbit_prep: bool = True
+    frozen_base: bool = False
+    optimizer_in_backward: bool = False
+    cpu_offload: str = "none"
+    loss: str = "full"
+    compile: str = "none"
+    activation_offload: str = "none"
+    lora_alpha: float | None = None
+    dora: bool = False
+    impl: str = "hf"
 
     def __post_init__(self) -> None:
         self.check()
@@ -85,6 +142,12 @@ class TrainingSetup:
             ("attn", self.attn, ATTENTIONS),
             ("head", self.head, HEADS),
             ("zero_grad", self.zero_grad, ZERO_GRADS),
+            ("quant", self.quant, QUANTS),
+            ("quant_storage", self.quant_storage, QUANT_STORAGES),
+            ("cpu_offload", self.cpu_offload, CPU_OFFLOADS),
+            ("compile", self.compile, COMPILES),
+            ("activation_offload", self.activation_offload, ACTIVATION_OFFLOADS),
+            ("impl", self.impl, IMPLS),
         ):
             if value not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(allowed)}, not '{value}'")
@@ -104,6 +167,45 @@ class TrainingSetup:
             raise UserError("torch.optim.Adafactor has no fused implementation: use --optimizer-impl foreach or loop")
         if self.lora_targets is not None:
             self.lora_targets = tuple(self.lora_targets)
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            raise UserError(f"compute_dtype must be one of {', '.join(DTYPES)}, not '{self.compute_dtype}'")
+        self.loss_chunks()  # a loss that does not parse is an error here
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """`UserError` for techniques that do not go together (one line, with the fix)."""
+        if self.optimizer_impl is not None and self.optimizer not in TORCH_OPTIMIZERS:
+            raise UserError(f"--optimizer-impl picks torch.optim kernels; {self.optimizer} brings its own: "
+                            "leave --optimizer-impl out")
+        if self.quant != "none" and self.lora_rank == 0 and not self.frozen_base:
+            raise UserError(f"full fine-tuning cannot train {self.quant}-quantised weights: add --lora-rank R "
+                            "(QLoRA), or --frozen-base to train only what is not quantised")
+        if self.quant == "none" and (self.double_quant or self.quant_storage != "uint8" or self.frozen_base):
+            raise UserError("--double-quant, --quant-storage and --frozen-base describe a quantised base: "
+                            "add --quant nf4|fp4|int8")
+        if self.quant == "int8" and (self.double_quant or self.quant_storage != "uint8"):
+            raise UserError("--double-quant and --quant-storage are 4-bit options: use --quant nf4 or fp4")
+        if self.optimizer_in_backward and self.grad_accum > 1:
+            raise UserError("--optimizer-in-backward steps as each gradient is ready, so gradients cannot "
+                            "accumulate over micro-batches: use --grad-accum 1")
+        if self.loss != "full" and self.head != "lm":
+            raise UserError(f"--loss {self.loss} replaces a language-model head's cross-entropy; the seq-cls "
+                            "head has no vocabulary-sized logits: use --loss full")
+        if self.lora_rank == 0 and (self.dora or self.lora_alpha is not None):
+            raise UserError("--dora and --lora-alpha configure LoRA: add --lora-rank R")
+        if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not self.lora_alpha > 0):
+            raise UserError(f"lora_alpha must be a number > 0, not {self.lora_alpha!r}")
+
+    def loss_chunks(self) -> int:
+        """The number of chunks of a `chunked` loss (1 for `full` and `fused-linear`)."""
+        if self.loss in ("full", "fused-linear"):
+            return 1
+        name, _, count = self.loss.partition(":")
+        if name == "chunked" and not count:
+            return DEFAULT_LOSS_CHUNKS
+        if name == "chunked" and count.isdigit() and int(count) >= 1:
+            return int(count)
+        raise UserError(f"loss must be full, chunked, chunked:N (N >= 1) or fused-linear, not '{self.loss}'")
 
     def resolved_optimizer_impl(self, device: str) -> str:
         """The optimizer implementation PyTorch would pick for parameters on `device`."""
