@@ -70,13 +70,12 @@ def test_a_set_stop_token_stops_the_compiled_portfolio_at_once():
     ext = native.extension()
     token = ext.StopToken()
     token.set()
-    start = time.monotonic()
     status, offsets, nodes, _, engine = ext.solve_portfolio(
         problem.lower.tolist(), problem.upper.tolist(), problem.nbytes.tolist(), problem.alignment.tolist(),
         int(problem.capacity), 60.0, ["WZ"], list(OFFSET_ORDER_HEURISTICS), 1 << 62, token, 60.0, True,
     )
     assert (status, offsets, engine) == (TIMEOUT, [], -1)
-    assert nodes <= 2 * 256 and time.monotonic() - start < 5
+    assert nodes <= 2 * 256  # each thread checks the token every 256 nodes
 
 
 @needs_native
