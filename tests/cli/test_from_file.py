@@ -102,7 +102,7 @@ def test_a_subcommand_without_layout_flags_leaves_the_layout_out(capsys, tiny, t
     report = result["from"]
     assert report["layout"] == {} and "num_processes" in report["ignored"]
     assert "no parallel-layout flags" in report["ignored"]["num_processes"]
-    assert report["used"]["mixed_precision"] == "autocast=bf16"
+    assert report["used"]["mixed_precision"].startswith("autocast=bf16 (FSDP's own mixed-precision policy")
 
 
 def test_gpu_list_prints_every_profile(capsys):

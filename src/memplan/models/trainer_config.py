@@ -623,7 +623,7 @@ def read_accelerate(m: Mapper, data: dict[str, Any]) -> None:
         if key == "distributed_type":
             m.note(key, {"NO": "one process", "MULTI_GPU": "DDP: zero=0"}.get(kind, "read with its config"))
         elif key == "mixed_precision":
-            _accelerate_precision(m, key, value)
+            _accelerate_precision(m, key, value, fsdp=kind == "FSDP")
         elif key == "fsdp_config" and kind == "FSDP":
             _accelerate_fsdp(m, key, dict(value or {}), processes, data.get("num_machines", 1))
         elif key == "deepspeed_config" and kind == "DEEPSPEED":
@@ -642,12 +642,14 @@ def read_accelerate(m: Mapper, data: dict[str, Any]) -> None:
             m.ignore(key, NOT_MAPPED)
 
 
-def _accelerate_precision(m: Mapper, key: str, value: Any) -> None:
-    """Accelerator(mixed_precision=...) autocasts the forward; the parameters stay fp32."""
+def _accelerate_precision(m: Mapper, key: str, value: Any, *, fsdp: bool) -> None:
+    """Accelerator(mixed_precision=...) autocasts the forward; the parameters stay fp32. Under
+    FSDP accelerate also gives FSDP a mixed-precision policy of its own, which is not mapped."""
     if value in ("no", None, False):  # YAML 1.1 reads an unquoted no as false
         m.ignore(key, "no: fp32")
     elif value in ("bf16", "fp16"):
-        m.set(key, "autocast", value)
+        m.set(key, "autocast", value, "FSDP's own mixed-precision policy is not mapped: give --fsdp-param-dtype "
+                                      "to model it" if fsdp else "")
     else:
         raise m.refuse(key, value, "no, bf16 or fp16")
 
