@@ -35,7 +35,7 @@ def test_estimate_json_has_the_issue_keys(capsys):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--world-size", "6", "--tp", "4"], "not divisible by tp"),
     (["--tp", "5"], "does not divide the 12 attention heads"),
-    (["--gpu", "h1000"], "unknown GPU 'h1000'.*a100-40gb"),
+    (["--gpu", "h1000"], "unknown GPU 'h1000': did you mean h100-80gb"),
     (["--capacity", "80 parsecs"], "cannot read size"),
     (["--zero", "4"], "zero stage must be"),
     (["--allocator", "buddy"], "unknown allocator"),

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from memplan.cli.from_file import apply_from_file
 from memplan.errors import BUG_EXIT_CODE, MemplanBug, UserError
 
 # Subcommand modules, in the order `memplan --help` lists them.
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"memplan.cli.{name}")
         sub = module.add_parser(subparsers)
         positionals = [action.dest for action in sub._actions if not action.option_strings]
-        sub.set_defaults(_run=module.run, _inputs=positionals)
+        sub.set_defaults(_run=module.run, _inputs=positionals, _parser=sub)
     return parser
 
 
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exc.code if isinstance(exc.code, int) else 2
     try:
+        apply_from_file(args, list(sys.argv[1:] if argv is None else argv))
         return int(args._run(args) or 0)
     except UserError as exc:
         sys.stderr.write(f"memplan: error: {exc}\n")

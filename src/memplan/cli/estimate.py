@@ -8,12 +8,14 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.cli import print_json
-from memplan.cli.inputs import refuse_retracing, trace_path
+from memplan.cli.from_file import from_json
+from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.layout_flags import add_layout_flags, layout_from_args
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.estimation import Estimate, estimate
 from memplan.estimation.from_trace import estimate_trace
+from memplan.hardware.devices import DeviceProfile, all_profiles
 from memplan.trace import load
 from memplan.units import format_bytes, parse_size
 
@@ -26,13 +28,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "per rank, peak allocated and reserved memory, device memory used, the breakdown and phase at the "
         "peak, and whether it fits.",
     )
-    p.add_argument("model", metavar="MODEL|TRACE",
-                   help="registry name, config.json path, package.module:factory, or a .memtrace / PyTorch "
-                   "snapshot pickle of the step")
+    p.add_argument("model", metavar="MODEL|TRACE", nargs="?", default=None,
+                   help="registry name, config.json path, package.module:factory, Hub id org/name, or a .memtrace / "
+                   "PyTorch snapshot pickle of the step")
     add_setup_flags(p)
     add_layout_flags(p)
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--gpu", default=None, metavar="NAME", help="device profile, e.g. h100-80gb")
+    target.add_argument("--gpu", default=None, metavar="NAME",
+                        help="device profile, e.g. h100-80gb; --gpu list prints every profile")
     target.add_argument("--capacity", default=None, metavar="SIZE", help="device memory, e.g. 80GiB")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="target device (default cuda; a TRACE's is the one it was captured for)")
@@ -50,6 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gpu == "list":
+        return list_gpus(all_profiles(), as_json=args.json)
     capacity = parse_size(args.capacity) if args.capacity is not None else None
     cuda_context = parse_size(args.cuda_context) if args.cuda_context is not None else None
     path = trace_path(args.model)
@@ -62,14 +67,32 @@ def run(args: argparse.Namespace) -> int:
         result = estimate_trace(trace, args.gpu, capacity, args.allocator, args.alloc_conf,
                                 cuda_context=cuda_context, name=path.name)
     else:
-        result = estimate(args.model, setup_from_args(args), layout_from_args(args), device=args.device or "cuda",
+        result = estimate(model_arg(args), setup_from_args(args), layout_from_args(args), device=args.device or "cuda",
                           allocator=args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
                           extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout,
                           cuda_context=cuda_context)
     if args.json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), **from_json(args)})
         return 0
     render(result)
+    return 0
+
+
+def list_gpus(profiles: list[DeviceProfile], *, as_json: bool) -> int:
+    """`--gpu list`: every device profile (name, memory, bandwidth, dense TFLOP/s, source)."""
+    rows = [p.listing() for p in profiles]
+    if as_json:
+        print_json({"gpus": rows})
+        return 0
+    table = Table(title=f"{len(rows)} GPU profiles (TFLOP/s dense; capacity as PyTorch reports it)")
+    for col in ("gpu", "name", "platform", "memory", "bandwidth", "bf16", "fp16", "fp32", "source"):
+        table.add_column(col, justify="left" if col in ("gpu", "name", "platform", "source") else "right",
+                         overflow="fold")
+    for r in rows:
+        flops = [("-" if r["tflops"].get(k) is None else f"{r['tflops'][k]:g}") for k in ("bf16", "fp16", "fp32")]
+        table.add_row(r["gpu"], r["name"], r["platform"], format_bytes(r["capacity_bytes"]),
+                      f"{r['memory_bandwidth_gbs'] / 1000:g} TB/s", *flops, r["source"])
+    Console(width=200).print(table)
     return 0
 
 

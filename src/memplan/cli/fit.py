@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.cli import print_json
-from memplan.cli.inputs import refuse_trace
+from memplan.cli.from_file import from_json
+from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.estimation.fit import fit
 from memplan.units import format_bytes
@@ -24,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="search DP / ZeRO / TP / PP, micro-batch, checkpointing and allocator for what fits",
         description="Estimate every layout of N GPUs and list those that fit, ranked by a roofline step time.",
     )
-    p.add_argument("model", metavar="MODEL", help="registry name, config.json path or package.module:factory")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="registry name, config.json path, package.module:factory or Hub id org/name")
     p.add_argument("--gpu", required=True, metavar="NAME", help="device profile, e.g. h100-80gb")
     p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs")
     p.add_argument("--top", type=int, default=None, metavar="K", help="show the K fastest (default all)")
@@ -36,9 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     refuse_trace(args.model, "fit", "searches layouts, micro-batches and checkpointing by re-tracing the model "
                  "(memplan estimate TRACE gives the trace's own memory)")
-    configs = fit(args.model, args.gpu, args.gpus, setup_from_args(args), progress=True, top=args.top)
+    configs = fit(model_arg(args), args.gpu, args.gpus, setup_from_args(args), progress=True, top=args.top)
     if args.json:
-        print_json({"model": args.model, "gpu": args.gpu, "gpus": args.gpus, "configurations": configs})
+        print_json({"model": args.model, "gpu": args.gpu, "gpus": args.gpus, "configurations": configs,
+                    **from_json(args)})
         return 0
     table = Table(title=f"{args.model} on {args.gpus} x {args.gpu}: {len(configs)} configurations fit")
     for col in ("dp", "zero", "tp", "pp", "micro-batch", "ckpt", "allocator", "device used", "step (s)", "ms/token"):

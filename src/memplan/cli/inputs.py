@@ -2,7 +2,8 @@
 
 A trace is an existing file that is a `.memtrace` (a zip archive), a pickle (a PyTorch
 memory snapshot) or named like one; anything else is a model spec (a registry name,
-a config.json path or `package.module:factory`, resolved by `memplan.models`). A trace
+a config.json path, `package.module:factory` or a Hub id `org/name`, resolved by
+`memplan.models.load_config`; `--trust-remote-code` lets it run a repository's code). A trace
 fixes the model, the training setup and the parallel layout it was recorded under, so
 flags asking for another setup or layout are refused rather than ignored.
 """
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from memplan.cli.layout_flags import layout_from_args
 from memplan.cli.setup_flags import setup_from_args
 from memplan.errors import UserError
+from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
 from memplan.trace.io import file_kind
 from memplan.trace.model import Trace
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
 
 TRACE_SUFFIXES = (".memtrace", ".pickle", ".pkl")
 
@@ -33,6 +39,15 @@ def trace_path(spec: str) -> Path | None:
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
     return path if kind is not None or path.suffix in TRACE_SUFFIXES else None
+
+
+def model_arg(args: argparse.Namespace) -> str | PretrainedConfig | FactorySpec:
+    """The MODEL to hand the library: the spec as typed, or, with `--trust-remote-code`,
+    the config loaded with the repository's own code (the library never runs remote code
+    unless asked: a spec string is resolved with `trust_remote_code=False`)."""
+    if getattr(args, "trust_remote_code", False):
+        return load_config(args.model, trust_remote_code=True)
+    return args.model
 
 
 def refuse_trace(spec: str, command: str, why: str) -> None:

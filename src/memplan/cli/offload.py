@@ -12,7 +12,8 @@ from typing import Any
 
 from memplan.capture.step import capture_step
 from memplan.cli import print_json
-from memplan.cli.inputs import refuse_retracing, trace_path
+from memplan.cli.from_file import from_json
+from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.hardware.links import Hardware, make_hardware
@@ -36,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "timeline per link), simulate the step with the transfers, and compare with ZeRO-Offload-, "
         "ZeRO-Infinity- and torchtune-like baselines in the same simulator.",
     )
-    p.add_argument("model", metavar="MODEL|TRACE",
+    p.add_argument("model", metavar="MODEL|TRACE", nargs="?", default=None,
                    help="registry model name (e.g. llama-3-8b), config.json path, package.module:factory, "
                    "or a .memtrace / PyTorch snapshot pickle of the step")
     add_setup_flags(p)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                      f"{f' (one FSDP2 rank of {args.gpus})' if args.zero == 3 else ''} ...\n")
     report, plan = evaluate(steps.trace, hardware, budget, steps.checkpointed, steps.alternatives,
                             baseline_trace=steps.baseline_trace)
-    report = {"model": args.model, "setup": steps.setup, "zero": args.zero, **report}
+    report = {"model": args.model, "setup": steps.setup, "zero": args.zero, **report, **from_json(args)}
     if args.plan_output:
         doc = json.dumps(plan.to_json()).encode()
         atomic_write(args.plan_output, lambda f: f.write(doc))
@@ -125,7 +126,9 @@ def _captured_steps(args: argparse.Namespace) -> _Steps:
     """MODEL's step captured on fake tensors, and the variants the evaluation compares it with."""
     if args.device is not None:
         raise UserError("--device picks a device of a TRACE; a captured MODEL step runs on one GPU")
-    config = load_config(args.model)
+    config = model_arg(args)
+    if isinstance(config, str):
+        config = load_config(config)
     setup = setup_from_args(args)
     if args.try_checkpointing and setup.checkpointing != "none":
         raise UserError(f"--try-checkpointing tries every checkpointing policy itself: drop --checkpointing "

@@ -13,10 +13,11 @@ import sys
 import time
 
 from memplan.cli import print_json
-from memplan.cli.inputs import refuse_trace
+from memplan.cli.from_file import from_json
+from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
-from memplan.models import load_config
+from memplan.models.registry import load_config
 from memplan.order import capture_model_step, layout_peak
 from memplan.order.solve import optimize_order
 from memplan.units import format_bytes
@@ -26,11 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "reorder",
         help="find an operator order of the whole training step with a lower peak",
-        description="Trace the whole training step of MODEL (registry name, config.json path or "
-        "package.module:factory) as one graph on fake tensors and reorder its operators "
+        description="Trace the whole training step of MODEL (registry name, config.json path, "
+        "package.module:factory or Hub id org/name) as one graph on fake tensors and reorder its operators "
         "(forward, backward and optimizer together) to lower the peak memory (ROAM).",
     )
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None)
     add_setup_flags(p)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="device the job is for: its optimizer defaults (default cuda: foreach)")
@@ -51,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.node_limit < 2:
         raise UserError(f"--node-limit must be at least 2, not {args.node_limit}")
     setup = setup_from_args(args)
-    spec = load_config(args.model)  # an unknown model fails here, before any progress line
+    spec = model_arg(args)
+    if isinstance(spec, str):
+        spec = load_config(spec)  # an unknown model fails here, before any progress line
     start = time.perf_counter()
     sys.stderr.write(f"memplan: tracing {args.model} on fake tensors…\n")
     graph = capture_model_step(spec, setup, device=args.device)
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "key_points": result.stats.get("key_points"),
         "windows_solved": result.stats.get("windows_solved"),
         "windows_improved": result.stats.get("windows_improved"),
+        **from_json(args),
     }
     if args.layout:
         out["layout_peak_bytes"] = layout_peak(graph, result.order, time_limit_s=min(30.0, args.time_limit))

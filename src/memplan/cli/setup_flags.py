@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from memplan.cli.from_file import add_model_input_flags
 from memplan.models.setup import (
     ACTIVATION_OFFLOADS,
     ALL_LINEAR,
@@ -53,6 +54,7 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
                        help="what optimizer.zero_grad() leaves between steps: none (set_to_none=True, "
                             "PyTorch >= 2.0, default) or zeros (set_to_none=False: gradients stay allocated)")
     _add_technique_flags(parser)
+    add_model_input_flags(parser)
 
 
 def _add_technique_flags(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +113,7 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         head=getattr(args, "head", "lm"),
         num_labels=getattr(args, "num_labels", 2),
         zero_grad=getattr(args, "zero_grad", "none"),
+        allow_long_seq=getattr(args, "allow_long_seq", False),  # set by --from, not a flag
         **_technique_fields(args),
     )
 

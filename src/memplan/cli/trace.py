@@ -10,7 +10,8 @@ from rich.console import Console
 
 from memplan.capture import capture_model
 from memplan.cli import print_json
-from memplan.cli.inputs import refuse_trace
+from memplan.cli.from_file import from_json
+from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.trace import save
@@ -22,10 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "trace",
         help="capture the lifetime trace of one training step",
         description="Capture every storage allocation and free of a training step of MODEL "
-        "(a registry name, a config.json path or package.module:factory). By default the "
+        "(a registry name, a config.json path, package.module:factory or a Hub id org/name). By default the "
         "step runs on fake tensors (no memory, any size); --real runs it on this CPU.",
     )
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None)
     add_setup_flags(p)
     p.add_argument("--real", action="store_true", help="run the step for real on this CPU")
     p.add_argument(
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status(f"tracing {args.model} ({'real cpu' if args.real else 'fake ' + device})…"):
         trace = capture_model(
-            args.model,
+            model_arg(args),
             setup,
             fake=not args.real,
             device=device,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 "num_buffers": summary["num_buffers"],
                 "num_ops": summary["num_ops"],
                 "capture_s": trace.meta.get("capture_s"),
+                **from_json(args),
             }
         )
     else:

@@ -70,8 +70,14 @@ def estimate_trace(
     if device != "cuda" or not any(d.startswith("cuda") for d in trace.devices):
         raise UserError(f"{name or 'the trace'} records a {device} job: estimate a GPU from a trace captured for "
                         "cuda, or pass the model with --device cpu")
+    if profile is not None:
+        # a real GPU's snapshot already holds its kernels' buffers: memplan adds no SDPA term
+        attn = (meta.get("setup") or {}).get("attn", "sdpa") if meta.get("fake") else None
+        refused = profile.unmodelled(attn=attn, world_size=1, context_override=cuda_context)
+        if refused is not None:
+            raise UserError(refused)
     view = _with_gpu_terms(trace, profile) if meta.get("fake") else trace
-    context = profile.cuda_context_bytes if profile is not None else 0
+    context = profile.context_bytes(cuda_context) if profile is not None else 0
     if cuda_context is not None:
         context = cuda_context
     per_device = []

@@ -245,7 +245,11 @@ def estimate(
     profile = device_profile(gpu) if gpu is not None else None
     if capacity is None and profile is not None:
         capacity = profile.capacity_bytes
-    name = model if isinstance(model, str) else type(model).__name__
+    if profile is not None and device == "cuda":
+        refused = profile.unmodelled(attn=setup.attn, world_size=layout.world_size, context_override=cuda_context)
+        if refused is not None:
+            raise UserError(refused)
+    name = model if isinstance(model, str) else (getattr(model, "name_or_path", "") or type(model).__name__)
     config = load_config(model) if isinstance(model, str) else model
     total_layers = num_layers(config)
     layout.check(config, setup)
@@ -321,7 +325,7 @@ def _device_overhead_bytes(job: EstimateJob, plan: RankPlan) -> int:
     """CUDA context plus NCCL buffers of the rank's communicators (device profile), for cuda."""
     if job.device != "cuda":
         return 0
-    context = job.profile.cuda_context_bytes if job.profile is not None else 0
+    context = job.profile.context_bytes(job.cuda_context_bytes) if job.profile is not None else 0
     if job.cuda_context_bytes is not None:
         context = job.cuda_context_bytes
     nccl = job.profile.nccl_bytes(plan.communicators) if job.profile is not None else 0

@@ -7,10 +7,17 @@ allocator or that it holds on its own behalf (CUDA context, cuBLAS workspace, NC
 buffers). Every figure carries its source in the JSON (`_sources` and each device's
 `source`); they are vendor datasheet numbers and documented PyTorch/NCCL defaults,
 not measurements made by memplan.
+
+A profile's `platform` is the PyTorch build that runs on it: `cuda`, or `rocm` (AMD
+Instinct). ROCm's PyTorch is the same caching allocator (`c10/cuda/CUDACachingAllocator.cpp`
+hipified), with its own BLAS workspace (hipBLASLt's, in the profile) and its own SDPA
+kernels, HIP context and RCCL buffers, which memplan does not model:
+`DeviceProfile.unmodelled` names what a job asks that the profile cannot answer.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,21 +34,58 @@ class DeviceProfile:
     key: str
     name: str
     generation: str
+    platform: str  # "cuda" or "rocm"
     capacity_bytes: int
     flops_per_s: dict[str, float | None]
     memory_bandwidth_bytes_per_s: float
     interconnect: str
     interconnect_bytes_per_s: float
     pcie_bytes_per_s: float
-    cuda_context_bytes: int
-    cublas_workspace_bytes: int
+    cuda_context_bytes: int | None  # None: no public measurement (the HIP context on ROCm)
+    cublas_workspace_bytes: int  # the BLAS workspace: cuBLAS's on CUDA, hipBLASLt's on ROCm
     nccl_buffsize_bytes: int
-    nccl_channels: int
+    nccl_channels: int | None  # None: the collective library's buffers are not modelled (RCCL)
     source: str
+    capacity_source: str = ""
 
     def nccl_bytes(self, communicators: int) -> int:
         """NCCL buffers of `communicators` process groups: channels x 2 ring peers x buffsize each."""
-        return int(communicators) * self.nccl_channels * 2 * self.nccl_buffsize_bytes
+        if communicators and self.nccl_channels is None:
+            raise UserError(f"the collective buffers of {self.name} are not modelled: estimate one GPU")
+        return int(communicators) * (self.nccl_channels or 0) * 2 * self.nccl_buffsize_bytes
+
+    def context_bytes(self, override: int | None = None) -> int:
+        """The device context (CUDA or HIP) in device-used memory: `override` when given,
+        else the profile's; `UserError` where the profile has none."""
+        if override is not None:
+            return int(override)
+        if self.cuda_context_bytes is None:
+            raise UserError(self._no_context_message())
+        return self.cuda_context_bytes
+
+    def _no_context_message(self) -> str:
+        return (f"the {'HIP' if self.platform == 'rocm' else 'CUDA'} context of {self.name} has no public "
+                "measurement memplan could use: measure the memory a process holds after torch.cuda.init() "
+                "(amd-smi or rocm-smi) and pass --cuda-context SIZE")
+
+    def unmodelled(self, *, attn: str | None, world_size: int, context_override: int | None) -> str | None:
+        """One line naming what a job on this device asks that memplan does not model, or None.
+        `attn` is the setup's attention (None: no SDPA term is added, as for a real GPU's snapshot).
+
+        On ROCm: SDPA runs AOTriton / Composable Kernel flash attention, whose workspaces
+        are not the CUDA kernels' (`memplan.trace.edit.attention_kernel_buffers`); RCCL's
+        buffers are not NCCL's; the HIP context has no public figure.
+        """
+        rocm = self.platform == "rocm"
+        if rocm and attn not in (None, "eager"):
+            return (f"on {self.name} SDPA runs ROCm's own kernels (AOTriton / Composable Kernel flash "
+                    "attention), whose workspaces memplan does not model: use --attn eager")
+        if rocm and world_size > 1:
+            return (f"RCCL's buffers on {self.name} are not modelled (its channels are not NCCL's): "
+                    "estimate one GPU (--world-size 1)")
+        if self.cuda_context_bytes is None and context_override is None:
+            return self._no_context_message()
+        return None
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         """Dense throughput for `dtype` (fp32 jobs use the fp32 rate; no bf16 falls back to fp16)."""
@@ -56,9 +100,24 @@ class DeviceProfile:
         return {
             "gpu": self.key,
             "name": self.name,
+            "platform": self.platform,
             "capacity_bytes": self.capacity_bytes,
             "cuda_context_bytes": self.cuda_context_bytes,
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
+        }
+
+    def listing(self) -> dict[str, Any]:
+        """What `memplan estimate --gpu list` shows of the profile (TFLOP/s dense)."""
+        return {
+            "gpu": self.key,
+            "name": self.name,
+            "platform": self.platform,
+            "capacity_bytes": self.capacity_bytes,
+            "memory_bandwidth_gbs": self.memory_bandwidth_bytes_per_s / 1e9,
+            "tflops": {k: (None if v is None else v / 1e12) for k, v in self.flops_per_s.items()},
+            "interconnect": self.interconnect,
+            "source": self.source,
+            "capacity_source": self.capacity_source,
         }
 
 
@@ -73,26 +132,47 @@ def list_devices() -> list[str]:
     return sorted(_raw()["devices"])
 
 
+def all_profiles() -> list[DeviceProfile]:
+    """Every shipped profile, sorted by `--gpu` name."""
+    return [device_profile(key) for key in list_devices()]
+
+
+def _unknown_gpu_message(key: object) -> str:
+    """An unknown `--gpu` name, with the closest names (difflib) and where the list is."""
+    bare = {name.replace("-", ""): name for name in list_devices()}  # compared without hyphens
+    typed = "".join(ch for ch in str(key).lower() if ch.isalnum())
+    close = [name for flat, name in bare.items() if typed and flat.startswith(typed)]
+    close += [bare[flat] for flat in difflib.get_close_matches(typed, list(bare), n=3, cutoff=0.5)
+              if bare[flat] not in close]
+    close = close[:3]
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return f"unknown GPU {key!r}: {hint}see every profile with `memplan estimate --gpu list`"
+
+
 def device_profile(key: str) -> DeviceProfile:
-    """The profile of `--gpu key`; an unknown name is a `UserError` listing the known ones."""
+    """The profile of `--gpu key`; an unknown name is a `UserError` naming the closest ones."""
     devices = _raw()["devices"]
     entry = devices.get(key) if isinstance(key, str) else None
     if entry is None:
-        raise UserError(f"unknown GPU {key!r}: choose one of {', '.join(list_devices())}")
+        raise UserError(_unknown_gpu_message(key))
     tflops = entry["tflops"]
+    context = entry["cuda_context_bytes"]
+    channels = entry["nccl"]["channels"]
     return DeviceProfile(
         key=key,
         name=entry["name"],
         generation=entry["generation"],
+        platform=entry["platform"],
         capacity_bytes=int(entry["capacity_bytes"]),
         flops_per_s={k: (None if v is None else float(v) * 1e12) for k, v in tflops.items()},
         memory_bandwidth_bytes_per_s=float(entry["memory_bandwidth_gbs"]) * 1e9,
         interconnect=entry["interconnect"],
         interconnect_bytes_per_s=float(entry["interconnect_gbs"]) * 1e9,
         pcie_bytes_per_s=float(entry["pcie_gbs"]) * 1e9,
-        cuda_context_bytes=int(entry["cuda_context_bytes"]),
+        cuda_context_bytes=None if context is None else int(context),
         cublas_workspace_bytes=int(entry["cublas_workspace_bytes"]),
         nccl_buffsize_bytes=int(entry["nccl"]["buffsize_bytes"]),
-        nccl_channels=int(entry["nccl"]["channels"]),
+        nccl_channels=None if channels is None else int(channels),
         source=entry["source"],
+        capacity_source=entry.get("capacity_source", ""),
     )

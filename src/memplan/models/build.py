@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import UserError
-from memplan.models.registry import FactorySpec, as_config, load_config
+from memplan.models.registry import FactorySpec, as_config, load_config, uses_remote_code
 from memplan.models.setup import DEFAULT_MAX_SEQ, TrainingSetup
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
@@ -73,10 +73,17 @@ def is_fake_mode_active() -> bool:
     return torch._guards.detect_fake_mode() is not None
 
 
+# The Auto classes a repository's own code can name in its `auto_map`, per task head.
+REMOTE_HEAD_CLASSES = {"lm": ("AutoModelForCausalLM", "AutoModelForMaskedLM"),
+                       "seq-cls": ("AutoModelForSequenceClassification",)}
+
+
 def model_class(config: PretrainedConfig, head: str = "lm") -> type[nn.Module]:
     """The Hugging Face class `build_model` builds for a config and task head."""
     import transformers
 
+    if uses_remote_code(config):
+        return _remote_model_class(config, head)
     if head == "seq-cls":
         from transformers import AutoModelForSequenceClassification
         from transformers.models.auto.modeling_auto import (
@@ -107,9 +114,25 @@ def model_class(config: PretrainedConfig, head: str = "lm") -> type[nn.Module]:
     raise UserError(f"model type '{config.model_type}' has no causal or masked language-model class in transformers")
 
 
+def _remote_model_class(config: PretrainedConfig, head: str) -> type[nn.Module]:
+    """The Auto class whose `from_config(..., trust_remote_code=True)` builds the model class
+    of a config loaded with its repository's code (its `auto_map` names the class)."""
+    import transformers
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    for name in REMOTE_HEAD_CLASSES.get(head, ()):
+        if name in auto_map:
+            return getattr(transformers, name)
+    wanted = " or ".join(REMOTE_HEAD_CLASSES.get(head, ("a known head",)))
+    raise UserError(f"{config.name_or_path or config.model_type}'s auto_map names no {wanted} class for --head {head}")
+
+
 def instantiate(cls: type[nn.Module], config: PretrainedConfig, **kwargs: Any) -> nn.Module:
-    """`cls` built from `config` (Auto classes via `from_config`, concrete ones `_from_config`)."""
+    """`cls` built from `config` (Auto classes via `from_config`, concrete ones `_from_config`);
+    a config from a repository's own code builds that code's model class."""
     if cls.__name__.startswith("AutoModel"):
+        if uses_remote_code(config):
+            kwargs["trust_remote_code"] = True
         return cls.from_config(config, **kwargs)
     return cls._from_config(config, **kwargs)
 

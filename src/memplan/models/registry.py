@@ -1,13 +1,23 @@
 """The model registry: public model configs shipped as JSON, user configs, user factories.
 
-A model is named in one of three ways, all resolved by `load_config`:
+A model is named in one of four ways, all resolved by `load_config`, in this order:
 
 - a registry name (`gpt2`, `llama-2-70b`, ...): one of the Hugging Face `config.json` files
   shipped in `memplan/models/configs/`, written from the published configs of those models.
   Each carries a `_memplan` block with its Hub id and published parameter count, which
   the tests check against the model built from the config (on the meta device);
-- a path to a local Hugging Face `config.json`;
-- `package.module:factory`, a user function that returns an `nn.Module` (see `FactorySpec`).
+- a path to a local Hugging Face `config.json` (or a directory holding one) that exists;
+- `package.module:factory`, a user function that returns an `nn.Module` (see `FactorySpec`);
+- a Hugging Face Hub id, `org/name` (one `/`, not an existing path): only its `config.json`
+  is fetched, by `huggingface_hub.hf_hub_download`, which keeps it in the Hub cache and
+  honours `HF_HOME` / `HF_HUB_CACHE`, `HF_TOKEN` and `HF_HUB_OFFLINE`. No weights are
+  downloaded: the model is built from its config.
+
+A config whose `auto_map` names an `AutoConfig` class from the repository's own code, for a
+`model_type` transformers does not know, needs that code run: `load_config` refuses it
+unless `trust_remote_code=True` (the CLI's `--trust-remote-code`), and then loads it with
+`AutoConfig.from_pretrained(..., trust_remote_code=True)`, as transformers does; the
+builders then take the model class from the same remote code (`uses_remote_code`).
 
 `tiny_config` scales any config down to the same architecture at toy size, for tests and
 real CPU runs. Assumes transformers >= 4.45 (tested on 5.x), where `AutoConfig.for_model`
@@ -19,6 +29,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -31,6 +42,10 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
 
 CONFIG_PACKAGE = "memplan.models.configs"
 PROVENANCE_KEY = "_memplan"
+# `org/name` as the Hub spells repository ids (huggingface_hub.utils.validate_repo_id)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+REMOTE_CODE_PACKAGE = "transformers_modules"  # where transformers imports a repository's own code
+HUB_LOGIN = "log in with `huggingface-cli login` (`hf auth login`) or set HF_TOKEN"
 
 # Toy sizes used by `tiny_config`.
 TINY_LAYERS = 2
@@ -113,7 +128,7 @@ def _unknown_model_message(spec: str) -> str:
     hint = f"did you mean {', '.join(close)}? " if close else ""
     return (
         f"unknown model '{spec}': {hint}give a registry name ({', '.join(names)}),"
-        f" a path to a config.json, or package.module:factory"
+        f" a path to a config.json, package.module:factory or a Hugging Face Hub id (org/name)"
     )
 
 
@@ -132,28 +147,119 @@ def config_from_dict(data: dict[str, Any], label: str) -> PretrainedConfig:
         raise UserError(f"model config {label} is invalid: {message}") from exc
 
 
-def load_config(spec: str) -> PretrainedConfig | FactorySpec:
+def load_config(spec: str, *, trust_remote_code: bool = False) -> PretrainedConfig | FactorySpec:
     """Resolve a model spec to a `transformers.PretrainedConfig`, or a `FactorySpec`.
 
-    `spec` is a registry name, a path to a local HF `config.json` (or a directory holding
-    one), or `package.module:factory`. Unknown names raise `UserError` with close matches.
+    `spec` is, in this order: a registry name, an existing path to a local HF
+    `config.json` (or a directory holding one), `package.module:factory`, or a Hub id
+    `org/name` (see the module docstring). Unknown names raise `UserError` with close
+    matches. `trust_remote_code` lets a config whose `auto_map` needs the repository's
+    own code run that code (refused otherwise).
     """
     if not isinstance(spec, str) or not spec:
-        raise UserError("a model is required: a registry name, a config.json path or package.module:factory")
+        raise UserError("a model is required: a registry name, a config.json path, package.module:factory "
+                        "or a Hugging Face Hub id (org/name)")
     if spec in list_models():
         return config_from_dict(registry_entry(spec), f"'{spec}'")
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
-    if path.suffix == ".json" or path.exists() or "/" in spec or "\\" in spec:
-        if not path.exists():
-            raise UserError(f"model config file {path} does not exist")
-        return config_from_dict(_read_json(path, str(path)), str(path))
-    if ":" in spec:
+    if path.is_file():
+        return _config_from_file(path, str(path), path.parent, trust_remote_code)
+    if ":" in spec and "/" not in spec:
         module, _, attribute = spec.partition(":")
         if module and attribute.isidentifier() and all(part.isidentifier() for part in module.split(".")):
             return FactorySpec(module, attribute)
+    if HUB_ID.fullmatch(spec) and path.suffix != ".json":
+        return _config_from_file(Path(hub_config_path(spec)), f"{spec} (config.json from the Hugging Face Hub)",
+                                 spec, trust_remote_code)
+    if path.suffix == ".json" or "/" in spec or "\\" in spec:
+        raise UserError(f"model config file {path} does not exist")
     raise UserError(_unknown_model_message(spec))
+
+
+def hub_config_path(repo_id: str) -> str:
+    """The local path of `repo_id`'s `config.json`: from the Hub cache, or downloaded into it
+    (`huggingface_hub.hf_hub_download`, which honours HF_HOME, HF_TOKEN and HF_HUB_OFFLINE).
+    Every failure is one `UserError` line saying what to do."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return hf_hub_download(repo_id, "config.json")
+    except GatedRepoError:
+        raise UserError(f"{repo_id} is a gated repository: accept its terms on https://huggingface.co/{repo_id}, "
+                        f"then {HUB_LOGIN}; or pass a config.json path") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"no repository {repo_id} on the Hugging Face Hub (if it is private, {HUB_LOGIN}): "
+                        "give a registry name, a config.json path or package.module:factory") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+        raise UserError(f"{repo_id}'s config.json is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                        f"{why}: fetch it once online, or pass a config.json path") from None
+    except EntryNotFoundError:
+        raise UserError(f"{repo_id} has no config.json on the Hugging Face Hub: pass a config.json path") from None
+    except HFValidationError as exc:
+        raise UserError(f"{repo_id!r} is not a Hugging Face Hub id ({str(exc).splitlines()[0]})") from None
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", "?")
+        hint = HUB_LOGIN if status in (401, 403) else "try again, or pass a config.json path"
+        raise UserError(f"the Hugging Face Hub answered HTTP {status} for {repo_id}'s config.json: {hint}") from None
+    except OSError as exc:  # a network failure without a cached copy, an unwritable cache
+        raise UserError(f"cannot fetch {repo_id}'s config.json: {exc.strerror or exc}") from None
+
+
+def needs_remote_code(data: dict[str, Any]) -> bool:
+    """Whether a config.json can only be loaded by running its repository's code: its
+    `auto_map` names an `AutoConfig` and transformers has no class for its `model_type`
+    (the test transformers' `AutoConfig.from_pretrained` makes)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    auto_map = data.get("auto_map")
+    return isinstance(auto_map, dict) and "AutoConfig" in auto_map and data.get("model_type") not in CONFIG_MAPPING
+
+
+def uses_remote_code(config: PretrainedConfig) -> bool:
+    """Whether `config` is an instance of a class from a repository's own code (loaded
+    with `trust_remote_code=True`): its model class then comes from that code too."""
+    return type(config).__module__.startswith(REMOTE_CODE_PACKAGE)
+
+
+def _config_from_file(path: Path, label: str, source: str | Path, trust_remote_code: bool) -> PretrainedConfig:
+    """The config of `path` (a local file, or the Hub's cached copy of `source`'s)."""
+    data = _read_json(path, label)
+    remote = isinstance(data.get("auto_map"), dict) and "AutoConfig" in data["auto_map"]
+    if not trust_remote_code:
+        if needs_remote_code(data):
+            raise UserError(f"{label} names a model type transformers does not know ({data.get('model_type')!r}); "
+                            f"its auto_map loads it with the repository's own code: pass --trust-remote-code to "
+                            "run that code, or a config.json of a model type transformers has")
+        config = config_from_dict(data, label)
+    elif remote:
+        config = _remote_config(str(source), label)
+    else:
+        config = config_from_dict(data, label)
+    config.name_or_path = str(source)
+    return config
+
+
+def _remote_config(source: str, label: str) -> PretrainedConfig:
+    """`AutoConfig.from_pretrained(source, trust_remote_code=True)`: the repository's own
+    config class, its code fetched into (or read from) the Hub cache."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=True)
+    except (OSError, ValueError, ImportError, AttributeError) as exc:
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise UserError(f"cannot load {label} with its own code: {message[:300]}") from None
 
 
 def as_config(spec: str | PretrainedConfig | FactorySpec) -> PretrainedConfig:

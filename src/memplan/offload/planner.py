@@ -390,7 +390,7 @@ def default_budget_bytes(hardware: Hardware) -> int:
     """Device capacity less what never reaches PyTorch's allocator (CUDA context, cuBLAS workspace):
     the budget `plan_offload` and `evaluate.evaluate` use when none is given."""
     gpu = hardware.gpu
-    return int(gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes)
+    return int(gpu.capacity_bytes - gpu.context_bytes() - gpu.cublas_workspace_bytes)
 
 
 def _candidate_intervals(trace: Trace, lt: Lifetimes, min_nbytes: int,
