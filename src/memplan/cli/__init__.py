@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 import warnings
@@ -70,6 +71,10 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    # torchao (imported by peft) logs each CUDA-only extension a CPU build cannot load, and
+    # its enum registrations make torch.utils._pytree log a deprecation: neither is the user's
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def _inputs_of(args: argparse.Namespace) -> str:
