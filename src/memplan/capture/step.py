@@ -127,6 +127,12 @@ def build_training_step(
     optimizers). Call it inside a `FakeTensorMode` for a fake step.
     """
     setup = setup if setup is not None else TrainingSetup()
+    if setup.quant == "int8" and target_device == "cuda" and device != "cuda":
+        # bitsandbytes trains int8 layers with MatMul8bitFp on CPU and MatMul8bitLt on CUDA
+        # (autograd/_functions.py, `matmul`); the CUDA one splits off the activation columns
+        # above the outlier threshold, a data-dependent shape no fake tensor can have
+        raise UserError("--quant int8 is estimated for --device cpu only: bitsandbytes' CUDA int8 matmul "
+                        "(LLM.int8 outlier columns) has data-dependent shapes; use --quant nf4 or fp4")
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     start = time.perf_counter()
     if not models.is_fake_mode_active():
