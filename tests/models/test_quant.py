@@ -26,7 +26,8 @@ QUANT_SETUPS = [
 def tensor_layout(model):
     """(name, class, shape, dtype, requires_grad) of every parameter and buffer, then the
     shapes and dtypes of the quantisation constants."""
-    params = [(n, type(p).__name__, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    params = [(n, type(p).__name__ if is_quantised(p) else "-", tuple(p.shape), p.dtype, p.requires_grad)
+              for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
     constants = [(n, tuple(t.shape), t.dtype) for n, t in quantisation_constants(model)]
     return params, buffers, constants
@@ -69,7 +70,7 @@ def test_gpt2s_conv1d_projections_are_quantised_with_their_weights_transposed():
     config = tiny_config("gpt2")
     with FakeTensorMode():
         model = build_model(config, TrainingSetup(quant="nf4", lora_rank=4))
-    c_fc = model.base_model.model.transformer.h[0].mlp.c_fc.base_layer
+    c_fc = model.base_model.model.transformer.h[0].mlp.c_fc  # not a LoRA target: the bnb layer itself
     assert isinstance(c_fc, bnb.nn.Linear4bit)
     assert tuple(c_fc.weight.quant_state.shape) == (4 * config.n_embd, config.n_embd)  # [out, in]
 

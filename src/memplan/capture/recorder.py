@@ -158,6 +158,7 @@ class Recorder(TorchDispatchMode):
         self._saved_order: list[int] = []  # the same, in the order autograd first saved them
         self._tensor_names: dict[int, str] = {}  # buffer -> the runtime's key (`name`)
         self._marked: dict[int, int] = {}  # buffer -> category forced by the runner
+        self._leaf_modules: dict[int, str] = {}  # buffer of a marked tensor -> its owning module
         self.record_flops = record_flops
         self.active = False
         # step position, set by the runner
@@ -199,6 +200,11 @@ class Recorder(TorchDispatchMode):
             return self._module_stack[-1]
         if torch._C._current_graph_task_id() != -1:
             node = torch._C._current_autograd_node()
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                # an AccumulateGrad node (its sequence number is the maximum, no module's):
+                # the module of the parameter whose gradient it accumulates
+                return self._leaf_modules.get(self._ids.get(variable.untyped_storage(), -1), "")
             if node is not None:
                 return self._module_of_sequence_nr(node._sequence_nr())
         return ""
@@ -266,6 +272,8 @@ class Recorder(TorchDispatchMode):
         """Force the category of `tensor`'s storage (parameters, gradients, states, inputs);
         `module` names the owning module of a pre-existing storage (e.g. a parameter's)."""
         idx = self.buffer_of(tensor)
+        if module is not None:
+            self._leaf_modules.setdefault(idx, module)
         if module is not None and self._b.preexisting[idx] and self._b.module[idx] == 0:
             self._b.module[idx] = self._intern(self._modules, module)
         current = self._marked.get(idx)

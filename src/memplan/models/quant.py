@@ -37,6 +37,7 @@ a `Params4bit` (`Int8Params`) and keeps that class name, which peft dispatches o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Iterator
@@ -88,7 +89,7 @@ def quantise_base(model: nn.Module, setup: TrainingSetup, fake: bool) -> None:
                         "is not one: pass a registry name or a config.json")
     quantizer = _quantizer(setup)
     originals = dict(model.named_modules())
-    with _real_meta():  # replace_with_bnb_linear makes the new modules on the meta device
+    with _outside_fake_mode():  # replace_with_bnb_linear makes the new modules on the meta device
         quantizer.preprocess_model(model, device_map={"": "cpu"})
     replaced = [(name, module) for name, module in model.named_modules() if module is not originals.get(name)
                 and _is_bnb_linear(module)]
@@ -116,9 +117,9 @@ def _is_bnb_linear(module: nn.Module) -> bool:
     return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
-def _real_meta() -> Any:
-    """Outside any `FakeTensorMode`, so that modules made on the meta device are real meta
-    tensors, which `Params4bit` and `Int8Params` can wrap."""
+def _outside_fake_mode() -> Any:
+    """Outside any `FakeTensorMode`: modules made on the meta device are then real meta
+    tensors, which `Params4bit` and `Int8Params` can wrap, and tensors made are real."""
     return unset_fake_temporarily()
 
 
@@ -147,10 +148,10 @@ def _load_fake(module: nn.Module, value: torch.Tensor, original: nn.Module) -> N
         value = value.T
     weight = module.weight
     if isinstance(module, bnb.nn.Linear4bit):
-        _dynamic_map()
-        packed, state = bnb.functional.quantize_4bit(
-            value.contiguous(), blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
-            quant_type=weight.quant_type, quant_storage=weight.quant_storage)
+        with _fake_dynamic_map(value.fake_mode):
+            packed, state = bnb.functional.quantize_4bit(
+                value.contiguous(), blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
+                quant_type=weight.quant_type, quant_storage=weight.quant_storage)
         param = fake_parameter(packed, fake_params4bit_class())
         param.__dict__.update({**weight.__dict__, "quant_state": state, "bnb_quantized": True, "module": module})
         module.quant_state = state
@@ -162,20 +163,32 @@ def _load_fake(module: nn.Module, value: torch.Tensor, original: nn.Module) -> N
     module._parameters["weight"] = param
 
 
-def _dynamic_map() -> None:
-    """bitsandbytes' 8-bit dynamic map, which `quantize_blockwise` (double quantisation)
-    builds on first use with `.tolist()` (`functional.create_dynamic_map`); made for real
-    here, since no value can be read from a fake tensor."""
+@contextlib.contextmanager
+def _fake_dynamic_map(fake_mode: Any) -> Iterator[None]:
+    """bitsandbytes' 8-bit dynamic map (`functional.name2qmap["dynamic"]`, the code of double
+    quantisation) as a fake tensor of `fake_mode` while the block runs. `quantize_blockwise`
+    builds the map on first use with `.tolist()` (`create_dynamic_map`), which no fake tensor
+    can answer, so it is made for real here, then converted; the real cache is restored."""
     import bitsandbytes as bnb
 
-    with _real_meta():
-        bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
+    cache = bnb.functional.name2qmap
+    before = cache.get("dynamic")
+    with _outside_fake_mode():
+        real = before if before is not None else bnb.functional.create_dynamic_map()
+    cache["dynamic"] = fake_mode.from_tensor(real)
+    try:
+        yield
+    finally:
+        if before is None:
+            cache.pop("dynamic", None)
+        else:
+            cache["dynamic"] = before
 
 
 def fake_parameter(like: torch.Tensor, cls: type) -> torch.Tensor:
     """A frozen fake parameter of class `cls` (a `FakeTensor` subclass) with the shape,
     dtype, strides and device of the fake tensor `like`."""
-    with _real_meta():
+    with _outside_fake_mode():
         elem = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
     return cls.__new__(cls, like.fake_mode, elem, like.device, requires_grad=False, _is_param=True)
 
