@@ -165,6 +165,12 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
     """
     setup.check()
     refuse_unbuilt_techniques(setup)
+    if setup.quant == "int8" and setup.dora:
+        # peft's DoRA re-wraps the int8 weight of a CPU layer on every forward
+        # (utils/integrations.py, dequantize_module_weight: `module.weight.to(device)`), which
+        # leaves Linear8bitLt without its row scales, and the next forward fails
+        raise UserError("--dora with --quant int8 fails in peft + bitsandbytes on CPU, the one device int8 is "
+                        "estimated for: use --quant nf4 or fp4")
     if isinstance(spec, str):
         spec = load_config(spec)
     skip_init = is_fake_mode_active() or torch.device(device).type == "meta"
@@ -179,6 +185,8 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
         _check_sequence(model, setup)
         model.train()
+        if setup.lora_rank > 0:
+            _check_lora_targets(model, setup)
         if setup.quant != "none":
             _apply_quant(model, setup, spec, fake=skip_init)
         _apply_checkpointing(model, setup)
@@ -408,13 +416,19 @@ def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str] | str:
     return list(targets)
 
 
-def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
+def _check_lora_targets(model: nn.Module, setup: TrainingSetup) -> None:
+    """`UserError` when the LoRA targets name no module of `model` (before anything is
+    quantised or adapted; peft checks `all-linear` itself)."""
     targets = lora_targets(model, setup)
     names = [name for name, _ in model.named_modules()]
     if targets != ALL_LINEAR and not any(name == t or name.endswith("." + t) for name in names for t in targets):
         raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
+
+
+def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, setup)
     # A classification head is new, so peft trains it in full (task_type SEQ_CLS, as HF's
     # LoRA classification recipes set it): peft keeps a trainable copy of the classifier.
     task = {"task_type": "SEQ_CLS"} if setup.head == "seq-cls" else {}
