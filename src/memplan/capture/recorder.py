@@ -204,10 +204,14 @@ class Recorder(TorchDispatchMode):
             if variable is not None:
                 # an AccumulateGrad node (its sequence number is the maximum, no module's):
                 # the module of the parameter whose gradient it accumulates
-                return self._leaf_modules.get(self._ids.get(variable.untyped_storage(), -1), "")
+                return self.leaf_module(variable)
             if node is not None:
                 return self._module_of_sequence_nr(node._sequence_nr())
         return ""
+
+    def leaf_module(self, leaf: torch.Tensor) -> str:
+        """The module a marked tensor (a parameter) belongs to, or "" when it is unknown."""
+        return self._leaf_modules.get(self._ids.get(leaf.untyped_storage(), -1), "")
 
     def _module_of_sequence_nr(self, seq: int) -> str:
         """The module whose forward created the autograd node with sequence number `seq`.
