@@ -88,6 +88,17 @@ def test_a_70b_base_is_quantised_on_fake_tensors_with_no_memory():
     assert grown_kib < 2 * 1024 * 1024  # the real 4-bit weights alone would be 32 GiB
 
 
+def test_a_quantised_model_counts_the_weights_it_stands_for():
+    from memplan.capture.step import build_training_step
+
+    config = tiny_config("llama-2-7b")
+    plain = build_training_step(config, TrainingSetup(batch=1, seq=8, lora_rank=4))
+    with FakeTensorMode():
+        quantised = build_training_step(config, TrainingSetup(batch=1, seq=8, lora_rank=4, quant="nf4"))
+    assert quantised.meta["parameters"] == plain.meta["parameters"]
+    assert quantised.meta["trainable_parameters"] == plain.meta["trainable_parameters"]
+
+
 def test_kbit_prep_casts_every_unquantised_parameter_to_fp32_and_freezes_it():
     config = tiny_config("llama-2-7b")
     prepared = build_model(config, TrainingSetup(quant="nf4", lora_rank=4, dtype="bf16"))

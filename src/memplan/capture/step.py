@@ -34,6 +34,7 @@ from memplan.capture.api import capture
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
 from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.quant import weight_count
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
 from memplan.trace.model import Trace
@@ -147,8 +148,8 @@ def build_training_step(
         "model": model_spec if isinstance(model_spec, str) else type(model).__name__,
         "setup": setup.to_dict(),
         "device": target_device or device,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
-        "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+        "parameters": int(sum(weight_count(p) for p in model.parameters())),
+        "trainable_parameters": int(sum(weight_count(p) for p in model.parameters() if p.requires_grad)),
         "build_s": round(time.perf_counter() - start, 3),
     }
     # A CUDA job traced on fake tensors runs CUDA's attention kernels, not the CPU's

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -259,6 +260,13 @@ def train_unquantised(model: nn.Module) -> None:
 def is_quantised(param: torch.Tensor) -> bool:
     """Whether `param` is a bitsandbytes quantised weight (`Params4bit`, `Int8Params`)."""
     return type(param).__name__ in ("Params4bit", "Int8Params")
+
+
+def weight_count(param: torch.Tensor) -> int:
+    """The number of weights `param` holds: a `Params4bit` packs several per element of its
+    storage, and its `quant_state.shape` is the weight's own."""
+    state = getattr(param, "quant_state", None)
+    return math.prod(state.shape) if state is not None else param.numel()
 
 
 def quantisation_constants(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
