@@ -150,7 +150,7 @@ def test_quant_on_a_factory_model_is_a_user_error(tmp_path, monkeypatch):
         "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError, match="the factory 'memplan_quant_factory:make' builds its own"):
-        build_model("memplan_quant_factory:make", TrainingSetup(quant="nf4", lora_rank=4))
+        build_model("memplan_quant_factory:make", TrainingSetup(quant="nf4", lora_rank=4, lora_targets=("0",)))
 
 
 def test_a_model_without_linear_layers_to_quantise_is_a_user_error():
