@@ -73,9 +73,11 @@ def setup_label(case: dict[str, Any]) -> str:
     s, layout = case["setup"], case["layout"]
     if s.get("lora_rank"):
         targets = ",".join(t.removesuffix("_proj") for t in s.get("lora_targets") or [])
-        method = f"LoRA r{s['lora_rank']} ({targets})"
+        method = f"{'DoRA' if s.get('dora') else 'LoRA'} r{s['lora_rank']} ({targets})"
     else:
         method = "full"
+    if s.get("quant", "none") != "none":
+        method = f"{s['quant']}{' double-quant' if s.get('double_quant') else ''} base, {method}"
     if s.get("head", "lm") == "seq-cls":
         method += f" seq-cls ({s.get('num_labels', 2)} labels)"
     precision = s["dtype"] if s.get("autocast", "none") == "none" else f"{s['dtype']}+{s['autocast']} autocast"

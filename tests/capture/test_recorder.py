@@ -117,6 +117,22 @@ def test_ops_are_attributed_to_modules_in_forward_and_backward():
     assert {"0", "2"} <= bwd_modules
 
 
+def test_gradient_accumulation_into_a_parameter_belongs_to_the_parameters_module():
+    # AccumulateGrad nodes have no forward module; the second micro-batch adds into .grad there
+    model, opt, x, _ = mlp_step()
+
+    def two_micro_batches(x):
+        for _ in range(2):
+            model(x).square().mean().backward()
+
+    trace = capture(two_micro_batches, x, model=model, optimizer=opt)
+    names = [trace.op_names[n] for n in trace.ops["name"]]
+    accumulate = [i for i, n in enumerate(names) if n == "aten.add_.Tensor"
+                  and trace.ops["phase"][i] == PHASE["backward"]]
+    assert len(accumulate) == 4  # the two weights and two biases, in the second micro-batch
+    assert {trace.modules[trace.ops["module"][i]] for i in accumulate} == {"0", "2"}
+
+
 def test_gradient_accumulation_numbers_the_micro_batches():
     setup = models.TrainingSetup(batch=1, seq=16, grad_accum=3)
     trace = capture_model(models.tiny_config("gpt2"), setup, fake=True, device="cpu")

@@ -40,6 +40,12 @@ def test_estimate_json_has_the_issue_keys(capsys):
     (["--zero", "4"], "zero stage must be"),
     (["--allocator", "buddy"], "unknown allocator"),
     (["--cuda-context", "lots"], "cannot read size"),
+    (["--quant", "nf4"], "full fine-tuning cannot train nf4-quantised weights: add --lora-rank R"),
+    (["--quant", "int8", "--lora-rank", "4"], "--quant int8 is estimated for --device cpu only"),
+    (["--quant", "int8", "--lora-rank", "4", "--lora-targets", "c_attn", "--dora", "--device", "cpu"],
+     "--dora with --quant int8"),
+    (["--quant", "nf4", "--lora-rank", "4", "--world-size", "2", "--zero", "3"], "not traced over bitsandbytes"),
+    (["--lora-rank", "4", "--lora-targets", "all-linear,c_attn"], "all-linear is peft's name"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(capsys, argv, message):
     import re
@@ -79,3 +85,20 @@ def test_a_given_cuda_context_replaces_the_profile_s_in_device_used(capsys):
     context = device_profile("v100-16gb").cuda_context_bytes
     assert eager["device_used_bytes"] - profile["device_used_bytes"] == 1343 * 2**20 - context
     assert eager["peak_reserved_bytes"] == profile["peak_reserved_bytes"]
+
+
+def test_a_quantised_factory_model_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    (tmp_path / "memplan_cli_quant_factory.py").write_text(
+        "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_cli(capsys, "estimate", "memplan_cli_quant_factory:make", "--quant", "nf4",
+                             "--lora-rank", "4", "--lora-targets", "0")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "the factory 'memplan_cli_quant_factory:make'" in err
+
+
+def test_lora_targets_that_match_nothing_are_refused_before_anything_is_quantised(capsys):
+    code, out, err = run_cli(capsys, "estimate", "gpt2", *TINY, "--quant", "nf4", "--lora-rank", "4",
+                             "--lora-targets", "q_proj")
+    assert code == 2 and out == ""
+    assert "LoRA targets q_proj match no module of GPT2LMHeadModel" in err.strip().splitlines()[-1]

@@ -2,7 +2,9 @@
 
 The CPU ground truth: a real training step on the host's CPU, measured by
 torch.profiler's memory timeline, must match the estimate within 1%, across at least
-five model families, with and without checkpointing, LoRA and autocast.
+five model families, with and without checkpointing, LoRA and autocast, and with quantised
+bases (bitsandbytes nf4 / fp4 / int8 under peft's k-bit preparation) and LoRA variants
+(all-linear, alpha, DoRA, adapters on the LM head and the embeddings).
 """
 
 import pytest
@@ -24,6 +26,19 @@ CASES = [
     ("bert-base", {"autocast": "bf16"}),
     ("phi-3-mini", {"checkpointing": "selective"}),
     ("bert-base", {"head": "seq-cls", "zero_grad": "zeros"}),
+    # quantised bases through bitsandbytes + peft, and LoRA variants
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dtype": "bf16"}),
+    ("llama-2-7b", {"quant": "nf4", "double_quant": True, "lora_rank": 4, "dtype": "bf16"}),
+    ("mistral-7b", {"quant": "int8", "lora_rank": 4, "dtype": "bf16"}),
+    ("llama-2-7b", {"quant": "nf4", "kbit_prep": False, "lora_rank": 4, "dtype": "bf16"}),
+    ("gpt2", {"quant": "fp4", "quant_storage": "bf16", "lora_rank": 4, "autocast": "bf16",
+              "checkpointing": "full"}),
+    ("llama-2-7b", {"quant": "nf4", "frozen_base": True, "dtype": "bf16"}),
+    ("llama-2-7b", {"lora_rank": 4, "lora_targets": ("all-linear",), "lora_alpha": 16.0}),
+    ("llama-2-7b", {"lora_rank": 4, "dora": True}),
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dora": True, "dtype": "bf16"}),
+    ("llama-2-7b", {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj", "lm_head")}),
+    ("mistral-7b", {"lora_rank": 4, "lora_targets": ("embed_tokens", "v_proj")}),
 ]
 
 

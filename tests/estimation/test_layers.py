@@ -12,6 +12,7 @@ CASES = [
     ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, None),
     ("gpt2", {"batch": 2}, None),
     ("mistral-7b", {"lora_rank": 4, "autocast": "bf16"}, None),
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dtype": "bf16", "grad_accum": 2}, None),
     ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
     ("llama-2-7b", {"dtype": "bf16"}, Layout(tp=2)),
     ("llama-2-7b", {"checkpointing": "selective-op"}, Layout(world_size=4, zero=3, fsdp_param_dtype="bf16")),

@@ -123,6 +123,7 @@ def test_to_dict_and_from_dict_round_trip(setup):
     ({"optimizer_in_backward": True, "grad_accum": 4}, "use --grad-accum 1"),
     ({"loss": "fused-linear", "head": "seq-cls"}, "use --loss full"),
     ({"dora": True}, "add --lora-rank R"),
+    ({"lora_rank": 4, "lora_targets": ("all-linear", "lm_head")}, "stands alone"),
     ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave --optimizer-impl out"),
     ({"loss": "chunked:0"}, "chunked:N"),
 ])

@@ -1,10 +1,11 @@
 """`capture(step_fn, ...)`: run any training step under the dispatch-level `Recorder`
 and return a validated `Trace`.
 
-It knows what the storages are from the model and the optimizer: parameters, `.grad`
-tensors, `optimizer.state`, the step's inputs and autograd's saved tensors (through
-`saved_tensors_hooks`); the recorder derives the phase (forward, backward, recompute,
-optimizer) and the micro-batch on its own (docs/capture.md).
+It knows what the storages are from the model and the optimizer: parameters (with the
+quantisation constants of bitsandbytes' layers), `.grad` tensors, `optimizer.state`, the
+step's inputs and autograd's saved tensors (through `saved_tensors_hooks`); the recorder
+derives the phase (forward, backward, recompute, optimizer) and the micro-batch on its own
+(docs/capture.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.optim.optimizer import (
 
 from memplan.capture.hf_masks import masks_as_on_real_tensors
 from memplan.capture.recorder import Recorder, _tensors
+from memplan.models.quant import quantisation_constants
 from memplan.trace.model import Trace
 
 
@@ -47,6 +49,9 @@ def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
             rec.name(p.grad, f"grad.{name}")
     for name, buf in model.named_buffers():
         rec.mark(buf, "other", module=name.rpartition(".")[0] or type(model).__name__)
+    for owner, constant in quantisation_constants(model):
+        # bitsandbytes' absmax / code / offset / row scales: frozen parts of the weights
+        rec.mark(constant, "parameter", module=owner or type(model).__name__)
 
 
 def _mark_gradient(rec: Recorder, p: torch.Tensor, names: dict[int, str]) -> None:

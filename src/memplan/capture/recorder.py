@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
@@ -57,6 +57,28 @@ from memplan.trace.model import (
 from memplan.trace.validate import validate
 
 _UNKNOWN = -1  # category decided at finalisation from the lifetime rule
+
+# Library ops whose kernel is itself a sequence of ops (a `CompositeExplicitAutograd` kernel
+# written in Python): the recorder runs that kernel with itself active again, so that what
+# the ops inside allocate and free is in the trace. bitsandbytes' 4-bit matmul, `gemm_4bit`,
+# has no CPU kernel: its `default` kernel (`bitsandbytes/backends/default/ops.py`,
+# `_gemm_4bit_default_impl`) dequantises the nested absmax (double quantisation) and the
+# weight, in the input's dtype, then calls `F.linear`; CUDA allocates the same buffers
+# (`backends/cuda/ops.py`, `_dequant_linear_fallback`) wherever the batch has more than
+# 1,536 rows, and below that wherever its per-architecture table prefers it to the fused
+# kernel (docs/estimation.md, "Quantised bases").
+COMPOSITE_OPS = frozenset({"bitsandbytes::gemm_4bit"})
+_COMPOSITE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _linear_flops(x: torch.Tensor, weight: torch.Tensor, *_args: Any, out_val: Any = None, **_kwargs: Any) -> int:
+    """FLOPs of `aten.linear` (2 per multiply-add), which `torch.utils.flop_counter` counts
+    through its `mm`/`addmm` decomposition and so has no entry for; the recorder sees it
+    whole inside a composite kernel."""
+    return 2 * out_val.numel() * weight.shape[-1]
+
+
+_EXTRA_FLOPS = {torch.ops.aten.linear: _linear_flops}
 
 
 _ACTIVE: Recorder | None = None
@@ -136,6 +158,7 @@ class Recorder(TorchDispatchMode):
         self._saved_order: list[int] = []  # the same, in the order autograd first saved them
         self._tensor_names: dict[int, str] = {}  # buffer -> the runtime's key (`name`)
         self._marked: dict[int, int] = {}  # buffer -> category forced by the runner
+        self._leaf_modules: dict[int, str] = {}  # buffer of a marked tensor -> its owning module
         self.record_flops = record_flops
         self.active = False
         # step position, set by the runner
@@ -177,9 +200,18 @@ class Recorder(TorchDispatchMode):
             return self._module_stack[-1]
         if torch._C._current_graph_task_id() != -1:
             node = torch._C._current_autograd_node()
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                # an AccumulateGrad node (its sequence number is the maximum, no module's):
+                # the module of the parameter whose gradient it accumulates
+                return self.leaf_module(variable)
             if node is not None:
                 return self._module_of_sequence_nr(node._sequence_nr())
         return ""
+
+    def leaf_module(self, leaf: torch.Tensor) -> str:
+        """The module a marked tensor (a parameter) belongs to, or "" when it is unknown."""
+        return self._leaf_modules.get(self._ids.get(leaf.untyped_storage(), -1), "")
 
     def _module_of_sequence_nr(self, seq: int) -> str:
         """The module whose forward created the autograd node with sequence number `seq`.
@@ -244,6 +276,8 @@ class Recorder(TorchDispatchMode):
         """Force the category of `tensor`'s storage (parameters, gradients, states, inputs);
         `module` names the owning module of a pre-existing storage (e.g. a parameter's)."""
         idx = self.buffer_of(tensor)
+        if module is not None:
+            self._leaf_modules.setdefault(idx, module)
         if module is not None and self._b.preexisting[idx] and self._b.module[idx] == 0:
             self._b.module[idx] = self._intern(self._modules, module)
         current = self._marked.get(idx)
@@ -303,6 +337,8 @@ class Recorder(TorchDispatchMode):
             # metadata queries (prim.device) and profiler ranges (record_function, which
             # Optimizer.step opens before its hooks run) allocate nothing and are not ops
             return func(*args, **kwargs)
+        if func._schema.name in COMPOSITE_OPS:
+            return self._run_composite(func, args, kwargs)
         op = len(self._op_name)
         in_tensors = _tensors((args, kwargs))
         inputs = [self.buffer_of(t, op=op) for t in in_tensors]
@@ -345,7 +381,7 @@ class Recorder(TorchDispatchMode):
         self._op_bytes.append(float(moved))
         flops = float("nan")
         if self.record_flops:
-            counter = flop_registry.get(func._overloadpacket)
+            counter = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
             if counter is not None:
                 try:
                     flops = float(counter(*args, **kwargs, out_val=out))
@@ -353,6 +389,15 @@ class Recorder(TorchDispatchMode):
                     flops = float("nan")
         self._op_flops.append(flops)
         return out
+
+    def _run_composite(self, func: Any, args: Any, kwargs: dict) -> Any:
+        """`func`'s composite kernel (`COMPOSITE_OPS`) run with this recorder active, so that
+        each op inside is recorded instead of `func` as one op."""
+        _push_mode(self)
+        try:
+            return func.redispatch(_COMPOSITE_KEYS, *args, **kwargs)
+        finally:
+            _pop_mode()
 
     def __enter__(self) -> Recorder:
         global _ACTIVE

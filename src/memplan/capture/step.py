@@ -34,6 +34,7 @@ from memplan.capture.api import capture
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
 from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.quant import weight_count
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
 from memplan.trace.model import Trace
@@ -127,6 +128,12 @@ def build_training_step(
     optimizers). Call it inside a `FakeTensorMode` for a fake step.
     """
     setup = setup if setup is not None else TrainingSetup()
+    if setup.quant == "int8" and target_device == "cuda" and device != "cuda":
+        # bitsandbytes trains int8 layers with MatMul8bitFp on CPU and MatMul8bitLt on CUDA
+        # (autograd/_functions.py, `matmul`); the CUDA one splits off the activation columns
+        # above the outlier threshold, a data-dependent shape no fake tensor can have
+        raise UserError("--quant int8 is estimated for --device cpu only: bitsandbytes' CUDA int8 matmul "
+                        "(LLM.int8 outlier columns) has data-dependent shapes; use --quant nf4 or fp4")
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     start = time.perf_counter()
     if not models.is_fake_mode_active():
@@ -141,8 +148,8 @@ def build_training_step(
         "model": model_spec if isinstance(model_spec, str) else type(model).__name__,
         "setup": setup.to_dict(),
         "device": target_device or device,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
-        "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+        "parameters": int(sum(weight_count(p) for p in model.parameters())),
+        "trainable_parameters": int(sum(weight_count(p) for p in model.parameters() if p.requires_grad)),
         "build_s": round(time.perf_counter() - start, 3),
     }
     # A CUDA job traced on fake tensors runs CUDA's attention kernels, not the CPU's

@@ -70,7 +70,8 @@ def _add_technique_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compute-dtype", choices=DTYPES, default=None,
                        help="the dtype quantised matmuls dequantise to (default: --autocast's, else --dtype)")
     group.add_argument("--no-kbit-prep", dest="kbit_prep", action="store_false",
-                       help="skip peft's prepare_model_for_kbit_training (fp32 norms, input gradients)")
+                       help="skip peft's prepare_model_for_kbit_training (freezes the base, casts its "
+                            "unquantised fp16/bf16 parameters to fp32)")
     group.add_argument("--frozen-base", action="store_true",
                        help="with --quant and no LoRA: train only what is not quantised")
     group.add_argument("--optimizer-in-backward", action="store_true",

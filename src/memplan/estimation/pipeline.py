@@ -285,6 +285,9 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
                             parallel_tracing: bool) -> None:
     """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision policy
     where FSDP2 is not traced (docs/estimation.md)."""
+    if parallel_tracing and setup.quant != "none" and (layout.zero == 3 or layout.tp > 1):
+        raise UserError("--quant with --zero 3 or --tp: FSDP2 and DTensor TP are not traced over bitsandbytes' "
+                        "quantised weights by this version of memplan: estimate one GPU, DDP or ZeRO-1/2")
     if parallel_tracing:
         refused = untraceable_tensor_parallel(layout, config, setup)
         if refused is not None:

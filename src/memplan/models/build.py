@@ -47,13 +47,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import UserError
+from memplan.models import quant
+from memplan.models.dtypes import TORCH_DTYPES
 from memplan.models.registry import FactorySpec, as_config, load_config, uses_remote_code
-from memplan.models.setup import DEFAULT_MAX_SEQ, TrainingSetup
+from memplan.models.setup import ALL_LINEAR, DEFAULT_MAX_SEQ, TrainingSetup
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM")
 
@@ -188,6 +188,12 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
     """
     setup.check()
     refuse_unbuilt_techniques(setup)
+    if setup.quant == "int8" and setup.dora:
+        # peft's DoRA re-wraps the int8 weight of a CPU layer on every forward
+        # (utils/integrations.py, dequantize_module_weight: `module.weight.to(device)`), which
+        # leaves Linear8bitLt without its row scales, and the next forward fails
+        raise UserError("--dora with --quant int8 fails in peft + bitsandbytes on CPU, the one device int8 is "
+                        "estimated for: use --quant nf4 or fp4")
     if isinstance(spec, str):
         spec = load_config(spec)
     skip_init = is_fake_mode_active() or torch.device(device).type == "meta"
@@ -202,17 +208,36 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
         _check_sequence(model, setup)
         model.train()
+        if setup.lora_rank > 0:
+            _check_lora_targets(model, setup)
+        if setup.quant != "none":
+            _apply_quant(model, setup, spec, fake=skip_init)
         _apply_checkpointing(model, setup)
         if setup.lora_rank > 0:
             model = _apply_lora(model, setup)
+        elif setup.frozen_base:
+            quant.train_unquantised(model)
     model.memplan_attention = setup.attn
     return model
 
 
+def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig | FactorySpec, fake: bool) -> None:
+    """The quantised base of `setup.quant` (`memplan.models.quant`), then peft's k-bit
+    preparation when `setup.kbit_prep`."""
+    if isinstance(spec, FactorySpec):
+        raise UserError(f"--quant quantises a Hugging Face model as transformers loads it; the factory "
+                        f"'{spec.spec}' builds its own: pass a registry name or a config.json")
+    if torch.device(next(model.parameters()).device).type == "meta":
+        raise UserError("--quant needs real or fake tensors, not the meta device")
+    quant.quantise_base(model, setup, fake=fake)
+    if setup.kbit_prep:
+        quant.prepare_for_kbit_training(model)
+
+
 # Setup fields whose techniques no builder applies yet, with the value that turns each off.
 UNBUILT_TECHNIQUES = {
-    "quant": "none", "optimizer_in_backward": False, "cpu_offload": "none", "loss": "full",
-    "compile": "none", "activation_offload": "none", "dora": False, "lora_alpha": None, "impl": "hf",
+    "optimizer_in_backward": False, "cpu_offload": "none", "loss": "full",
+    "compile": "none", "activation_offload": "none", "impl": "hf",
 }
 UNBUILT_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "paged-adamw", "lion", "ao-adamw8bit", "ao-adamw4bit",
                       "ao-adamw-fp8")
@@ -226,8 +251,6 @@ def refuse_unbuilt_techniques(setup: TrainingSetup) -> None:
             raise UserError(f"--{name.replace('_', '-')} is not supported by this version of memplan")
     if setup.optimizer in UNBUILT_OPTIMIZERS:
         raise UserError(f"--optimizer {setup.optimizer} is not supported by this version of memplan")
-    if setup.lora_targets == ("all-linear",):
-        raise UserError("--lora-targets all-linear is not supported by this version of memplan")
 
 
 def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:
@@ -400,8 +423,11 @@ def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
         _checkpoint_forward(module)
 
 
-def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
-    """Module-name suffixes LoRA adapts: the setup's, else peft's default for the family."""
+def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str] | str:
+    """Module-name suffixes LoRA adapts: the setup's, else peft's default for the family;
+    `"all-linear"` as peft spells it (every linear layer but the output head)."""
+    if setup.lora_targets == (ALL_LINEAR,):
+        return ALL_LINEAR
     if setup.lora_targets:
         return list(setup.lora_targets)
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
@@ -413,18 +439,25 @@ def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
     return list(targets)
 
 
+def _check_lora_targets(model: nn.Module, setup: TrainingSetup) -> None:
+    """`UserError` when the LoRA targets name no module of `model` (before anything is
+    quantised or adapted; peft checks `all-linear` itself)."""
+    targets = lora_targets(model, setup)
+    names = [name for name, _ in model.named_modules()]
+    if targets != ALL_LINEAR and not any(name == t or name.endswith("." + t) for name in names for t in targets):
+        raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
+
+
 def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = lora_targets(model, setup)
-    names = [name for name, _ in model.named_modules()]
-    if not any(name == t or name.endswith("." + t) for name in names for t in targets):
-        raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
     # A classification head is new, so peft trains it in full (task_type SEQ_CLS, as HF's
     # LoRA classification recipes set it): peft keeps a trainable copy of the classifier.
     task = {"task_type": "SEQ_CLS"} if setup.head == "seq-cls" else {}
-    config = LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank, lora_dropout=0.0,
-                        target_modules=targets, bias="none", **task)
+    alpha = setup.lora_alpha if setup.lora_alpha is not None else 2 * setup.lora_rank
+    config = LoraConfig(r=setup.lora_rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                        bias="none", use_dora=setup.dora, **task)
     fake = is_fake_mode_active()
     # Under FakeTensorMode, `Module.to` on fake parameters fails (torch swaps fake
     # parameters and the swap refuses tensors with weak references), and peft moves every

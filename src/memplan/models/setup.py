@@ -29,8 +29,9 @@ The techniques people turn on to make a job fit, each off by default:
   `int8`: `Linear8bitLt`), with `double_quant` (4-bit quantisation constants quantised
   again), `quant_storage` (the dtype 4-bit weights are packed in) and `compute_dtype` (the
   dtype each matmul dequantises to; default: the setup's `dtype`, or the autocast dtype);
-  `kbit_prep`: peft's `prepare_model_for_kbit_training` (fp32 norms and head inputs,
-  input gradients for checkpointing). A quantised base trains through LoRA
+  `kbit_prep`: peft's `prepare_model_for_kbit_training` (every parameter frozen, every
+  unquantised fp16/bf16 one cast to fp32: embeddings, norms, the LM head; on by default).
+  A quantised base trains through LoRA
   (`lora_rank > 0`, QLoRA) or, with `frozen_base`, trains only what is not quantised;
 - `optimizer` beyond PyTorch's: bitsandbytes' 8-bit and paged AdamW (`adamw8bit`,
   `paged-adamw8bit`, `paged-adamw`) and Lion (`lion`), torchao's low-bit AdamW
@@ -193,6 +194,9 @@ class TrainingSetup:
                             "head has no vocabulary-sized logits: use --loss full")
         if self.lora_rank == 0 and (self.dora or self.lora_alpha is not None):
             raise UserError("--dora and --lora-alpha configure LoRA: add --lora-rank R")
+        if self.lora_targets is not None and ALL_LINEAR in self.lora_targets and len(self.lora_targets) > 1:
+            raise UserError(f"--lora-targets {ALL_LINEAR} is peft's name for every linear layer but the output head "
+                            f"and stands alone: drop the other names, or list every module without {ALL_LINEAR}")
         if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not self.lora_alpha > 0):
             raise UserError(f"lora_alpha must be a number > 0, not {self.lora_alpha!r}")
 

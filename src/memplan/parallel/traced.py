@@ -113,6 +113,11 @@ class DistributedRecorder(Recorder):
             tensor = tensor._local_tensor
         return super().buffer_of(tensor, op=op)
 
+    def leaf_module(self, leaf: torch.Tensor) -> str:
+        if isinstance(leaf, DTensor):
+            leaf = leaf._local_tensor
+        return super().leaf_module(leaf)
+
     def note_saved(self, tensor: torch.Tensor) -> None:
         if isinstance(tensor, DTensor):
             tensor = tensor._local_tensor
