@@ -50,6 +50,7 @@ from memplan.trace.model import (
     BUFFER_COLUMNS,
     CATEGORY,
     FREE,
+    HOST_DEVICE,
     OP_COLUMNS,
     PHASE,
     Trace,
@@ -72,6 +73,23 @@ def set_microbatch(microbatch: int) -> None:
     if _ACTIVE is not None:
         _ACTIVE.explicit_microbatch = True
         _ACTIVE.microbatch = int(microbatch)
+
+
+def mark_host(tensor: torch.Tensor) -> None:
+    """Tell the running recorder that `tensor`'s storage is host memory (`HOST_DEVICE`): a
+    copy a step keeps on the host on purpose, such as an activation offloaded to pinned
+    memory. A CUDA job is traced on fake cpu tensors, where host and device memory are both
+    "cpu"; this is how they are told apart. Outside a capture it does nothing."""
+    if _ACTIVE is not None:
+        _ACTIVE.mark_host(tensor)
+
+
+def note_saved(tensor: torch.Tensor) -> None:
+    """Tell the running recorder that autograd saved `tensor` for backward, from a
+    `saved_tensors_hooks` pack hook of the step's own (which hides the recorder's hooks,
+    as the innermost hooks alone run). Outside a capture it does nothing."""
+    if _ACTIVE is not None:
+        _ACTIVE.note_saved(tensor)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -257,6 +275,10 @@ class Recorder(TorchDispatchMode):
         if idx is not None and idx not in self._saved:
             self._saved.add(idx)
             self._saved_order.append(idx)
+
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s storage is host memory (see the module-level `mark_host`)."""
+        self._b.device[self.buffer_of(tensor)] = self._intern(self._devices, HOST_DEVICE)
 
     def name(self, tensor: torch.Tensor, name: str) -> None:
         """Name `tensor`'s storage as the offload runtime keys it (`grad.<fqn>`,

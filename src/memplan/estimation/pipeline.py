@@ -95,6 +95,8 @@ class RankEstimate:
     breakdown: dict[str, int]
     peak_phase: str
     ranks: list[int] = field(default_factory=list)  # the ranks this one stands for
+    host_peak_bytes: int = 0  # host memory the step keeps on purpose (offloaded activations), at its peak
+    peak_with_host_bytes: int = 0  # peak of allocated + host at the same moment (a cpu job's whole memory)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -102,6 +104,8 @@ class RankEstimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_used_bytes": self.device_used_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
+            "peak_with_host_bytes": self.peak_with_host_bytes,
             "breakdown": dict(self.breakdown),
             "peak_phase": self.peak_phase,
             "same_as_ranks": self.ranks,
@@ -141,6 +145,14 @@ class Estimate:
         return max(r.device_used_bytes for r in self.per_rank)
 
     @property
+    def host_peak_bytes(self) -> int:
+        return max(r.host_peak_bytes for r in self.per_rank)
+
+    @property
+    def peak_with_host_bytes(self) -> int:
+        return max(r.peak_with_host_bytes for r in self.per_rank)
+
+    @property
     def fits(self) -> bool | None:
         if self.capacity_bytes is None:
             return None
@@ -159,6 +171,8 @@ class Estimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_used_bytes": self.device_used_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
+            "peak_with_host_bytes": self.peak_with_host_bytes,
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
             "method": self.method,
@@ -313,7 +327,7 @@ def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
     parallel = "modelled" if not traced else "traced" if plan.traced_transform is None else "traced + modelled"
     rank = RankEstimate(plan.rank, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
                         fig.peak_reserved_bytes + _device_overhead_bytes(job, plan), fig.breakdown, fig.peak_phase,
-                        plan.same_as)
+                        plan.same_as, fig.host_peak_bytes, fig.peak_with_host_bytes)
     return RankResult(rank, extrapolated, parallel, step_totals(job, plan, steps) if plan.rank == 0 else None)
 
 
@@ -381,12 +395,14 @@ def gpu_view(step: StepTrace, setup: TrainingSetup, profile: DeviceProfile | Non
 
 @dataclass
 class Counters:
-    """Series of one replay: allocated and reserved bytes after each event, and the
-    per-buffer sizes the allocator charges (for the breakdown)."""
+    """Series of one replay: allocated and reserved bytes after each event, the per-buffer
+    sizes the allocator charges (for the breakdown; 0 for host buffers), and the live bytes
+    of host memory (`memplan.trace.model.HOST_DEVICE`) after each event."""
 
     allocated: np.ndarray
     reserved: np.ndarray
     charged_nbytes: np.ndarray
+    host: np.ndarray
 
 
 def charged_bytes(nbytes: np.ndarray, alloc_conf: str | None) -> np.ndarray:
@@ -399,18 +415,21 @@ def charged_bytes(nbytes: np.ndarray, alloc_conf: str | None) -> np.ndarray:
 
 
 def replay_counters(trace: Trace, allocator: str, alloc_conf: str | None) -> Counters:
-    """Allocated and reserved series of `trace` under `allocator` (unlimited capacity)."""
-    nbytes = trace.buffers["nbytes"]
+    """Allocated and reserved series of `trace`'s device under `allocator` (unlimited
+    capacity), and its host memory's live bytes."""
+    host = trace_edit.host_view(trace).live_bytes()
+    view = trace_edit.device_view(trace)
+    nbytes = view.buffers["nbytes"]
     if allocator == "none":
-        live = trace.live_bytes()
-        return Counters(live, live, nbytes)
+        live = view.live_bytes()
+        return Counters(live, live, nbytes, host)
     if allocator == "planned":
         # STWeaver plan of this very step (validated by the layout work's independent
         # checker before it is returned), replayed with its caching fallback.
-        result = replay(trace, "planned", alloc_conf=alloc_conf, plan=plan_addresses(trace), segment_map=False)
+        result = replay(view, "planned", alloc_conf=alloc_conf, plan=plan_addresses(view), segment_map=False)
     else:
-        result = replay(trace, allocator, alloc_conf=alloc_conf, segment_map=False)
-    return Counters(result.allocated_bytes, result.reserved_bytes, charged_bytes(nbytes, alloc_conf))
+        result = replay(view, allocator, alloc_conf=alloc_conf, segment_map=False)
+    return Counters(result.allocated_bytes, result.reserved_bytes, charged_bytes(nbytes, alloc_conf), host)
 
 
 def _breakdown(vector: np.ndarray, total: float) -> dict[str, int]:
@@ -429,6 +448,12 @@ class Figures:
     peak_reserved_bytes: int
     breakdown: dict[str, int]
     peak_phase: str
+    host_peak_bytes: int = 0
+    peak_with_host_bytes: int = 0
+
+
+def _series_peak(series: np.ndarray) -> int:
+    return int(series.max()) if series.shape[0] else 0
 
 
 def figures_full(trace: Trace, counters: Counters) -> Figures:
@@ -437,7 +462,8 @@ def figures_full(trace: Trace, counters: Counters) -> Figures:
     peak = int(counters.allocated[event]) if event >= 0 else 0
     vector = layers.breakdown_vector(trace, event, counters.charged_nbytes) if event >= 0 else np.zeros(7)
     return Figures(peak, int(counters.reserved.max()) if counters.reserved.shape[0] else 0,
-                   _breakdown(vector, peak), trace.phase_at(event))
+                   _breakdown(vector, peak), trace.phase_at(event), _series_peak(counters.host),
+                   _series_peak(counters.allocated + counters.host))
 
 
 def rank_figures(views: list[Trace], counters: list[Counters], blocks_path: str, target_layers: int) -> Figures | None:
@@ -467,8 +493,11 @@ def figures_extrapolated(pair: tuple[Trace, Trace], counters: tuple[Counters, Co
     # the extrapolated allocated peak, unless the linear reserved figure is larger.
     slack = float(counters[1].reserved.max() - counters[1].allocated.max())
     reserved = max(float(resv_full.max()), peak + slack)
+    host, both = (layers.extrapolate(*[layers.region_peaks(series(c), r).values for c, r in zip(counters, reg)],
+                                     k, target_layers).max()
+                  for series in (lambda c: c.host, lambda c: c.allocated + c.host))
     return Figures(int(round(peak)), int(round(reserved)), _breakdown(vector, peak),
-                   pair[1].phase_at(int(alloc[1].events[win])))
+                   pair[1].phase_at(int(alloc[1].events[win])), int(round(float(host))), int(round(float(both))))
 
 
 def _device_view(trace: Trace, step: StepTrace, setup: TrainingSetup, device: str,

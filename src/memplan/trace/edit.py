@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.trace.model import ALLOC, CATEGORY, FREE, PHASE, Trace
+from memplan.trace.model import ALLOC, CATEGORY, FREE, HOST_DEVICE, PHASE, Trace
 from memplan.trace.validate import validate
 
 FLASH_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -192,20 +192,35 @@ def workspace_buffer(trace: Trace, nbytes: int) -> list[ExtraBuffer]:
 def device_view(trace: Trace, device: str | None = None) -> Trace:
     """The trace with buffers of every other device (cpu included) given zero bytes.
 
-    With one non-cpu device (or none) and no `device` asked for, the trace itself.
+    Host memory (`HOST_DEVICE`) is never part of a device's view. With one non-cpu device
+    (or none), no host buffers and no `device` asked for, the trace itself.
     """
     names = trace.devices
     used = sorted({names[int(i)] for i in np.unique(trace.buffers["device"])}) if trace.num_buffers else []
+    devices = [name for name in used if name != HOST_DEVICE]
     if device is None:
-        accelerators = [name for name in used if name != "cpu"]
+        accelerators = [name for name in devices if name != "cpu"]
         if len(accelerators) > 1:
             raise UserError(f"the trace has buffers on {', '.join(accelerators)}: pick one with --device")
-        if not accelerators or len(used) == 1:
+        if len(devices) == len(used) and (not accelerators or len(used) == 1):
             return trace
-        device = accelerators[0]
+        if not devices:
+            return _keep(trace, np.zeros(trace.num_buffers, bool))
+        device = accelerators[0] if accelerators else devices[0]
     if device not in names:
         raise UserError(f"device {device!r} is not in the trace (it has {', '.join(used) or 'no buffers'})")
-    keep = trace.buffers["device"] == names.index(device)
+    return _keep(trace, trace.buffers["device"] == names.index(device))
+
+
+def host_view(trace: Trace) -> Trace:
+    """The trace with only its host-memory buffers (`HOST_DEVICE`) keeping their bytes."""
+    if HOST_DEVICE not in trace.devices:
+        return _keep(trace, np.zeros(trace.num_buffers, bool))
+    return _keep(trace, trace.buffers["device"] == trace.devices.index(HOST_DEVICE))
+
+
+def _keep(trace: Trace, keep: np.ndarray) -> Trace:
+    """The trace with the buffers outside `keep` given zero bytes."""
     if bool(keep.all()):
         return trace
     buffers = dict(trace.buffers)

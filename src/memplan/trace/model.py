@@ -31,6 +31,10 @@ CATEGORIES = (
     "other",
 )
 PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+# The device name of host memory that a step keeps on purpose (activations offloaded to
+# pinned host memory, host copies of states): never part of an accelerator's (or a cpu
+# job's device) memory, reported on its own (`memplan.capture.recorder.mark_host`).
+HOST_DEVICE = "host"
 EVENT_KINDS = ("alloc", "free")
 
 CATEGORY = {name: i for i, name in enumerate(CATEGORIES)}
