@@ -1,0 +1,39 @@
+"""The loss and activation-offloading flags on the command line: estimates, and the
+combinations that cannot run refused in one line (exit 2)."""
+
+import json
+
+import pytest
+
+from memplan.cli import main
+
+TINY = ["--batch", "2", "--seq", "16", "--device", "cpu", "--allocator", "none", "--json"]
+
+
+@pytest.fixture
+def config(tmp_path):
+    from memplan.models import tiny_config
+
+    path = tmp_path / "config.json"
+    tiny_config("llama-2-7b").to_json_file(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--head", "seq-cls", "--loss", "fused-linear"], "use --loss full"),
+    (["--head", "seq-cls", "--loss", "chunked"], "use --loss full"),
+    (["--loss", "chunked:x"], "chunked:N"),
+    (["--loss", "fused-linear", "--world-size", "2", "--tp", "2"], "use --loss chunked with --tp"),
+    (["--activation-offload", "memplan"], "memplan offload"),
+])
+def test_impossible_loss_and_offload_flags_are_one_line_and_exit_2(config, capsys, flags, message):
+    assert main(["estimate", config, *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_an_offloading_estimate_reports_host_memory_apart(config, capsys):
+    assert main(["estimate", config, *TINY, "--activation-offload"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["host_peak_bytes"] > 0
+    assert doc["peak_allocated_bytes"] < doc["peak_with_host_bytes"]
