@@ -21,7 +21,7 @@
 
 Labels are shifted as Hugging Face, torchtune's recipes and Liger's `LigerForCausalLMLoss`
 all shift them: padded with -100 and moved one position left, so the three losses are the
-same number as `full` (tests/models/test_losses.py, values and gradients).
+same number as `full` (docs/estimation.md, "Losses and activation offloading").
 
 How the loss replaces the head: the output head (`get_output_embeddings()`) is swapped,
 for the duration of the model's forward, for a module that computes the loss from the
