@@ -10,13 +10,10 @@ from memplan.capture import capture
 from memplan.capture.activation_offload import MIN_OFFLOAD_BYTES, TorchtuneOffload
 from memplan.capture.recorder import Recorder
 from memplan.capture.step import build_training_step, capture_model
-from memplan.trace.model import HOST_DEVICE
 
 
 def _host_nbytes(trace):
-    if HOST_DEVICE not in trace.devices:
-        return []
-    return trace.buffers["nbytes"][trace.buffers["device"] == trace.devices.index(HOST_DEVICE)].tolist()
+    return trace.buffers["nbytes"][trace.host_mask("pinned")].tolist()
 
 
 def test_tensors_of_at_least_1024_bytes_move_to_host_memory_and_small_ones_stay():
@@ -54,7 +51,7 @@ def test_a_cuda_job_keeps_its_host_copies_apart_from_the_device_and_its_device_p
     traces = {mode: capture_model(config, models.TrainingSetup(batch=2, seq=64, activation_offload=mode))
               for mode in ("none", "torchtune")}
     offloaded = traces["torchtune"]
-    assert set(offloaded.devices) == {"cuda:0", HOST_DEVICE}
+    assert set(offloaded.devices) == {"cuda:0", "host:pinned"}
     host = _host_nbytes(offloaded)
     assert host and min(host) >= MIN_OFFLOAD_BYTES
     from memplan.trace.edit import device_view

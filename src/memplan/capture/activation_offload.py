@@ -27,9 +27,9 @@ in program order, with its defaults (`use_pin_memory=True`, `use_streams=True`,
 
 Streams only make the copies asynchronous: on CPU (real steps, and a CUDA job traced on
 fake cpu tensors) the copies are synchronous, and every allocation and free happens at
-the same point of the program as on the GPU. The host copies are marked as host memory
-(`memplan.capture.recorder.mark_host`), so an estimate reports them apart from the
-device's memory.
+the same point of the program as on the GPU. The host copies are marked as pinned host
+memory (`memplan.models.tracing.mark_host`), so an estimate reports them apart from the
+device's memory (`host_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from memplan.capture.recorder import mark_host, note_saved
+from memplan.capture.recorder import note_saved
+from memplan.models import tracing
 
 MIN_OFFLOAD_BYTES = 1024  # OffloadActivations(min_offload_size=1024)
 MAX_FWD_STASH = 5  # OffloadActivations(max_fwd_stash_size=5)
@@ -101,7 +102,7 @@ class TorchtuneOffload(saved_tensors_hooks):
                 break
             del self.fwd_stash[old]
         host = torch.empty_like(activation, pin_memory=activation.is_cuda, device="cpu")
-        mark_host(host)
+        tracing.mark_host(host, "pinned")
         host.copy_(activation, non_blocking=True)
         self.tracker[tensor_id] = (host, activation.device)
         self.fwd_stash[tensor_id] = activation

@@ -45,12 +45,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memplan.models import tracing
 from memplan.trace.model import (
     ALLOC,
     BUFFER_COLUMNS,
     CATEGORY,
     FREE,
-    HOST_DEVICE,
     OP_COLUMNS,
     PHASE,
     Trace,
@@ -73,15 +73,6 @@ def set_microbatch(microbatch: int) -> None:
     if _ACTIVE is not None:
         _ACTIVE.explicit_microbatch = True
         _ACTIVE.microbatch = int(microbatch)
-
-
-def mark_host(tensor: torch.Tensor) -> None:
-    """Tell the running recorder that `tensor`'s storage is host memory (`HOST_DEVICE`): a
-    copy a step keeps on the host on purpose, such as an activation offloaded to pinned
-    memory. A CUDA job is traced on fake cpu tensors, where host and device memory are both
-    "cpu"; this is how they are told apart. Outside a capture it does nothing."""
-    if _ACTIVE is not None:
-        _ACTIVE.mark_host(tensor)
 
 
 def note_saved(tensor: torch.Tensor) -> None:
@@ -217,7 +208,8 @@ class Recorder(TorchDispatchMode):
         idx = len(b)
         self._ids[storage] = idx
         b.nbytes.append(int(storage.nbytes()))
-        b.device.append(self._intern(self._devices, str(device)))
+        kind = tracing.host_kind(storage)
+        b.device.append(self._intern(self._devices, f"host:{kind}" if kind is not None else str(device)))
         b.preexisting.append(preexisting)
         b.category.append(_UNKNOWN)
         if preexisting:
@@ -276,14 +268,17 @@ class Recorder(TorchDispatchMode):
             self._saved.add(idx)
             self._saved_order.append(idx)
 
-    def mark_host(self, tensor: torch.Tensor) -> None:
-        """`tensor`'s storage is host memory (see the module-level `mark_host`)."""
-        self._b.device[self.buffer_of(tensor)] = self._intern(self._devices, HOST_DEVICE)
-
     def name(self, tensor: torch.Tensor, name: str) -> None:
         """Name `tensor`'s storage as the offload runtime keys it (`grad.<fqn>`,
         `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training."""
         self._tensor_names.setdefault(self.buffer_of(tensor), name)
+
+    def _on_host_mark(self, storage: Any, kind: str) -> None:
+        """A storage was marked as host memory after the recorder first saw it
+        (`memplan.models.tracing`): its buffer is on the host for its whole life."""
+        idx = self._ids.get(storage)
+        if idx is not None:
+            self._b.device[idx] = self._intern(self._devices, f"host:{kind}")
 
     # --- module tracking hooks -----------------------------------------------------------
     def _fwd_pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -380,11 +375,14 @@ class Recorder(TorchDispatchMode):
         global _ACTIVE
         self.active = True
         _ACTIVE = self
+        self._host_marks = tracing.add_listener(self._on_host_mark)
+        self._host_marks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         _ACTIVE = None
+        self._host_marks.__exit__(*exc)
         super().__exit__(*exc)
 
     # --- finalisation --------------------------------------------------------------------

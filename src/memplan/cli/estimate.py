@@ -91,8 +91,7 @@ def render(result: Estimate) -> None:
                                                       "activations", "temporaries", "other")))
     console.print(table)
     if result.host_peak_bytes:
-        console.print(f"host memory the step keeps (offloaded activations): {format_bytes(result.host_peak_bytes)} "
-                      f"at its peak; device and host together {format_bytes(result.peak_with_host_bytes)}")
+        console.print(f"host memory the step keeps: {format_bytes(result.host_peak_bytes)} at its peak")
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "

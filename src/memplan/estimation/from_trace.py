@@ -34,6 +34,7 @@ from memplan.estimation.pipeline import (
     check_options,
     figures_full,
     gpu_view,
+    host_figures,
     replay_counters,
 )
 from memplan.hardware.devices import device_profile
@@ -75,14 +76,12 @@ def estimate_trace(
     if cuda_context is not None:
         context = cuda_context
     per_device = []
-    host = trace_edit.host_view(view).live_bytes()  # the host's memory, shared by the devices
     for index in _cuda_devices(view):
         one = _one_device(view, index) if len(view.devices) > 1 else view
-        counters = replay_counters(one, allocator, alloc_conf)
-        fig = figures_full(one, dataclasses.replace(counters, host=host))
+        fig = figures_full(one, replay_counters(one, allocator, alloc_conf))
         per_device.append(RankEstimate(index, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
                                        fig.peak_reserved_bytes + context, fig.breakdown, fig.peak_phase, [index],
-                                       fig.host_peak_bytes, fig.peak_with_host_bytes))
+                                       host_figures(view)))
     return Estimate(
         model=str(meta.get("model") or name or "trace"), parameters=int(meta.get("parameters", 0)),
         setup=dict(meta.get("setup") or {}), layout=Layout().to_dict(), per_rank=per_device,
