@@ -36,3 +36,15 @@ def test_an_offloading_estimate_reports_host_memory_apart(config, capsys):
     assert main(["estimate", config, *TINY, "--activation-offload"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["host_peak_bytes"] > 0 and doc["per_rank"][0]["host_pinned_bytes"] == doc["host_peak_bytes"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["offload", "{config}", "--gpu", "h100-80gb", "--batch", "1", "--seq", "16", "--activation-offload"],
+     "drop --activation-offload"),
+    (["reorder", "{config}", "--batch", "1", "--seq", "16", "--loss", "chunked"], "drop --loss"),
+    (["estimate", "{config}", *TINY, "--loss", "chunked", "--world-size", "2", "--pp", "2"], "without --pp"),
+])
+def test_subcommands_that_cannot_take_the_loss_or_offload_refuse_it_in_one_line(config, capsys, argv, message):
+    assert main([config if a == "{config}" else a for a in argv]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # progress lines aside
+    assert len(errors) == 1 and message in errors[0]
