@@ -67,3 +67,37 @@ def test_op_level_selective_checkpointing_matches_the_profiler_where_activations
     truth = profiler_peak_bytes(step.run)
     assert abs(peaks["selective-op"] - truth) / truth <= 0.01
     assert peaks["full"] < peaks["selective-op"] < peaks["none"]
+
+
+# A Llama whose vocabulary is 32x its hidden size (Llama 3's ratio: 128256 / 4096), so
+# that the logits and the loss dominate the step, as they do in fine-tuning at scale.
+LOGITS_HEAVY = {"vocab_size": 2048}
+LOSS_CASES = [
+    {"loss": "chunked"},
+    {"loss": "chunked:4"},
+    {"loss": "fused-linear"},
+    {"activation_offload": "torchtune"},
+]
+
+
+@pytest.mark.parametrize("options", LOSS_CASES)
+def test_losses_and_activation_offload_match_the_profiler_within_one_percent(options):
+    """torch.profiler counts all of a CPU step's memory: the estimate's device peak plus the
+    host copies of offloaded activations at their peak (both at the end of the forward)."""
+    config = models.tiny_config("llama-2-7b", **LOGITS_HEAVY)
+    setup = models.TrainingSetup(batch=2, seq=64, optimizer_impl="foreach", **options)
+    step = build_training_step(config, setup, device="cpu")
+    step.run()
+    truth = profiler_peak_bytes(step.run)
+    predicted = estimate(config, setup, device="cpu", allocator="none")
+    total = predicted.peak_allocated_bytes + predicted.host_peak_bytes
+    assert abs(total - truth) / truth <= 0.01, f"{total} vs {truth}"
+    assert (predicted.host_peak_bytes > 0) == bool(options.get("activation_offload"))
+
+
+def test_chunked_and_fused_losses_lower_the_peak_where_the_logits_dominate():
+    config = models.tiny_config("llama-2-7b", **LOGITS_HEAVY)
+    peaks = {loss: estimate(config, models.TrainingSetup(batch=2, seq=64, loss=loss), device="cpu",
+                            allocator="none").peak_allocated_bytes
+             for loss in ("full", "chunked", "fused-linear")}
+    assert peaks["fused-linear"] < peaks["chunked"] < peaks["full"]

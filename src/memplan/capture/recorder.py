@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memplan.models import tracing
 from memplan.trace.model import (
     ALLOC,
     BUFFER_COLUMNS,
@@ -94,6 +95,14 @@ def set_microbatch(microbatch: int) -> None:
     if _ACTIVE is not None:
         _ACTIVE.explicit_microbatch = True
         _ACTIVE.microbatch = int(microbatch)
+
+
+def note_saved(tensor: torch.Tensor) -> None:
+    """Tell the running recorder that autograd saved `tensor` for backward, from a
+    `saved_tensors_hooks` pack hook of the step's own (which hides the recorder's hooks,
+    as the innermost hooks alone run). Outside a capture it does nothing."""
+    if _ACTIVE is not None:
+        _ACTIVE.note_saved(tensor)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -231,7 +240,8 @@ class Recorder(TorchDispatchMode):
         idx = len(b)
         self._ids[storage] = idx
         b.nbytes.append(int(storage.nbytes()))
-        b.device.append(self._intern(self._devices, str(device)))
+        kind = tracing.host_kind(storage)
+        b.device.append(self._intern(self._devices, f"host:{kind}" if kind is not None else str(device)))
         b.preexisting.append(preexisting)
         b.category.append(_UNKNOWN)
         if preexisting:
@@ -296,6 +306,13 @@ class Recorder(TorchDispatchMode):
         """Name `tensor`'s storage as the offload runtime keys it (`grad.<fqn>`,
         `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training."""
         self._tensor_names.setdefault(self.buffer_of(tensor), name)
+
+    def _on_host_mark(self, storage: Any, kind: str) -> None:
+        """A storage was marked as host memory after the recorder first saw it
+        (`memplan.models.tracing`): its buffer is on the host for its whole life."""
+        idx = self._ids.get(storage)
+        if idx is not None:
+            self._b.device[idx] = self._intern(self._devices, f"host:{kind}")
 
     # --- module tracking hooks -----------------------------------------------------------
     def _fwd_pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -403,11 +420,14 @@ class Recorder(TorchDispatchMode):
         global _ACTIVE
         self.active = True
         _ACTIVE = self
+        self._host_marks = tracing.add_listener(self._on_host_mark)
+        self._host_marks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         _ACTIVE = None
+        self._host_marks.__exit__(*exc)
         super().__exit__(*exc)
 
     # --- finalisation --------------------------------------------------------------------

@@ -5,6 +5,11 @@ One iteration is what a Hugging Face-style training loop does:
     for each of setup.grad_accum micro-batches:
         loss = model(**batch).loss / grad_accum      (under autocast if asked)
         loss.backward()
+
+The loss is `setup.loss`'s (`memplan.models.losses.step_loss`: the model's own, torchtune's
+chunked output and loss, or Liger's fused linear cross-entropy), and the forward runs in
+`setup.activation_offload`'s context (`memplan.capture.activation_offload`: torchtune's
+`OffloadActivations`), on real and fake tensors alike.
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)            (False with setup.zero_grad="zeros")
 
@@ -30,10 +35,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan import models
+from memplan.capture.activation_offload import activation_offload_context
 from memplan.capture.api import capture
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
 from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.losses import step_loss
 from memplan.models.quant import weight_count
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
@@ -60,6 +67,9 @@ def make_step(
     `memplan.capture.cuda_kernels.kernels_as_on_cuda`).
     """
     accum = len(batches)
+    offload = activation_offload_context(model, setup.activation_offload)
+    on_head = offload.head_starts if offload is not None else None
+    chunks = setup.loss_chunks()
 
     def step() -> None:
         with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
@@ -70,7 +80,8 @@ def make_step(
     def run_micro_batches() -> None:
         for batch in batches:
             with models.autocast(setup, device):
-                loss = models.forward_loss(model, batch)
+                loss = step_loss(model, batch, setup.loss, chunks=chunks, body=offload, on_head=on_head,
+                                 cuda=cuda_kernels)
                 if accum > 1:
                     loss = loss / accum
             loss.backward()

@@ -113,6 +113,8 @@ def render(result: Estimate) -> None:
                       *(format_bytes(b[k]) for k in ("parameters", "gradients", "optimizer_state",
                                                       "activations", "temporaries", "other")))
     console.print(table)
+    if result.host_peak_bytes:
+        console.print(f"host memory the step keeps: {format_bytes(result.host_peak_bytes)} at its peak")
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "

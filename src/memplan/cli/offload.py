@@ -130,6 +130,8 @@ def _captured_steps(args: argparse.Namespace) -> _Steps:
     if isinstance(config, str):
         config = load_config(config)
     setup = setup_from_args(args)
+    if setup.activation_offload != "none":
+        raise UserError("memplan offload plans which tensors leave the GPU itself: drop --activation-offload")
     if args.try_checkpointing and setup.checkpointing != "none":
         raise UserError(f"--try-checkpointing tries every checkpointing policy itself: drop --checkpointing "
                         f"{setup.checkpointing}")

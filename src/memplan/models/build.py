@@ -236,8 +236,8 @@ def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig 
 
 # Setup fields whose techniques no builder applies yet, with the value that turns each off.
 UNBUILT_TECHNIQUES = {
-    "optimizer_in_backward": False, "cpu_offload": "none", "loss": "full",
-    "compile": "none", "activation_offload": "none", "impl": "hf",
+    "optimizer_in_backward": False, "cpu_offload": "none",
+    "compile": "none", "impl": "hf",
 }
 UNBUILT_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "paged-adamw", "lion", "ao-adamw8bit", "ao-adamw4bit",
                       "ao-adamw-fp8")
@@ -251,6 +251,9 @@ def refuse_unbuilt_techniques(setup: TrainingSetup) -> None:
             raise UserError(f"--{name.replace('_', '-')} is not supported by this version of memplan")
     if setup.optimizer in UNBUILT_OPTIMIZERS:
         raise UserError(f"--optimizer {setup.optimizer} is not supported by this version of memplan")
+    if setup.activation_offload == "memplan":
+        raise UserError("--activation-offload memplan is not supported in a traced step by this version of memplan: "
+                        "plan offloading with `memplan offload MODEL --gpu NAME`, or use --activation-offload torchtune")
 
 
 def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:

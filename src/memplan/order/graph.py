@@ -608,6 +608,9 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
         raise UserError("reorder traces one micro-batch per step: use --grad-accum 1")
     if setup.zero_grad != "none":
         raise UserError("reorder traces steps whose zero_grad frees the gradients: drop --zero-grad zeros")
+    if setup.loss != "full" or setup.activation_offload != "none":
+        raise UserError("reorder traces the model's own loss without activation offloading: drop --loss and "
+                        "--activation-offload")
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:

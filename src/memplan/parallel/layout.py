@@ -99,6 +99,12 @@ class Layout:
                                 f" (pp {self.pp}{', interleaved x2' if chunks != self.pp else ''})")
             if setup.grad_accum != 1:
                 raise UserError("with --pp, give micro-batches with --microbatches, not --grad-accum")
+            if setup.loss != "full" or setup.activation_offload != "none":
+                raise UserError("a pipeline stage runs its own head, loss and forward: --loss and "
+                                "--activation-offload are estimated without --pp")
+        if self.tp > 1 and setup.loss == "fused-linear":
+            raise UserError("--loss fused-linear takes the whole output weight, which --tp shards over the "
+                            "vocabulary: use --loss chunked with --tp")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
