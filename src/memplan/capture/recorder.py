@@ -40,11 +40,16 @@ from typing import Any
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memplan.models import tracing
 from memplan.trace.model import (
     ALLOC,
     BUFFER_COLUMNS,
@@ -76,6 +81,15 @@ def set_microbatch(microbatch: int) -> None:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor subclass's data (a DTensor's local shard,
+    torchao's quantised optimizer states: codes, scales and maps), or the tensor itself."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [t for name in names for t in inner_tensors(getattr(tensor, name))]
 
 
 class _Buffers:
@@ -199,7 +213,8 @@ class Recorder(TorchDispatchMode):
         idx = len(b)
         self._ids[storage] = idx
         b.nbytes.append(int(storage.nbytes()))
-        b.device.append(self._intern(self._devices, str(device)))
+        kind = tracing.host_kind(storage)
+        b.device.append(self._intern(self._devices, f"host:{kind}" if kind is not None else str(device)))
         b.preexisting.append(preexisting)
         b.category.append(_UNKNOWN)
         if preexisting:
@@ -242,7 +257,12 @@ class Recorder(TorchDispatchMode):
 
     def mark(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None:
         """Force the category of `tensor`'s storage (parameters, gradients, states, inputs);
-        `module` names the owning module of a pre-existing storage (e.g. a parameter's)."""
+        `module` names the owning module of a pre-existing storage (e.g. a parameter's).
+        A tensor subclass's inner storages each get the category."""
+        for inner in inner_tensors(tensor):
+            self._mark_one(inner, category, module)
+
+    def _mark_one(self, tensor: torch.Tensor, category: str, module: str | None) -> None:
         idx = self.buffer_of(tensor)
         if module is not None and self._b.preexisting[idx] and self._b.module[idx] == 0:
             self._b.module[idx] = self._intern(self._modules, module)
@@ -260,8 +280,17 @@ class Recorder(TorchDispatchMode):
 
     def name(self, tensor: torch.Tensor, name: str) -> None:
         """Name `tensor`'s storage as the offload runtime keys it (`grad.<fqn>`,
-        `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training."""
-        self._tensor_names.setdefault(self.buffer_of(tensor), name)
+        `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training.
+        A tensor subclass's inner storages are not named (the runtime moves plain tensors)."""
+        if not is_traceable_wrapper_subclass(tensor) or hasattr(tensor, "_local_tensor"):
+            self._tensor_names.setdefault(self.buffer_of(tensor), name)
+
+    def _on_host_mark(self, storage: Any, kind: str) -> None:
+        """A storage was marked as host memory after the recorder first saw it
+        (`memplan.models.tracing`): its buffer is on the host for its whole life."""
+        idx = self._ids.get(storage)
+        if idx is not None:
+            self._b.device[idx] = self._intern(self._devices, f"host:{kind}")
 
     # --- module tracking hooks -----------------------------------------------------------
     def _fwd_pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -299,10 +328,14 @@ class Recorder(TorchDispatchMode):
     # --- the dispatch mode -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in ("prim", "profiler"):
+        if func.namespace in ("prim", "profiler") or tracing.in_fused_kernel():
             # metadata queries (prim.device) and profiler ranges (record_function, which
-            # Optimizer.step opens before its hooks run) allocate nothing and are not ops
+            # Optimizer.step opens before its hooks run) allocate nothing and are not ops;
+            # inside a fused kernel the eager ops stand for one compiled kernel that only
+            # writes existing storages (memplan.models.tracing.fused_kernel)
             return func(*args, **kwargs)
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a tensor subclass: its inner ops on plain tensors come back here
         op = len(self._op_name)
         in_tensors = _tensors((args, kwargs))
         inputs = [self.buffer_of(t, op=op) for t in in_tensors]
@@ -358,11 +391,14 @@ class Recorder(TorchDispatchMode):
         global _ACTIVE
         self.active = True
         _ACTIVE = self
+        self._host_marks = tracing.add_listener(self._on_host_mark)
+        self._host_marks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         _ACTIVE = None
+        self._host_marks.__exit__(*exc)
         super().__exit__(*exc)
 
     # --- finalisation --------------------------------------------------------------------

@@ -4,7 +4,8 @@ One iteration is what a Hugging Face-style training loop does:
 
     for each of setup.grad_accum micro-batches:
         loss = model(**batch).loss / grad_accum      (under autocast if asked)
-        loss.backward()
+        loss.backward()                              (each parameter stepped in its gradient's
+                                                      hook with setup.optimizer_in_backward)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)            (False with setup.zero_grad="zeros")
 
@@ -54,6 +55,10 @@ def make_step(
 ) -> Callable[[], None]:
     """The training step closure for `capture`: micro-batches, backward, optimizer.
 
+    The whole step runs inside what the optimizer needs around it
+    (`memplan.models.step_context`: an offloaded optimizer's pinned memory and streams);
+    an optimizer that steps in backward (`setup.optimizer_in_backward`) has nothing left
+    to do in `step()` and `zero_grad()`.
     `cuda_kernels`: route attention through CUDA's fused SDPA kernels and autocast
     through CUDA's op lists (for a CUDA job traced on fake cpu tensors; see
     `memplan.capture.cuda_kernels.kernels_as_on_cuda`).
@@ -61,10 +66,11 @@ def make_step(
     accum = len(batches)
 
     def step() -> None:
-        with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
-            run_micro_batches()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=setup.zero_grad == "none")
+        with models.step_context(optimizer):
+            with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
+                run_micro_batches()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=setup.zero_grad == "none")
 
     def run_micro_batches() -> None:
         for batch in batches:

@@ -34,6 +34,7 @@ from memplan.estimation.pipeline import (
     check_options,
     figures_full,
     gpu_view,
+    host_figures,
     replay_counters,
 )
 from memplan.hardware.devices import device_profile
@@ -79,7 +80,8 @@ def estimate_trace(
         one = _one_device(view, index) if len(view.devices) > 1 else view
         fig = figures_full(one, replay_counters(one, allocator, alloc_conf))
         per_device.append(RankEstimate(index, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
-                                       fig.peak_reserved_bytes + context, fig.breakdown, fig.peak_phase, [index]))
+                                       fig.peak_reserved_bytes + context, fig.breakdown, fig.peak_phase, [index],
+                                       host_figures(view)))
     return Estimate(
         model=str(meta.get("model") or name or "trace"), parameters=int(meta.get("parameters", 0)),
         setup=dict(meta.get("setup") or {}), layout=Layout().to_dict(), per_rank=per_device,

@@ -64,7 +64,7 @@ from memplan.parallel.plans import RankPlan, rank_plans
 from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
 from memplan.parallel.transform import block_spans
 from memplan.trace import edit as trace_edit
-from memplan.trace.model import CATEGORY, Trace
+from memplan.trace.model import CATEGORY, HOST_KINDS, Trace
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
@@ -85,6 +85,20 @@ StepCache = dict[tuple[Any, ...], StepTrace]  # captured steps, keyed by model, 
 
 
 @dataclass
+class HostFigures:
+    """Host memory a rank's step keeps (memplan.models.tracing: offloaded optimizer state,
+    parameters and gradients, bitsandbytes' paged state): the peak of its live bytes and,
+    at that peak, how much is pinned (page-locked), pageable, and CUDA managed (unified
+    memory the driver migrates between host and GPU; backed by the host, outside the
+    caching allocator). None of it is in the device figures."""
+
+    peak_bytes: int = 0
+    pinned_bytes: int = 0
+    pageable_bytes: int = 0
+    managed_bytes: int = 0
+
+
+@dataclass
 class RankEstimate:
     """One rank's figures (bytes)."""
 
@@ -95,6 +109,7 @@ class RankEstimate:
     breakdown: dict[str, int]
     peak_phase: str
     ranks: list[int] = field(default_factory=list)  # the ranks this one stands for
+    host: HostFigures = field(default_factory=HostFigures)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,6 +119,10 @@ class RankEstimate:
             "device_used_bytes": self.device_used_bytes,
             "breakdown": dict(self.breakdown),
             "peak_phase": self.peak_phase,
+            "host_peak_bytes": self.host.peak_bytes,
+            "host_pinned_bytes": self.host.pinned_bytes,
+            "host_pageable_bytes": self.host.pageable_bytes,
+            "host_managed_bytes": self.host.managed_bytes,
             "same_as_ranks": self.ranks,
         }
 
@@ -141,6 +160,10 @@ class Estimate:
         return max(r.device_used_bytes for r in self.per_rank)
 
     @property
+    def host_peak_bytes(self) -> int:
+        return max(r.host.peak_bytes for r in self.per_rank)
+
+    @property
     def fits(self) -> bool | None:
         if self.capacity_bytes is None:
             return None
@@ -159,6 +182,7 @@ class Estimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_used_bytes": self.device_used_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
             "method": self.method,
@@ -299,7 +323,7 @@ def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
     if job.progress:
         sys.stderr.write(f"traced rank {plan.rank} at {', '.join(str(s.layers) for s in steps)} blocks\n")
     views = rank_views(job, plan, transform, steps)
-    counters = [replay_counters(t, job.allocator, job.alloc_conf) for t in views]
+    counters = [replay_counters(trace_edit.without_host(t), job.allocator, job.alloc_conf) for t in views]
     fig = rank_figures(views, counters, steps[0].blocks_path, plan.layers) if deep else None
     extrapolated = fig is not None
     if deep and fig is None:  # the regions did not line up: trace the full depth instead
@@ -307,13 +331,13 @@ def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
         depth = plan.layers if plan.layers != job.total_layers else None
         steps = capture_rank_steps(job, plan, [depth], traced, cache=False)
         views = rank_views(job, plan, transform, steps)
-        counters = [replay_counters(views[0], job.allocator, job.alloc_conf)]
+        counters = [replay_counters(trace_edit.without_host(views[0]), job.allocator, job.alloc_conf)]
     if fig is None:
         fig = figures_full(views[-1], counters[-1])
     parallel = "modelled" if not traced else "traced" if plan.traced_transform is None else "traced + modelled"
     rank = RankEstimate(plan.rank, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
                         fig.peak_reserved_bytes + _device_overhead_bytes(job, plan), fig.breakdown, fig.peak_phase,
-                        plan.same_as)
+                        plan.same_as, fig.host)
     return RankResult(rank, extrapolated, parallel, step_totals(job, plan, steps) if plan.rank == 0 else None)
 
 
@@ -429,15 +453,38 @@ class Figures:
     peak_reserved_bytes: int
     breakdown: dict[str, int]
     peak_phase: str
+    host: HostFigures = field(default_factory=HostFigures)
 
 
 def figures_full(trace: Trace, counters: Counters) -> Figures:
-    """Peaks of a full-depth trace."""
+    """Peaks of a full-depth trace: the device's from `counters` (a replay of the trace's
+    device buffers), the host memory's from its host buffers."""
     event = int(np.argmax(counters.allocated)) if counters.allocated.shape[0] else -1
     peak = int(counters.allocated[event]) if event >= 0 else 0
-    vector = layers.breakdown_vector(trace, event, counters.charged_nbytes) if event >= 0 else np.zeros(7)
+    device = trace_edit.without_host(trace)
+    vector = layers.breakdown_vector(device, event, counters.charged_nbytes) if event >= 0 else np.zeros(7)
     return Figures(peak, int(counters.reserved.max()) if counters.reserved.shape[0] else 0,
-                   _breakdown(vector, peak), trace.phase_at(event))
+                   _breakdown(vector, peak), trace.phase_at(event), host_figures(trace))
+
+
+def host_figures(trace: Trace) -> HostFigures:
+    """The host memory of a full-depth trace: its peak, and the kinds at the peak."""
+    series = host_series(trace)
+    total = series.sum(axis=0)
+    if not total.shape[0]:
+        return HostFigures()
+    return _host_at(series[:, int(np.argmax(total))])
+
+
+def host_series(trace: Trace) -> np.ndarray:
+    """Live host bytes after each event, one row per kind of `HOST_KINDS`."""
+    return np.stack([trace.live_bytes(trace.host_mask(kind)) for kind in HOST_KINDS]).reshape(len(HOST_KINDS), -1)
+
+
+def _host_at(by_kind: np.ndarray) -> HostFigures:
+    """`HostFigures` from the live bytes per kind (`HOST_KINDS` order) at the host peak."""
+    pinned, pageable, managed = (int(round(max(float(v), 0.0))) for v in by_kind)
+    return HostFigures(pinned + pageable + managed, pinned, pageable, managed)
 
 
 def rank_figures(views: list[Trace], counters: list[Counters], blocks_path: str, target_layers: int) -> Figures | None:
@@ -458,7 +505,7 @@ def figures_extrapolated(pair: tuple[Trace, Trace], counters: tuple[Counters, Co
     alloc_full = layers.extrapolate(alloc[0].values, alloc[1].values, k, target_layers)
     resv_full = layers.extrapolate(resv[0].values, resv[1].values, k, target_layers)
     win = int(np.argmax(alloc_full))
-    vectors = [layers.breakdown_vector(t, int(a.events[win]), c.charged_nbytes)
+    vectors = [layers.breakdown_vector(trace_edit.without_host(t), int(a.events[win]), c.charged_nbytes)
                for t, a, c in zip(pair, alloc, counters)]
     vector = layers.extrapolate(vectors[0], vectors[1], k, target_layers)
     peak = float(alloc_full[win])
@@ -468,7 +515,20 @@ def figures_extrapolated(pair: tuple[Trace, Trace], counters: tuple[Counters, Co
     slack = float(counters[1].reserved.max() - counters[1].allocated.max())
     reserved = max(float(resv_full.max()), peak + slack)
     return Figures(int(round(peak)), int(round(reserved)), _breakdown(vector, peak),
-                   pair[1].phase_at(int(alloc[1].events[win])))
+                   pair[1].phase_at(int(alloc[1].events[win])), _host_extrapolated(pair, reg, k, target_layers))
+
+
+def _host_extrapolated(pair: tuple[Trace, Trace], reg: list[layers.Regions], k: int, target_layers: int) -> HostFigures:
+    """The host figures at `target_layers` blocks, region by region as the device's."""
+    series = [host_series(t) for t in pair]
+    peaks = [layers.region_peaks(s.sum(axis=0), r) for s, r in zip(series, reg)]
+    full = layers.extrapolate(peaks[0].values, peaks[1].values, k, target_layers)
+    if not full.shape[0]:
+        return HostFigures()
+    win = int(np.argmax(full))
+    by_kind = layers.extrapolate(series[0][:, int(peaks[0].events[win])], series[1][:, int(peaks[1].events[win])],
+                                 k, target_layers)
+    return _host_at(by_kind)
 
 
 def _device_view(trace: Trace, step: StepTrace, setup: TrainingSetup, device: str,
@@ -489,7 +549,7 @@ def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: TrainingSetup) 
     cpu job's memory holds it."""
     if setup.checkpointing not in ("full", "selective"):
         return []
-    device = int(np.bincount(trace.buffers["device"]).argmax()) if trace.num_buffers else 0
+    device = trace.main_device()
     return [trace_edit.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",
                                   device=device)
             for spans in block_spans(trace, blocks_path).values() if "forward" in spans and "backward" in spans]

@@ -146,7 +146,7 @@ class _Buffers:
                    is_grad=cat == CATEGORY["gradient"], is_state=cat == CATEGORY["optimizer_state"],
                    opt_temp=in_optimizer & (cat == CATEGORY["temporary"]),
                    flowing=~in_optimizer & np.isin(cat, [CATEGORY["activation"], CATEGORY["temporary"]]),
-                   is_norm=is_norm, device=int(np.bincount(b["device"]).argmax()) if trace.num_buffers else 0)
+                   is_norm=is_norm, device=trace.main_device())
 
 
 def rank_trace(step: StepTrace, layout: Layout, setup: TrainingSetup, stage: int, *,

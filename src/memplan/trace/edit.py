@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.errors import UserError
-from memplan.trace.model import ALLOC, CATEGORY, FREE, PHASE, Trace
+from memplan.trace.model import ALLOC, CATEGORY, FREE, HOST_DEVICES, PHASE, Trace
 from memplan.trace.validate import validate
 
 FLASH_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -186,23 +186,25 @@ def workspace_buffer(trace: Trace, nbytes: int) -> list[ExtraBuffer]:
     """The cuBLAS workspace: one buffer live from the start of the step."""
     if nbytes <= 0:
         return []
-    device = int(np.bincount(trace.buffers["device"]).argmax()) if trace.num_buffers else 0
-    return [ExtraBuffer(nbytes=int(nbytes), alloc_before=0, free_before=-1, category="other", device=device)]
+    return [ExtraBuffer(nbytes=int(nbytes), alloc_before=0, free_before=-1, category="other",
+                        device=trace.main_device())]
 
 def device_view(trace: Trace, device: str | None = None) -> Trace:
-    """The trace with buffers of every other device (cpu included) given zero bytes.
+    """The trace with buffers of every other device (cpu and host memory included) given
+    zero bytes.
 
-    With one non-cpu device (or none) and no `device` asked for, the trace itself.
+    With no `device` asked for: the one accelerator, else cpu (host memory a cpu job
+    keeps apart, `host:*`, left out); the trace itself when every buffer is there.
     """
     names = trace.devices
     used = sorted({names[int(i)] for i in np.unique(trace.buffers["device"])}) if trace.num_buffers else []
     if device is None:
-        accelerators = [name for name in used if name != "cpu"]
+        accelerators = [name for name in used if name != "cpu" and name not in HOST_DEVICES]
         if len(accelerators) > 1:
             raise UserError(f"the trace has buffers on {', '.join(accelerators)}: pick one with --device")
-        if not accelerators or len(used) == 1:
+        device = accelerators[0] if accelerators else "cpu" if "cpu" in used else None
+        if device is None or len(used) == 1:
             return trace
-        device = accelerators[0]
     if device not in names:
         raise UserError(f"device {device!r} is not in the trace (it has {', '.join(used) or 'no buffers'})")
     keep = trace.buffers["device"] == names.index(device)
@@ -213,3 +215,14 @@ def device_view(trace: Trace, device: str | None = None) -> Trace:
     return Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr,
                  op_names=trace.op_names, modules=trace.modules, devices=trace.devices,
                  meta=trace.meta)
+
+
+def without_host(trace: Trace) -> Trace:
+    """The trace with its host-memory buffers (`host:*`, memplan.models.tracing) given
+    zero bytes: what the GPU's allocator serves. The trace itself when it has none."""
+    host = trace.host_mask()
+    if not bool(host.any()):
+        return trace
+    buffers = {**trace.buffers, "nbytes": np.where(host, 0, trace.buffers["nbytes"])}
+    return Trace(buffers=buffers, events=trace.events, ops=trace.ops, csr=trace.csr, op_names=trace.op_names,
+                 modules=trace.modules, devices=trace.devices, meta=trace.meta)

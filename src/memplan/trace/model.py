@@ -33,6 +33,12 @@ CATEGORIES = (
 PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 EVENT_KINDS = ("alloc", "free")
 
+# Host memory a GPU job keeps (memplan.models.tracing): the devices table names it
+# `host:pinned` (page-locked, cudaHostAlloc), `host:pageable` (ordinary host memory) or
+# `host:managed` (CUDA unified memory, cudaMallocManaged, backed by the host).
+HOST_KINDS = ("pinned", "pageable", "managed")
+HOST_DEVICES = tuple(f"host:{kind}" for kind in HOST_KINDS)
+
 CATEGORY = {name: i for i, name in enumerate(CATEGORIES)}
 PHASE = {name: i for i, name in enumerate(PHASES)}
 ALLOC, FREE = 0, 1
@@ -126,10 +132,26 @@ class Trace:
         free[free < 0] = self.num_events
         return free
 
-    def live_bytes(self) -> np.ndarray:
-        """Live bytes after each event (length num_events)."""
+    def host_mask(self, kind: str | None = None) -> np.ndarray:
+        """Per buffer: whether it lives in host memory (of `kind`, one of `HOST_KINDS`)."""
+        names = HOST_DEVICES if kind is None else (f"host:{kind}",)
+        host = np.array([name in names for name in self.devices], bool)
+        return host[self.buffers["device"]] if self.num_buffers else np.zeros(0, bool)
+
+    def main_device(self) -> int:
+        """The device (index into `devices`) most buffers are on, host memory left out."""
+        if not self.num_buffers:
+            return 0
+        counts = np.bincount(self.buffers["device"], minlength=len(self.devices))
+        counts[[i for i, name in enumerate(self.devices) if name in HOST_DEVICES]] = -1
+        return int(np.argmax(counts))
+
+    def live_bytes(self, buffers: np.ndarray | None = None) -> np.ndarray:
+        """Live bytes after each event (length num_events), of the buffers the boolean
+        mask `buffers` selects (default: all)."""
         kind = self.events["kind"]
-        nbytes = self.buffers["nbytes"][self.events["buffer"]]
+        sizes = self.buffers["nbytes"] if buffers is None else np.where(buffers, self.buffers["nbytes"], 0)
+        nbytes = sizes[self.events["buffer"]]
         delta = np.where(kind == ALLOC, nbytes, -nbytes)
         return np.cumsum(delta, dtype=np.int64)
 
