@@ -89,7 +89,8 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     if not is_traceable_wrapper_subclass(tensor):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
-    return [t for name in names for t in inner_tensors(getattr(tensor, name))]
+    inner = [getattr(tensor, name) for name in names]  # DTensor also names its device mesh here
+    return [t for x in inner if isinstance(x, torch.Tensor) for t in inner_tensors(x)]
 
 
 class _Buffers:

@@ -303,8 +303,8 @@ def check_options(device: str, allocator: str, alloc_conf: str | None, cuda_cont
 
 def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
                             parallel_tracing: bool) -> None:
-    """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision policy
-    where FSDP2 is not traced (docs/estimation.md)."""
+    """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision or CPU
+    offload policy where FSDP2 is not traced (docs/estimation.md)."""
     if parallel_tracing:
         refused = untraceable_tensor_parallel(layout, config, setup)
         if refused is not None:
@@ -312,6 +312,8 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
     if layout.fsdp_param_dtype is not None:
         if not parallel_tracing or traced_part(layout, config, setup) != layout:
             raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
+    if setup.cpu_offload == "params" and not parallel_tracing:
+        raise UserError("--cpu-offload params is estimated where FSDP2 itself is traced: leave out --modelled-layout")
 
 
 def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:

@@ -113,11 +113,10 @@ def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None =
 def base_optimizer(params: list[nn.Parameter], setup: TrainingSetup, target: str) -> torch.optim.Optimizer:
     """The setup's optimizer over `params`, with no placement technique around it."""
     if setup.optimizer in TORCH_OPTIMIZERS:
-        impl = setup.resolved_optimizer_impl(target)
         cls = _torch_class(setup.optimizer)
         if setup.cpu_offload == "params":  # FSDP2's CPUOffloadPolicy: the step runs on the host
-            cls = host_aware(cls)
-        return cls(params, lr=LR, **_impl_kwargs(impl))
+            cls, target = host_aware(cls), "cpu"  # PyTorch's default for host tensors: the loop
+        return cls(params, lr=LR, **_impl_kwargs(setup.resolved_optimizer_impl(target)))
     if setup.optimizer in BNB_OPTIMIZERS:
         return _bnb_optimizer(params, setup.optimizer, target)
     return _ao_optimizer(params, setup.optimizer, target)
