@@ -56,6 +56,7 @@ from memplan.hardware.roofline import matmul_dtype, step_seconds
 from memplan.layout import plan_addresses
 from memplan.models.build import count_parameters
 from memplan.models.depth import num_layers, with_layers
+from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
@@ -273,6 +274,7 @@ def estimate(
     config = load_config(model) if isinstance(model, str) else model
     total_layers = num_layers(config)
     layout.check(config, setup)
+    check_target(setup, device)
     _check_parallel_tracing(layout, config, setup, parallel_tracing)
     job = EstimateJob(config, total_layers, setup, layout, device, allocator, alloc_conf, profile, cuda_context,
                       extrapolate, parallel_tracing, progress, cache)

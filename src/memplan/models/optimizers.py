@@ -98,16 +98,22 @@ def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None =
     if not params:
         raise UserError("the model has no trainable parameters")
     target = torch.device(device or params[0].device.type).type
-    if setup.optimizer in PAGED_OPTIMIZERS and target != "cuda":
-        raise UserError(f"--optimizer {setup.optimizer} pages its state through CUDA unified memory; on a CPU "
-                        "bitsandbytes runs it unpaged: use --optimizer "
-                        f"{'adamw8bit' if setup.optimizer.endswith('8bit') else 'adamw'} with --device cpu")
+    check_target(setup, target)
     if setup.optimizer_in_backward:
         return InBackwardOptimizer(params, lambda group: base_optimizer(group, setup, target),
                                    set_to_none=setup.zero_grad == "none")
     if setup.cpu_offload == "optimizer":
         return offloaded_optimizer(params, setup, target)
     return base_optimizer(params, setup, target)
+
+
+def check_target(setup: TrainingSetup, device: str) -> None:
+    """`UserError` for an optimizer the job's device cannot run as asked: a paged
+    optimizer on a CPU (bitsandbytes runs it unpaged there; module docstring)."""
+    if setup.optimizer in PAGED_OPTIMIZERS and device != "cuda":
+        raise UserError(f"--optimizer {setup.optimizer} pages its state through CUDA unified memory; on a CPU "
+                        "bitsandbytes runs it unpaged: use --optimizer "
+                        f"{'adamw8bit' if setup.optimizer.endswith('8bit') else 'adamw'} with --device cpu")
 
 
 def base_optimizer(params: list[nn.Parameter], setup: TrainingSetup, target: str) -> torch.optim.Optimizer:
