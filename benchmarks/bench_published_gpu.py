@@ -95,14 +95,21 @@ def setup_label(case: dict[str, Any]) -> str:
     if layout.get("fsdp_param_dtype"):
         parallel += f" ({layout['fsdp_param_dtype']} params)"
     accum = f" x {s['grad_accum']} accum" if s.get("grad_accum", 1) > 1 else ""
+    name = s.get("optimizer", "adamw")
+    optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adafactor": "Adafactor", "adamw8bit": "bnb AdamW8bit",
+                 "paged-adamw8bit": "bnb PagedAdamW8bit", "paged-adamw": "bnb PagedAdamW", "lion": "bnb Lion",
+                 "ao-adamw8bit": "torchao AdamW8bit", "ao-adamw4bit": "torchao AdamW4bit",
+                 "ao-adamw-fp8": "torchao AdamWFp8"}[name]
+    if s.get("optimizer_impl"):
+        optimizer += f" {s['optimizer_impl']}"
+    if s.get("optimizer_in_backward"):
+        optimizer += " in backward"
+    if s.get("cpu_offload", "none") != "none":
+        optimizer += f", CPU offload ({s['cpu_offload']})"
     for flag, label in (("loss", "{} loss"), ("compile", "compile {}"), ("activation_offload", "{} activation offload")):
         if s.get(flag, "none") not in ("none", "full"):
             parallel += ", " + label.format(s[flag])
-    if s.get("optimizer_in_backward"):
-        parallel += ", optimizer in backward"
-    optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adafactor": "Adafactor"}[s.get("optimizer", "adamw")]
-    return (f"{method}, {precision}, b{s['batch']}{accum} x s{s['seq']}, "
-            f"{optimizer} {s['optimizer_impl']}, {ac}, {parallel}")
+    return f"{method}, {precision}, b{s['batch']}{accum} x s{s['seq']}, {optimizer}, {ac}, {parallel}"
 
 
 def loss_op_peak_bytes(op: dict[str, Any]) -> int:

@@ -46,6 +46,10 @@ def test_estimate_json_has_the_issue_keys(capsys):
      "--dora with --quant int8"),
     (["--quant", "nf4", "--lora-rank", "4", "--world-size", "2", "--zero", "3"], "not traced over bitsandbytes"),
     (["--lora-rank", "4", "--lora-targets", "all-linear,c_attn"], "all-linear is peft's name"),
+    (["--cpu-offload", "params", "--world-size", "2"], "add --zero 3"),
+    (["--cpu-offload", "optimizer", "--world-size", "2"], "add --zero 2 or 3"),
+    (["--optimizer-in-backward", "--grad-accum", "2"], "use --grad-accum 1"),
+    (["--optimizer", "paged-adamw8bit", "--device", "cpu"], "use --optimizer adamw8bit with --device cpu"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(capsys, argv, message):
     import re
@@ -102,3 +106,19 @@ def test_lora_targets_that_match_nothing_are_refused_before_anything_is_quantise
                              "--lora-targets", "q_proj")
     assert code == 2 and out == ""
     assert "LoRA targets q_proj match no module of GPT2LMHeadModel" in err.strip().splitlines()[-1]
+
+
+def test_host_memory_is_reported_apart_from_the_device_in_json_and_in_the_table(capsys):
+    """torchao's CPUOffloadOptimizer on one GPU: the offloaded state is host memory."""
+    from memplan import models
+    from memplan.cli.estimate import render
+    from memplan.estimation import estimate
+
+    result = estimate("llama-2-7b", models.TrainingSetup(seq=32, cpu_offload="optimizer"))
+    data = result.to_json()
+    rank = data["per_rank"][0]
+    assert data["host_peak_bytes"] == rank["host_peak_bytes"] > 0
+    assert rank["host_peak_bytes"] == sum(rank[f"host_{k}_bytes"] for k in ("pinned", "pageable", "managed"))
+    assert rank["host_pinned_bytes"] > 0 and rank["host_managed_bytes"] == 0
+    render(result)
+    assert "host memory (not in the device figures)" in capsys.readouterr().out

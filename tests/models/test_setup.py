@@ -126,6 +126,9 @@ def test_to_dict_and_from_dict_round_trip(setup):
     ({"lora_rank": 4, "lora_targets": ("all-linear", "lm_head")}, "stands alone"),
     ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave --optimizer-impl out"),
     ({"loss": "chunked:0"}, "chunked:N"),
+    ({"cpu_offload": "optimizer", "optimizer": "adamw8bit"}, "use --optimizer adamw or adam with --cpu-offload"),
+    ({"cpu_offload": "params", "optimizer_in_backward": True}, "use one of them"),
+    ({"cpu_offload": "optimizer", "zero_grad": "zeros"}, "use --zero-grad none"),
 ])
 def test_techniques_that_do_not_go_together_are_user_errors(fields, message):
     with pytest.raises(UserError, match=message):

@@ -95,3 +95,35 @@ def test_estimate_matches_the_profiler_peak_of_every_rank_of_a_real_gloo_run_wit
     for rank, real in enumerate(truth):
         predicted = ranks[rank].peak_allocated_bytes
         assert abs(predicted - real) / real <= 0.01, f"rank {rank}: estimate {predicted} vs profiler {real}"
+
+
+def test_fsdp2_cpu_offload_device_plus_host_is_the_profiler_total_of_every_rank_of_a_real_gloo_run():
+    """FSDP2's CPUOffloadPolicy (`--cpu-offload params`, 2 ranks): each rank's traced device
+    and host buffers together (with gloo's staging buffers, as the cpu estimate adds them)
+    within 1% of the real rank's profiler total, and its host memory exactly the offloaded
+    tensors: pinned parameter and gradient shards, pageable optimizer states and the
+    temporaries of the optimizer's step on the host."""
+    import numpy as np
+
+    from memplan.parallel.traced import capture_rank_step, gloo_staging_buffers
+    from memplan.trace.edit import with_extra_buffers
+    from memplan.trace.model import CATEGORY, PHASE
+
+    setup = models.TrainingSetup(batch=2, seq=32, cpu_offload="params")
+    layout = Layout(world_size=2, zero=3)
+    truth = measure_rank_peaks([(LLAMA, setup, layout)])[0]
+    shard_bytes = sum(p.numel() * p.element_size() for p in models.build_model(LLAMA, setup).parameters()) // 2
+    result = estimate(LLAMA, setup, layout, device="cpu", allocator="none").per_rank[0]
+    for rank, real in enumerate(truth):
+        step = capture_rank_step(LLAMA, setup, layout, rank, "cpu")
+        trace = with_extra_buffers(step.trace, gloo_staging_buffers(step.trace))
+        total = trace.peak()[0]
+        assert abs(total - real) / real <= 0.01, f"rank {rank}: device + host {total} vs profiler {real}"
+        b = trace.buffers
+        pinned, pageable = trace.host_mask("pinned"), trace.host_mask("pageable")
+        assert set(b["category"][pinned].tolist()) == {CATEGORY["parameter"], CATEGORY["gradient"]}
+        assert int(b["nbytes"][pinned & (b["category"] == CATEGORY["parameter"])].sum()) == shard_bytes
+        assert np.all((b["category"][pageable] == CATEGORY["optimizer_state"]) | (b["phase"][pageable] == PHASE["optimizer"]))
+        on_device = ~trace.host_mask()
+        assert not np.any(on_device & (b["category"] == CATEGORY["optimizer_state"]))
+        assert result.host.pinned_bytes >= shard_bytes and result.peak_allocated_bytes < total

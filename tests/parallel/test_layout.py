@@ -95,3 +95,33 @@ def test_fsdp_mixed_precision_is_refused_where_fsdp2_is_modelled():
 def test_a_factory_model_is_refused_tensor_and_pipeline_parallelism(layout):
     with pytest.raises(UserError, match="factory mypkg.models:make builds its own model"):
         layout.check(models.FactorySpec("mypkg.models", "make"), models.TrainingSetup())
+
+
+@pytest.mark.parametrize(("layout", "offload", "message"), [
+    (Layout(world_size=2, zero=2), "params", "add --zero 3 and --world-size 2"),
+    (Layout(), "params", "add --zero 3 and --world-size 2"),
+    (Layout(world_size=2, zero=1), "optimizer", "add --zero 2 or 3"),
+    (Layout(world_size=2), "optimizer", "add --zero 2 or 3"),
+    (Layout(world_size=4, zero=3, tp=2), "params", "leave out --tp and --pp"),
+])
+def test_cpu_offload_is_refused_where_no_layout_can_take_it(layout, offload, message):
+    with pytest.raises(UserError, match=message):
+        layout.check(models.tiny_config("llama-2-7b"), models.TrainingSetup(cpu_offload=offload))
+
+
+def test_fsdp2_cpu_offload_is_refused_where_fsdp2_is_modelled():
+    with pytest.raises(UserError, match="leave out --modelled-layout"):
+        _rank0(Layout(world_size=2, zero=3), cpu_offload="params")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_offload_moves_the_ranks_optimizer_states_and_gradients_to_the_host(zero):
+    """DeepSpeed's ZeRO-Offload over 2 ranks (modelled): the states and the gradient shards
+    the step reads are host memory, the device keeps neither, and DeepSpeedCPUAdam's step
+    has no temporaries."""
+    plain = _rank0(Layout(world_size=2, zero=zero))
+    offloaded = _rank0(Layout(world_size=2, zero=zero), cpu_offload="optimizer")
+    assert offloaded.breakdown["optimizer_state"] == 0 < plain.breakdown["optimizer_state"]
+    assert offloaded.host.pageable_bytes == plain.breakdown["optimizer_state"]  # the states live all step
+    assert offloaded.host.pinned_bytes > 0  # the gradient shards
+    assert offloaded.peak_allocated_bytes < plain.peak_allocated_bytes

@@ -187,3 +187,20 @@ def test_a_million_buffers_save_load_and_scan(tmp_path):
     peak, _ = back.peak()
     back.breakdown_at(int(np.argmax(back.live_bytes())))
     assert peak == int(back.buffers["nbytes"].max())
+
+
+def test_host_memory_buffers_are_left_out_of_the_device_and_counted_apart():
+    from memplan.trace.edit import device_view, without_host
+
+    trace = three_buffers()
+    trace.devices = ["cuda:0", "host:pinned"]
+    trace.buffers["device"] = np.array([0, 1, 0], np.int16)  # the 200-B activation lives on the host
+    assert trace.host_mask().tolist() == [False, True, False] and trace.host_mask("pageable").sum() == 0
+    assert trace.main_device() == 0
+    assert without_host(trace).peak()[0] == 100
+    assert device_view(trace).peak()[0] == 100  # one accelerator: the host is another device
+    assert trace.live_bytes(trace.host_mask()).max() == 200
+    cpu_job = three_buffers()
+    cpu_job.devices = ["cpu", "host:pageable"]
+    cpu_job.buffers["device"] = np.array([0, 1, 0], np.int16)
+    assert device_view(cpu_job).peak()[0] == 100  # a cpu job's host memory kept apart is left out too

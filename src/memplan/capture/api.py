@@ -88,7 +88,10 @@ def _recording_hooks(
     """Phase and category hooks active while the recorder runs."""
     names = _parameter_names(models)
 
+    depth = [0]  # optimizer steps in progress: a wrapper's step runs its inner optimizers' steps
+
     def pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        depth[0] += 1
         rec.in_optimizer = True
         # gradients are final when the optimizer starts
         for group in optimizer.param_groups:
@@ -98,7 +101,8 @@ def _recording_hooks(
 
     def post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         _mark_optimizer(rec, optimizer, names)
-        rec.in_optimizer = False
+        depth[0] = max(0, depth[0] - 1)
+        rec.in_optimizer = depth[0] > 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.note_saved(t)

@@ -40,7 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _pop_mode,
+    _push_mode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
@@ -107,6 +113,16 @@ def note_saved(tensor: torch.Tensor) -> None:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor subclass's data (a DTensor's local shard,
+    torchao's quantised optimizer states: codes, scales and maps), or the tensor itself."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]  # DTensor also names its device mesh here
+    return [t for x in inner if isinstance(x, torch.Tensor) for t in inner_tensors(x)]
 
 
 class _Buffers:
@@ -284,7 +300,12 @@ class Recorder(TorchDispatchMode):
 
     def mark(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None:
         """Force the category of `tensor`'s storage (parameters, gradients, states, inputs);
-        `module` names the owning module of a pre-existing storage (e.g. a parameter's)."""
+        `module` names the owning module of a pre-existing storage (e.g. a parameter's).
+        A tensor subclass's inner storages each get the category."""
+        for inner in inner_tensors(tensor):
+            self._mark_one(inner, category, module)
+
+    def _mark_one(self, tensor: torch.Tensor, category: str, module: str | None) -> None:
         idx = self.buffer_of(tensor)
         if module is not None:
             self._leaf_modules.setdefault(idx, module)
@@ -304,8 +325,10 @@ class Recorder(TorchDispatchMode):
 
     def name(self, tensor: torch.Tensor, name: str) -> None:
         """Name `tensor`'s storage as the offload runtime keys it (`grad.<fqn>`,
-        `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training."""
-        self._tensor_names.setdefault(self.buffer_of(tensor), name)
+        `state.<fqn>.<key>`), so that a plan of this trace can be applied to real training.
+        A tensor subclass's inner storages are not named (the runtime moves plain tensors)."""
+        if not is_traceable_wrapper_subclass(tensor) or hasattr(tensor, "_local_tensor"):
+            self._tensor_names.setdefault(self.buffer_of(tensor), name)
 
     def _on_host_mark(self, storage: Any, kind: str) -> None:
         """A storage was marked as host memory after the recorder first saw it
@@ -350,10 +373,14 @@ class Recorder(TorchDispatchMode):
     # --- the dispatch mode -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in ("prim", "profiler"):
+        if func.namespace in ("prim", "profiler") or tracing.in_fused_kernel():
             # metadata queries (prim.device) and profiler ranges (record_function, which
-            # Optimizer.step opens before its hooks run) allocate nothing and are not ops
+            # Optimizer.step opens before its hooks run) allocate nothing and are not ops;
+            # inside a fused kernel the eager ops stand for one compiled kernel that only
+            # writes existing storages (memplan.models.tracing.fused_kernel)
             return func(*args, **kwargs)
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a tensor subclass: its inner ops on plain tensors come back here
         if func._schema.name in COMPOSITE_OPS:
             return self._run_composite(func, args, kwargs)
         op = len(self._op_name)

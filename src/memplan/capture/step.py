@@ -4,14 +4,15 @@ One iteration is what a Hugging Face-style training loop does:
 
     for each of setup.grad_accum micro-batches:
         loss = model(**batch).loss / grad_accum      (under autocast if asked)
-        loss.backward()
+        loss.backward()                              (each parameter stepped in its gradient's
+                                                      hook with setup.optimizer_in_backward)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)            (False with setup.zero_grad="zeros")
 
 The loss is `setup.loss`'s (`memplan.models.losses.step_loss`: the model's own, torchtune's
 chunked output and loss, or Liger's fused linear cross-entropy), and the forward runs in
 `setup.activation_offload`'s context (`memplan.capture.activation_offload`: torchtune's
 `OffloadActivations`), on real and fake tensors alike.
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)            (False with setup.zero_grad="zeros")
 
 With `fake=True` the model, optimizer and batches are all built inside one
 `FakeTensorMode`, as torchtitan's `scripts/estimate/estimation.py` builds them (an
@@ -62,6 +63,10 @@ def make_step(
 ) -> Callable[[], None]:
     """The training step closure for `capture`: micro-batches, backward, optimizer.
 
+    The whole step runs inside what the optimizer needs around it
+    (`memplan.models.step_context`: an offloaded optimizer's pinned memory and streams);
+    an optimizer that steps in backward (`setup.optimizer_in_backward`) has nothing left
+    to do in `step()` and `zero_grad()`.
     `cuda_kernels`: route attention through CUDA's fused SDPA kernels and autocast
     through CUDA's op lists (for a CUDA job traced on fake cpu tensors; see
     `memplan.capture.cuda_kernels.kernels_as_on_cuda`).
@@ -72,10 +77,11 @@ def make_step(
     chunks = setup.loss_chunks()
 
     def step() -> None:
-        with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
-            run_micro_batches()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=setup.zero_grad == "none")
+        with models.step_context(optimizer):
+            with kernels_as_on_cuda() if cuda_kernels else contextlib.nullcontext():
+                run_micro_batches()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=setup.zero_grad == "none")
 
     def run_micro_batches() -> None:
         for batch in batches:

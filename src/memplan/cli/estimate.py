@@ -103,18 +103,23 @@ def render(result: Estimate) -> None:
     title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
              f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']})")
     table = Table(title=title)
+    host = result.host_peak_bytes > 0
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
-                "optimizer", "activations", "temporaries", "other"):
+                "optimizer", "activations", "temporaries", "other", *(("host",) if host else ())):
         table.add_column(col, justify="right")
     for r in result.per_rank:
         b = r.breakdown
         table.add_row(str(r.rank), format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
                       format_bytes(r.device_used_bytes), r.peak_phase,
                       *(format_bytes(b[k]) for k in ("parameters", "gradients", "optimizer_state",
-                                                      "activations", "temporaries", "other")))
+                                                      "activations", "temporaries", "other")),
+                      *((format_bytes(r.host.peak_bytes),) if host else ()))
     console.print(table)
-    if result.host_peak_bytes:
-        console.print(f"host memory the step keeps: {format_bytes(result.host_peak_bytes)} at its peak")
+    if host:
+        r = max(result.per_rank, key=lambda r: r.host.peak_bytes)
+        console.print(f"host memory (not in the device figures), peak per rank {format_bytes(r.host.peak_bytes)}: "
+                      f"{format_bytes(r.host.pinned_bytes)} pinned, {format_bytes(r.host.pageable_bytes)} pageable, "
+                      f"{format_bytes(r.host.managed_bytes)} CUDA managed (paged optimizer state)")
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "

@@ -115,8 +115,11 @@ def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int, setup:
         raise UserError(f"--gpus must be a whole number >= 1, not {gpus!r}")
     profile = device_profile(gpu)
     setup = setup if setup is not None else TrainingSetup()
+    if setup.cpu_offload == "params":
+        raise UserError("memplan fit searches with the modelled layout rules, and FSDP2's CPU offload is estimated "
+                        "where FSDP2 is traced: use memplan estimate --zero 3 --cpu-offload params")
     config = load_config(model) if isinstance(model, str) else model
-    todo = list(candidates(config, gpus))
+    todo = [cand for cand in candidates(config, gpus) if _layout_takes(cand.layout, config, setup)]
     cache: StepCache = {}
     fitting = []
     bar = _progress(len(todo)) if progress else None
@@ -151,6 +154,15 @@ def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int, setup:
             bar[0].stop()
     fitting.sort(key=lambda c: (c["s_per_token"], c["device_used_bytes"]))
     return fitting[:top] if top else fitting
+
+
+def _layout_takes(layout: Layout, config: PretrainedConfig, setup: TrainingSetup) -> bool:
+    """Whether `layout` can run `setup` (e.g. CPU offload needs ZeRO-2/3 over several GPUs)."""
+    try:
+        layout.check(config, setup)
+    except UserError:
+        return False
+    return True
 
 
 def _progress(total: int) -> tuple[Any, Any]:

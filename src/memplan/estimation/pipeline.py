@@ -56,6 +56,7 @@ from memplan.hardware.roofline import matmul_dtype, step_seconds
 from memplan.layout import plan_addresses
 from memplan.models.build import count_parameters
 from memplan.models.depth import num_layers, with_layers
+from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
@@ -277,6 +278,7 @@ def estimate(
     config = load_config(model) if isinstance(model, str) else model
     total_layers = num_layers(config)
     layout.check(config, setup)
+    check_target(setup, device)
     _check_parallel_tracing(layout, config, setup, parallel_tracing)
     job = EstimateJob(config, total_layers, setup, layout, device, allocator, alloc_conf, profile, cuda_context,
                       extrapolate, parallel_tracing, progress, cache)
@@ -307,8 +309,8 @@ def check_options(device: str, allocator: str, alloc_conf: str | None, cuda_cont
 
 def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
                             parallel_tracing: bool) -> None:
-    """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision policy
-    where FSDP2 is not traced (docs/estimation.md)."""
+    """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision or CPU
+    offload policy where FSDP2 is not traced (docs/estimation.md)."""
     if parallel_tracing and setup.quant != "none" and (layout.zero == 3 or layout.tp > 1):
         raise UserError("--quant with --zero 3 or --tp: FSDP2 and DTensor TP are not traced over bitsandbytes' "
                         "quantised weights by this version of memplan: estimate one GPU, DDP or ZeRO-1/2")
@@ -319,6 +321,8 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
     if layout.fsdp_param_dtype is not None:
         if not parallel_tracing or traced_part(layout, config, setup) != layout:
             raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
+    if setup.cpu_offload == "params" and not parallel_tracing:
+        raise UserError("--cpu-offload params is estimated where FSDP2 itself is traced: leave out --modelled-layout")
 
 
 def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:

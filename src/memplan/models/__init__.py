@@ -2,13 +2,13 @@
 
 A registry of public model configs shipped as Hugging Face `config.json` files
 (`registry`), the training setup (`setup`), and builders of
-the model, optimizer and batch for one training step (`build`). See each module.
+the model and batch for one training step (`build`), its optimizer (`optimizers`), and
+what the step's code tells the recorder (`tracing`). See each module.
 """
 
 from memplan.models.build import (
     autocast,
     build_model,
-    build_optimizer,
     count_parameters,
     forward_loss,
     is_fake_mode_active,
@@ -16,6 +16,7 @@ from memplan.models.build import (
     model_class,
     sequence_length,
 )
+from memplan.models.optimizers import build_optimizer, step_context
 from memplan.models.registry import (
     FactorySpec,
     list_models,
@@ -40,5 +41,6 @@ __all__ = [
     "model_class",
     "provenance",
     "sequence_length",
+    "step_context",
     "tiny_config",
 ]

@@ -1,4 +1,4 @@
-"""Builders: a model, its optimizer and an input batch for one `TrainingSetup`.
+"""Builders: a model and an input batch for one `TrainingSetup` (its optimizer: `memplan.models.optimizers`).
 
 The models are the plain Hugging Face classes (no memplan code inside them, as in
 torchtitan, where parallelism and checkpointing are applied from outside the network):
@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import UserError
 from memplan.models import quant
@@ -236,11 +235,9 @@ def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig 
 
 # Setup fields whose techniques no builder applies yet, with the value that turns each off.
 UNBUILT_TECHNIQUES = {
-    "optimizer_in_backward": False, "cpu_offload": "none",
     "compile": "none", "impl": "hf",
 }
-UNBUILT_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "paged-adamw", "lion", "ao-adamw8bit", "ao-adamw4bit",
-                      "ao-adamw-fp8")
+UNBUILT_OPTIMIZERS: tuple[str, ...] = ()
 
 
 def refuse_unbuilt_techniques(setup: TrainingSetup) -> None:
@@ -485,59 +482,6 @@ def _materialize_meta_parameters(model: nn.Module, device: torch.device) -> None
             if param is not None and param.device.type == "meta":
                 storage = torch.empty(param.shape, dtype=param.dtype, device=device)
                 module._parameters[key] = nn.Parameter(storage, requires_grad=param.requires_grad)
-
-
-def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None = None) -> torch.optim.Optimizer:
-    """The setup's optimizer over the model's trainable parameters.
-
-    `device` is the device the step is meant for (default: the parameters' device); it
-    decides the default implementation (foreach on CUDA, loop elsewhere), so a trace on
-    fake cpu of a CUDA job can pass `device="cuda"`. Hyper-parameters are PyTorch's
-    defaults (SGD without momentum, so it has no state) except the learning rate, 1e-4.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise UserError("the model has no trainable parameters")
-    impl = setup.resolved_optimizer_impl(device or params[0].device.type)
-    kwargs: dict[str, Any] = {"foreach": impl == "foreach"}
-    if impl == "fused":
-        kwargs = {"fused": True}
-    lr = 1e-4
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, **kwargs)
-    if setup.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, **kwargs)
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, **kwargs)
-    if impl == "fused":
-        raise UserError("torch.optim.Adafactor has no fused implementation: use foreach or loop")
-    return FakeTensorSafeAdafactor(params, lr=lr, **kwargs)
-
-
-class _ScalarReadsAsOne(TorchDispatchMode):
-    """Answer `tensor.item()` with 1 where the value cannot exist (fake tensors)."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            dtype = args[0].dtype
-            return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
-        return func(*args, **(kwargs or {}))
-
-
-class FakeTensorSafeAdafactor(torch.optim.Adafactor):
-    """`torch.optim.Adafactor` that also steps under `FakeTensorMode`.
-
-    Adafactor reads scalars back from tensors (`step.item()`, `param.norm().item()`) to
-    scale its update; fake tensors have no values, so under fake tensors those reads
-    return 1. They only set the update's magnitude, never a shape or an allocation, so the
-    step allocates exactly what the real one does. On real tensors it is plain Adafactor.
-    """
-
-    def step(self, closure: Any = None) -> Any:
-        if not is_fake_mode_active():
-            return super().step(closure)
-        with _ScalarReadsAsOne():
-            return super().step(closure)
 
 
 def make_batch(model_or_config: nn.Module | PretrainedConfig, setup: TrainingSetup, device: str = "cpu",

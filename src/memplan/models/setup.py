@@ -189,6 +189,7 @@ class TrainingSetup:
         if self.optimizer_in_backward and self.grad_accum > 1:
             raise UserError("--optimizer-in-backward steps as each gradient is ready, so gradients cannot "
                             "accumulate over micro-batches: use --grad-accum 1")
+        self._check_offload()
         if self.loss != "full" and self.head != "lm":
             raise UserError(f"--loss {self.loss} replaces a language-model head's cross-entropy; the seq-cls "
                             "head has no vocabulary-sized logits: use --loss full")
@@ -199,6 +200,20 @@ class TrainingSetup:
                             f"and stands alone: drop the other names, or list every module without {ALL_LINEAR}")
         if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not self.lora_alpha > 0):
             raise UserError(f"lora_alpha must be a number > 0, not {self.lora_alpha!r}")
+
+    def _check_offload(self) -> None:
+        """`UserError` for CPU offloading with what it cannot go with (one line, with the fix)."""
+        if self.cpu_offload == "none":
+            return
+        if self.optimizer not in TORCH_OPTIMIZERS:
+            raise UserError(f"--cpu-offload steps a torch.optim optimizer on the host; {self.optimizer} runs its "
+                            f"own GPU kernels: use --optimizer {' or '.join(TORCH_OPTIMIZERS[:2])} with --cpu-offload")
+        if self.optimizer_in_backward:
+            raise UserError("--cpu-offload steps the optimizer on the host after backward; --optimizer-in-backward "
+                            "steps on the GPU inside it: use one of them")
+        if self.cpu_offload == "optimizer" and self.zero_grad != "none":
+            raise UserError("--cpu-offload optimizer (torchao's CPUOffloadOptimizer) frees the GPU gradients in "
+                            "zero_grad(): use --zero-grad none")
 
     def loss_chunks(self) -> int:
         """The number of chunks of a `chunked` loss (1 for `full` and `fused-linear`)."""

@@ -43,6 +43,7 @@ that the model is built on cpu (real or fake tensors).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from memplan import models
 from memplan.capture.step import TrainingStep, make_step
 from memplan.errors import UserError
+from memplan.models import tracing
 from memplan.models.build import TORCH_DTYPES, transformer_blocks, transformer_blocks_path
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
@@ -238,11 +240,13 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, modules: list[nn.Module] | 
 
 
 def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: DeviceMesh | None = None, *,
-                 reducer: bool = True) -> nn.Module:
+                 reducer: bool = True, offload_params: bool = False) -> nn.Module:
     """`model` with `layout` applied (TP, then FSDP2 or DDP); returns the module to train.
     `reducer=False` (a fake process group, where DDP's reducer cannot run): DDP + TP gets
     only DDP's parameter transform (the DTensor parameters become rank-local leaves, as
-    under DDP), and DDP alone nothing; the caller models the reducer's buckets."""
+    under DDP), and DDP alone nothing; the caller models the reducer's buckets.
+    `offload_params`: FSDP2 with `CPUOffloadPolicy()` (pinned host shards; call it inside
+    `memplan.models.tracing.host_placement`, which serves the pinning on a CPU-only host)."""
     if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
         raise UserError("only DDP, FSDP2 (zero 3), TP, DDP + TP and FSDP2 + TP can be applied to a model")
     mesh = mesh if mesh is not None else device_mesh(layout)
@@ -264,6 +268,10 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
 
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[layout.fsdp_param_dtype],
                                                         reduce_dtype=torch.float32)
+        if offload_params:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy()
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, **options)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, **options)
@@ -333,14 +341,17 @@ def build_parallel_step(config: PretrainedConfig, setup: TrainingSetup, layout: 
         torch.manual_seed(setup.seed)  # identical weights on every rank, as a checkpoint load gives
     model = models.build_model(config, setup, device="cpu")
     layers, blocks_path = len(transformer_blocks(model)), transformer_blocks_path(model)
+    offload = setup.cpu_offload == "params"
+    placement = tracing.host_placement() if offload else contextlib.nullcontext()
     if models.is_fake_mode_active():
         # the wrappers' set-up computes device-mesh coordinates and checks parameter
         # shapes with small real tensors; everything made from the (fake) parameters
         # stays fake
-        with unset_fake_temporarily():
-            trained = apply_layout(model, layout, blocks_path, mesh, reducer=False)
+        with unset_fake_temporarily(), placement:
+            trained = apply_layout(model, layout, blocks_path, mesh, reducer=False, offload_params=offload)
     else:
-        trained = apply_layout(model, layout, blocks_path, mesh)
+        with placement:
+            trained = apply_layout(model, layout, blocks_path, mesh, offload_params=offload)
     optimizer = models.build_optimizer(trained, setup, device=target_device)
     batches = [models.make_batch(model, setup, device="cpu", seed=setup.seed + mb) for mb in range(setup.grad_accum)]
     meta = {"model": type(model).__name__, "setup": setup.to_dict(), "device": target_device,

@@ -105,6 +105,19 @@ class Layout:
         if self.tp > 1 and setup.loss == "fused-linear":
             raise UserError("--loss fused-linear takes the whole output weight, which --tp shards over the "
                             "vocabulary: use --loss chunked with --tp")
+        self._check_offload(setup)
+
+    def _check_offload(self, setup: TrainingSetup) -> None:
+        """`UserError` for CPU offloading this layout cannot take (docs/estimation.md)."""
+        if setup.cpu_offload == "none":
+            return
+        if self.tp > 1 or self.pp > 1:
+            raise UserError("--cpu-offload is estimated for data parallelism only: leave out --tp and --pp")
+        if setup.cpu_offload == "params" and (self.zero != 3 or self.dp < 2):
+            raise UserError("--cpu-offload params is FSDP2's CPUOffloadPolicy: add --zero 3 and --world-size 2 or more")
+        if setup.cpu_offload == "optimizer" and self.dp > 1 and self.zero < 2:
+            raise UserError("--cpu-offload optimizer over several GPUs is DeepSpeed's ZeRO-Offload, which "
+                            "partitions gradients to the host as ZeRO-2 does: add --zero 2 or 3")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

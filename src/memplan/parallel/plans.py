@@ -19,7 +19,7 @@ from memplan.capture.step import StepTrace
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import modelled_rest, traced_part
 from memplan.parallel.layout import Layout
-from memplan.parallel.transform import data_parallel_trace, rank_trace
+from memplan.parallel.transform import data_parallel_trace, optimizer_offload_trace, rank_trace
 from memplan.trace.model import Trace
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
@@ -56,9 +56,15 @@ def rank_plans(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
     stages = [0] if layout.pp == 1 else sorted({0, min(1, layout.pp - 1), layout.pp - 1})
     communicators = int(layout.dp > 1) + int(layout.tp > 1) + int(layout.pp > 1) + int(layout.shard_size is not None)
     plans = []
+    # DeepSpeed's ZeRO-Offload over several ranks: the plain step, traced or modelled,
+    # then its optimizer moved to the host (`optimizer_offload_trace`); on one device,
+    # torchao's CPUOffloadOptimizer is traced with the step itself
+    offload = setup.cpu_offload == "optimizer" and layout.dp > 1
     for stage in stages:
         layers = total_layers if layout.pp == 1 or total_layers is None else total_layers // layout.pp
         stage_setup = setup if layout.pp == 1 else replace(setup, grad_accum=1)
+        if offload:
+            stage_setup = replace(stage_setup, cpu_offload="none")
         if layout.pp > 1:
             covered = [stage] if stage in (0, layout.pp - 1) else list(range(1, layout.pp - 1))
         else:
@@ -74,6 +80,16 @@ def rank_plans(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
         def rest(step: StepTrace) -> Trace:
             return data_parallel_trace(step, layout, setup)
 
+        traced_rest = rest if modelled_rest(layout, part) else None
+        if offload:
+            transform, traced_rest = _offloaded(transform), _offloaded(traced_rest)
         plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
-                              part, traced_rank, rest if modelled_rest(layout, part) else None))
+                              part, traced_rank, traced_rest))
     return plans
+
+
+def _offloaded(transform: Callable[[StepTrace], Trace] | None) -> Callable[[StepTrace], Trace]:
+    """`transform` (None: the traced step itself), then DeepSpeed's ZeRO-Offload."""
+    def view(step: StepTrace) -> Trace:
+        return optimizer_offload_trace(transform(step) if transform is not None else step.trace)
+    return view

@@ -179,6 +179,28 @@ class DistributedRecorder(Recorder):
             _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
 
 
+@contextlib.contextmanager
+def fsdp_host_to_device_copies() -> Iterator[None]:
+    """FSDP2's copy of each host-resident shard to the GPU before its all-gather, for a
+    CUDA job traced on cpu tensors with `CPUOffloadPolicy`: `FSDPParam.all_gather_inputs`
+    returns `sharded_param_data.to(self.device, non_blocking=True)` (`_fsdp_param.py`),
+    a new GPU tensor of the shard's size, which the all-gather's copy-in reads and drops;
+    on the fake cpu that `.to` is the shard itself. Here it is a copy (a device buffer)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    inputs = FSDPParam.all_gather_inputs
+
+    def copied(self: Any) -> list[torch.Tensor]:
+        tensors = inputs.fget(self)
+        return [t.clone() for t in tensors] if self.offload_to_cpu else tensors
+
+    FSDPParam.all_gather_inputs = property(copied)
+    try:
+        yield
+    finally:
+        FSDPParam.all_gather_inputs = inputs
+
+
 def parallel_step_trace(step: TrainingStep, *, warmup: int = 1, meta: dict[str, Any] | None = None) -> Trace:
     """`memplan.capture.capture` of `step` with the DTensor-aware recorder: the trace of a
     step whose model runs on a (real or fake) process group."""
@@ -227,7 +249,9 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
     fake process group (see the module docstring)."""
     with _fake_process_group(rank, layout.world_size):
         mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        copies = fsdp_host_to_device_copies() if device == "cuda" and setup.cpu_offload == "params" \
+            else contextlib.nullcontext()
+        with FakeTensorMode(allow_non_fake_inputs=True), copies:
             step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
             trace = parallel_step_trace(step, meta={**step.meta, "fake": True, "rank": rank,
                                                     "layout": layout.to_dict()})
@@ -295,5 +319,5 @@ def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
         own = np.isin(trace.events["buffer"][start:stop], outputs)
         end = start + int(np.argmin(own)) if not own.all() else stop
         extras.append(ExtraBuffer(nbytes, start, end if end < trace.num_events else -1, "other",
-                                  trace.phase_at(start)))
+                                  trace.phase_at(start), device=trace.main_device()))
     return [x for x in extras if x.nbytes > 0]

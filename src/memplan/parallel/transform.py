@@ -146,7 +146,7 @@ class _Buffers:
                    is_grad=cat == CATEGORY["gradient"], is_state=cat == CATEGORY["optimizer_state"],
                    opt_temp=in_optimizer & (cat == CATEGORY["temporary"]),
                    flowing=~in_optimizer & np.isin(cat, [CATEGORY["activation"], CATEGORY["temporary"]]),
-                   is_norm=is_norm, device=int(np.bincount(b["device"]).argmax()) if trace.num_buffers else 0)
+                   is_norm=is_norm, device=trace.main_device())
 
 
 def rank_trace(step: StepTrace, layout: Layout, setup: TrainingSetup, stage: int, *,
@@ -176,6 +176,39 @@ def rank_trace(step: StepTrace, layout: Layout, setup: TrainingSetup, stage: int
             nbytes = _zero3_rule(nbytes, buf, layout.shard_degree, trace, step.blocks_path, reshard_after_forward,
                                  extras)
     return with_extra_buffers(_with_nbytes(trace, nbytes), extras)
+
+
+def optimizer_offload_trace(trace: Trace) -> Trace:
+    """One data-parallel rank's trace under DeepSpeed's ZeRO-Offload (`offload_optimizer`
+    with ZeRO stage 2 or 3): the optimizer steps on the host's CPU over the rank's
+    partition, so its states are host memory (pageable: DeepSpeedCPUAdam's states are
+    made on the host partition), its step has no temporaries (DeepSpeedCPUAdam updates
+    in place, `csrc/adam/cpu_adam_impl.cpp`; the traced GPU step's are dropped), and the
+    rank's gradients the step reads are host memory too (pinned: `stage_1_and_2.py`,
+    `DeepSpeedZeroOptimizer.initialize_optimizer_states` keeps the fp32 gradient
+    partition in `get_accelerator().pin_memory(...)` when `cpu_offload` is on, and does not
+    build `averaged_gradients` on the device; `stage3.py` likewise with `offload_optimizer`).
+    The gradients are those live when the optimizer step starts: the rank's shards (and
+    ZeRO-2's device-side reduce bucket, category other, stays on the device). Sizes are
+    the traced ones: DeepSpeed's fp32 master partition and fp32 gradients of a bf16/fp16
+    model (its mixed precision, not the offload) are not added (docs/estimation.md)."""
+    b = trace.buffers
+    cat, phase = b["category"], b["phase"]
+    optimizer_ops = np.flatnonzero(trace.ops["phase"] == PHASE["optimizer"]) if trace.num_ops else np.zeros(0, int)
+    start = int(trace.ops["first_event"][optimizer_ops[0]]) if optimizer_ops.shape[0] else trace.num_events
+    live_at_step = (b["alloc_event"] < start) & (trace.free_event_or_end() >= start)
+    devices = list(trace.devices)
+    for name in ("host:pageable", "host:pinned"):
+        if name not in devices:
+            devices.append(name)
+    device = b["device"].copy()
+    device[cat == CATEGORY["optimizer_state"]] = devices.index("host:pageable")
+    device[(cat == CATEGORY["gradient"]) & live_at_step] = devices.index("host:pinned")
+    step_temporaries = (phase == PHASE["optimizer"]) & (cat == CATEGORY["temporary"])
+    nbytes = np.where(step_temporaries, 0, b["nbytes"])
+    return Trace(buffers={**b, "device": device.astype(b["device"].dtype), "nbytes": nbytes}, events=trace.events,
+                 ops=trace.ops, csr=trace.csr, op_names=trace.op_names, modules=trace.modules, devices=devices,
+                 meta=dict(trace.meta))
 
 
 def _pipeline_stage_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, stage: int) -> None:

@@ -157,6 +157,9 @@ class _Page:
     def heading(self, text: str) -> None:
         self.sections.append(f"<h2>{html.escape(text)}</h2>")
 
+    def paragraph(self, text: str) -> None:
+        self.sections.append(f"<p>{html.escape(text)}</p>")
+
     def table(self, header: list[str], rows: list[list[Any]]) -> None:
         head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
         body = "".join(
@@ -248,11 +251,18 @@ def _estimate_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> No
         "Each bar is one rank's peak by category; the black tick is its reserved memory, the red line the GPU.",
     )
     page.table(
-        ["rank", "peak allocated", "peak reserved", "device used", "phase of the peak"],
+        ["rank", "peak allocated", "peak reserved", "device used", "phase of the peak", "host peak",
+         "host pinned / pageable / managed"],
         [[r.get("rank"), format_bytes(r.get("peak_allocated_bytes", 0)),
           format_bytes(r.get("peak_reserved_bytes", 0)), format_bytes(r.get("device_used_bytes", 0)),
-          r.get("peak_phase", "")] for r in doc["per_rank"]],
+          r.get("peak_phase", ""), format_bytes(r.get("host_peak_bytes", 0)),
+          " / ".join(format_bytes(r.get(f"host_{kind}_bytes", 0)) for kind in ("pinned", "pageable", "managed"))]
+         for r in doc["per_rank"]],
     )
+    if any(r.get("host_peak_bytes", 0) for r in doc["per_rank"]):
+        page.paragraph("Host memory (offloaded optimizer state, parameters and gradients; bitsandbytes' paged "
+                       "state in CUDA managed memory) is not in the device figures: its peak over the step, and "
+                       "at that peak how much is pinned, pageable and managed.")
 
 
 def _reorder_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
