@@ -33,7 +33,7 @@ from memplan import models
 from memplan.capture.api import capture
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
-from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
 from memplan.trace.model import Trace
@@ -219,7 +219,7 @@ def _captured_training_step(
             warmup=warmup,
             meta={**step.meta, "fake": fake},
             record_flops=record_flops,
-            inputs=step.batches,
+            inputs=[step.batches, carried_between_steps(step.model)],
         )
     if device == "cuda":
         trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]

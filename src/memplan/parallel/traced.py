@@ -59,7 +59,7 @@ from memplan.capture.pipeline import build_pipeline_stage
 from memplan.capture.recorder import Recorder
 from memplan.capture.step import StepTrace, TrainingStep
 from memplan.errors import UserError
-from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import (
     apply_stage_layout,
@@ -178,7 +178,8 @@ def parallel_step_trace(step: TrainingStep, *, warmup: int = 1, meta: dict[str, 
     """`memplan.capture.capture` of `step` with the DTensor-aware recorder: the trace of a
     step whose model runs on a (real or fake) process group."""
     return capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=warmup,
-                   meta=meta, inputs=step.batches, recorder=DistributedRecorder())
+                   meta=meta, inputs=[step.batches, carried_between_steps(step.model)],
+                   recorder=DistributedRecorder())
 
 
 def _forget_previous_meshes() -> None:
