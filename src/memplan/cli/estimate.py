@@ -81,7 +81,8 @@ def render(result: Estimate) -> None:
     layout = result.layout
     code = f"{IMPL_NAMES.get(result.impl, result.impl)}, " if result.impl is not None else ""
     title = (f"{result.model} ({code}{result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
-             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']})")
+             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}"
+             f"{' ' + layout['engine'] if layout.get('engine') else ''}, tp {layout['tp']}, pp {layout['pp']})")
     table = Table(title=title)
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
                 "optimizer", "activations", "temporaries", "other"):

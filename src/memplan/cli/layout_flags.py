@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from memplan.parallel.layout import FSDP_PARAM_DTYPES, SCHEDULES, Layout
+from memplan.parallel.layout import ENGINES, FSDP_PARAM_DTYPES, SCHEDULES, Layout
 
 
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallel layout")
     group.add_argument("--world-size", type=int, default=None, metavar="N", help="GPUs in the job (default tp x pp)")
     group.add_argument("--zero", type=int, default=0, metavar="STAGE",
-                       help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0)")
+                       help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0; --engine picks another)")
+    group.add_argument("--engine", choices=ENGINES, default=None,
+                       help="who shards under --zero: fsdp2 (fully_shard; stage 3), fsdp1 (FullyShardedDataParallel "
+                            "as HF Trainer / accelerate set it up; stages 2-3) or deepspeed (stages 1-3); default "
+                            "fsdp2 for stage 3, deepspeed for 1-2")
     group.add_argument("--shard-size", type=int, default=None, metavar="N", help="HSDP: shard over N ranks (zero 3)")
     group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (DTensor, torchtitan's Llama plan)")
     group.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree")
@@ -24,4 +28,4 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
 def layout_from_args(args: argparse.Namespace) -> Layout:
     return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
                   microbatches=args.microbatches, schedule=args.schedule,
-                  fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None))
+                  fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None), engine=getattr(args, "engine", None))

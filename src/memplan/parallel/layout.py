@@ -3,6 +3,11 @@
 `Layout` holds the degrees and checks them against a model. Which ranks differ, and how
 each is estimated, is `memplan.parallel.plans`.
 
+`engine` is the library that shards (ZeRO stages 1-3): `fsdp2` (`fully_shard`, the
+default for stage 3), `fsdp1` (`FullyShardedDataParallel`: `FULL_SHARD` for stage 3,
+`SHARD_GRAD_OP` for stage 2) or `deepspeed` (DeepSpeed's ZeRO optimizers, the default
+for stages 1 and 2, which only DeepSpeed implements as such). None: the stage's default.
+
 Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp.
 """
 
@@ -22,6 +27,8 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
 SCHEDULES = ("1f1b", "interleaved")
 FSDP_PARAM_DTYPES = ("bf16", "fp16", "fp32")
 INTERLEAVED_CHUNKS = 2  # model chunks per rank with the interleaved schedule
+ENGINES = ("fsdp2", "fsdp1", "deepspeed")
+ENGINE_STAGES = {"fsdp2": (3,), "fsdp1": (2, 3), "deepspeed": (1, 2, 3)}  # the ZeRO stages each implements
 
 
 @dataclass
@@ -36,6 +43,7 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     fsdp_param_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)
+    engine: str | None = None  # who shards: fsdp2, fsdp1, deepspeed (module docstring); None: the stage's default
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "microbatches"):
@@ -62,10 +70,38 @@ class Layout:
             if self.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
                 raise UserError(f"fsdp param dtype must be one of {', '.join(FSDP_PARAM_DTYPES)}, "
                                 f"not {self.fsdp_param_dtype!r}")
-            if self.zero != 3:
+            if self.zero != 3 and not (self.engine == "fsdp1" and self.zero == 2):
                 raise UserError("--fsdp-param-dtype (FSDP2's mixed-precision policy) needs --zero 3")
+        self._check_engine()
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < 1:
             raise UserError("pipeline parallelism needs --microbatches >= 1")
+
+    def _check_engine(self) -> None:
+        if self.engine is None:
+            return
+        if self.engine not in ENGINES:
+            raise UserError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.zero == 0:
+            raise UserError(f"--engine {self.engine} picks who shards with ZeRO; --zero 0 (DDP) shards nothing: "
+                            "add --zero 1-3 or leave --engine out")
+        stages = ENGINE_STAGES[self.engine]
+        if self.zero not in stages:
+            raise UserError(f"--engine {self.engine} implements ZeRO stage {' and '.join(map(str, stages))}, "
+                            f"not {self.zero}: use --engine deepspeed for stage {self.zero}")
+        if self.engine != "fsdp2" and (self.tp > 1 or self.pp > 1 or self.shard_size is not None):
+            raise UserError(f"--engine {self.engine} is estimated alone (data parallel only): leave out --tp, "
+                            "--pp and --shard-size, or use --engine fsdp2")
+        if self.engine == "deepspeed" and self.fsdp_param_dtype is not None:
+            raise UserError("--fsdp-param-dtype is FSDP's mixed precision: DeepSpeed trains in the setup's "
+                            "--dtype; leave it out")
+
+    @property
+    def zero_engine(self) -> str | None:
+        """Who shards: the `engine` given, else the stage's default (fsdp2 for 3,
+        deepspeed for 1 and 2); None without ZeRO."""
+        if self.zero == 0:
+            return None
+        return self.engine or ("fsdp2" if self.zero == 3 else "deepspeed")
 
     @property
     def dp(self) -> int:
@@ -103,4 +139,5 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["dp"] = self.dp
+        data["engine"] = self.zero_engine
         return data

@@ -115,7 +115,7 @@ def data_parallel_trace(step: StepTrace, layout: Layout, setup: TrainingSetup) -
         act = trace.buffers["category"] == CATEGORY["activation"]
         nbytes[act] = np.ceil(nbytes[act] * (1 + (layout.pp - 1) / (layout.pp * 2))).astype(np.int64)
         trace = _with_nbytes(trace, nbytes)
-    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size)
+    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size, engine=layout.engine)
     return rank_trace(replace(step, trace=trace), data_parallel, setup, 0, reshard_after_forward=layout.pp == 1)
 
 
