@@ -14,7 +14,7 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                        help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0; --engine picks another)")
     group.add_argument("--engine", choices=ENGINES, default=None,
                        help="who shards under --zero: fsdp2 (fully_shard; stage 3), fsdp1 (FullyShardedDataParallel "
-                            "as HF Trainer / accelerate set it up; stages 2-3) or deepspeed (stages 1-3); default "
+                            "as HF Trainer / accelerate set it up; stage 3) or deepspeed (stages 1-3); default "
                             "fsdp2 for stage 3, deepspeed for 1-2")
     group.add_argument("--shard-size", type=int, default=None, metavar="N", help="HSDP: shard over N ranks (zero 3)")
     group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (DTensor, torchtitan's Llama plan)")

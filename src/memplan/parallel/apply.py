@@ -26,7 +26,7 @@ the layout is applied from outside):
   `reshard_after_forward=True`, over the "dp" dimension (HSDP: a ("replicate", "shard")
   mesh of the data-parallel ranks); `layout.fsdp_param_dtype`: torchtitan's
   `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`.
-- **FSDP1** (`--engine fsdp1`, ZeRO-3 `FULL_SHARD` or ZeRO-2 `SHARD_GRAD_OP`):
+- **FSDP1** (`--engine fsdp1`, ZeRO-3 `FULL_SHARD`):
   `FullyShardedDataParallel` with the options HF Trainer hands accelerate
   (transformers' `TrainingArguments._process_fsdp_args` for FSDP1: `use_orig_params=True`,
   `backward_prefetch` "NO_PREFETCH", `forward_prefetch=False`; accelerate's
@@ -309,7 +309,7 @@ def apply_fsdp1(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module
     if layout.fsdp_param_dtype is not None:
         dtype = TORCH_DTYPES[layout.fsdp_param_dtype]
         mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
-    strategy = ShardingStrategy.FULL_SHARD if layout.zero == 3 else ShardingStrategy.SHARD_GRAD_OP
+    strategy = ShardingStrategy.FULL_SHARD
     device = next(model.parameters()).device
     return FullyShardedDataParallel(
         model, process_group=mesh.get_group(), sharding_strategy=strategy,
