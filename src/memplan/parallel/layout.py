@@ -146,6 +146,9 @@ class Layout:
             raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
                             f"{config.spec} builds its own model: estimate it on one GPU, or data-parallel "
                             "with --world-size")
+        if setup.impl != "hf" and (self.tp > 1 or self.pp > 1):
+            raise UserError(f"--tp and --pp split Hugging Face modules; --impl {setup.impl} builds LitGPT's GPT: "
+                            "use data parallelism (--world-size, --zero) with it")
         heads = getattr(config, "num_attention_heads", None)
         kv = getattr(config, "num_key_value_heads", None) or heads
         if self.tp > 1:
