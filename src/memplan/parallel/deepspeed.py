@@ -22,12 +22,14 @@ Stages 1 and 2 (`DeepSpeedZeroOptimizer`):
   optimizer step (`step`: `single_grad_partition`, flattened and cast to fp32);
 - with `contiguous_gradients` (DeepSpeed's default), the reduce bucket,
   `reduce_bucket_size` elements of the model dtype, two with `overlap_comm`, from the
-  first backward to the end of the step (`setup_buckets`, `_release_ipg_buffers`);
-- stage 2 only: gradients are partitioned as they are reduced: a block's gradients live
-  from its backward until the next block's is done, and the rank's partition of every
-  gradient, ceil(T / d) x e B, from the first backward to the end of the step
-  (`copy_grads_in_partition`: `grads_in_partition`). Stage 1 keeps the full gradients
-  (the trace's).
+  first gradient's hook (`process_gradients` -> `setup_buckets`) to the end of the
+  backward (`independent_gradient_partition_epilogue` -> `_release_ipg_buffers`);
+- the rank's partition of every gradient, ceil(T / d) x e B
+  (`copy_grads_in_partition`: `grads_in_partition`), from the first bucket reduced to the
+  step (to its end for an fp32 model, where it is the fp32 gradient itself); stage 2
+  reduces a bucket whenever the gradients made so far fill one and frees each gradient as
+  it is copied into the bucket; stage 1 keeps the whole gradients until the end of the
+  backward and reduces them there.
 
 Stage 3 (`DeepSpeedZeroOptimizer_Stage3`):
 
@@ -134,7 +136,7 @@ def stage12_buffers(trace: Trace, setup: TrainingSetup, stage: int, d: int, grad
     copy of it the step takes when the model is not fp32 (module docstring)."""
     element, partition = element_bytes(setup), math.ceil(trainable_elements(trace, setup, grad_bytes) / d)
     step_start, _ = optimizer_span(trace)
-    first_backward, last_backward = backward_start(trace), backward_end(trace)
+    last_backward = backward_end(trace)
     bucket_bytes = config.reduce_bucket_size * element
     flushed = first_flush(trace, bucket_bytes) if stage == 2 else last_backward
     fp32 = element == FP32_BYTES  # the partition is then the fp32 gradient itself (`.to` returns it)
@@ -143,7 +145,9 @@ def stage12_buffers(trace: Trace, setup: TrainingSetup, stage: int, d: int, grad
                           device=device),
               ExtraBuffer(partition * element, flushed, -1 if fp32 else step_start, "gradient", "backward",
                           device=device)]
-    extras += [ExtraBuffer(bucket_bytes, first_backward, last_backward, "other", "backward", device=device)
+    # allocated by the first gradient's hook (`process_gradients` -> `setup_buckets`)
+    first_hook = first_flush(trace, 1)
+    extras += [ExtraBuffer(bucket_bytes, first_hook, last_backward, "other", "backward", device=device)
                for _ in range(2 if config.overlap_comm else 1)]
     return [x for x in extras if x.nbytes > 0 and x.alloc_before < trace.num_events]
 
