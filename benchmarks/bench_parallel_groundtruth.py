@@ -3,7 +3,7 @@ per rank against real multi-process gloo runs measured with torch.profiler on ev
 
 Each case starts `world_size` processes (torch.multiprocessing spawn, gloo backend),
 applies the layout with `memplan.parallel.apply` (DDP, FSDP2 `fully_shard`, HSDP, DTensor
-TP, FSDP2 + TP, DDP + TP), runs one warm-up step and profiles the next on every rank
+TP, FSDP2 + TP, DDP + TP, FSDP1 `FullyShardedDataParallel`), runs one warm-up step and profiles the next on every rank
 (`memplan.parallel.groundtruth.measure_rank_peaks`). The estimate traces the parallel
 step on a fake process group where it can (column "estimate path": traced) and applies
 the modelled rules otherwise (modelled), or traces the TP part and models DDP's buckets on
@@ -41,6 +41,8 @@ LAYOUTS = {
     "DDP 2 x TP 2": {"world_size": 4, "tp": 2},
     "FSDP2 x2, bf16 params": {"world_size": 2, "zero": 3, "fsdp_param_dtype": "bf16"},
     "HSDP 2 x 2": {"world_size": 4, "zero": 3, "shard_size": 2},
+    "FSDP1 x2": {"world_size": 2, "zero": 3, "engine": "fsdp1"},
+    "FSDP1 x2, bf16 params": {"world_size": 2, "zero": 3, "engine": "fsdp1", "fsdp_param_dtype": "bf16"},
 }
 OPTIONS = {
     "": {},
@@ -60,6 +62,8 @@ CASES = (
     + [("qwen2.5-0.5b", "", lay) for lay in ("TP 2", "FSDP2 2 x TP 2", "DDP 2 x TP 2")]
     + [("gpt2", "", lay) for lay in ("DDP x2", "FSDP2 x2", "TP 2")]
     + [("opt-125m", "bf16 autocast", lay) for lay in ("DDP x2", "FSDP2 x2")]
+    + [("llama-2-7b", opt, "FSDP1 x2") for opt in ("", "ckpt", "LoRA r4")]
+    + [("llama-2-7b", "", "FSDP1 x2, bf16 params")]
 )
 
 

@@ -45,6 +45,8 @@ CASES = {
         ("fsdp2-checkpointing", CKPT, Layout(world_size=2, zero=3)),
         ("tp", PLAIN, Layout(tp=2)),
         ("fsdp2-bf16-params", PLAIN, Layout(world_size=2, zero=3, fsdp_param_dtype="bf16")),
+        # FSDP1 as HF Trainer / accelerate set it up (a flat parameter per block and the root)
+        ("fsdp1", PLAIN, Layout(world_size=2, zero=3, engine="fsdp1")),
     ],
     4: [
         ("fsdp2+tp", PLAIN, Layout(world_size=4, zero=3, tp=2)),

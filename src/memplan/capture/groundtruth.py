@@ -16,14 +16,26 @@ import numpy as np
 import torch
 
 
-def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> int:
-    """Peak bytes of the profiler's memory timeline over one call of `step_fn`."""
+def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "cpu", carried: Any = None,
+                        **kwargs: Any) -> int:
+    """Peak bytes of the profiler's memory timeline over one call of `step_fn`.
+
+    `carried`: tensors (any nesting) alive before the call that no op of the step reads,
+    such as the previous step's logits a training loop still holds until its next forward
+    returns (`memplan.models.build.carried_between_steps`). The profiler learns a
+    pre-existing storage's size only from an op that takes it ("Memory block of unknown
+    size was allocated before the profiling started"), so each gets one view, which
+    allocates nothing, at the start of the profile."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
+    from torch.utils._pytree import tree_flatten
 
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
     ) as prof:
+        for tensor in tree_flatten(carried)[0]:
+            if isinstance(tensor, torch.Tensor):
+                tensor.view_as(tensor)
         step_fn(*args, **kwargs)
     timeline = MemoryProfileTimeline(prof._memory_profile())
     _times, sizes = timeline._coalesce_timeline(torch.device(device))

@@ -40,7 +40,7 @@ from memplan.capture.activation_offload import activation_offload_context
 from memplan.capture.api import capture
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
-from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.losses import step_loss
 from memplan.models.quant import weight_count
 from memplan.models.registry import FactorySpec
@@ -243,7 +243,7 @@ def _captured_training_step(
             warmup=warmup,
             meta={**step.meta, "fake": fake},
             record_flops=record_flops,
-            inputs=step.batches,
+            inputs=[step.batches, carried_between_steps(step.model)],
         )
     if device == "cuda":
         trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]

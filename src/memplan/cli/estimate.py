@@ -19,6 +19,8 @@ from memplan.hardware.devices import DeviceProfile, all_profiles
 from memplan.trace import load
 from memplan.units import format_bytes, parse_size
 
+IMPL_NAMES = {"hf": "Hugging Face transformers", "litgpt": "LitGPT"}  # whose model code was traced
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -100,8 +102,10 @@ def render(result: Estimate) -> None:
     """The estimate as a table of ranks and a verdict, on stdout."""
     console = Console()
     layout = result.layout
-    title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
-             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']})")
+    code = f"{IMPL_NAMES.get(result.impl, result.impl)}, " if result.impl is not None else ""
+    title = (f"{result.model} ({code}{result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
+             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}"
+             f"{' ' + layout['engine'] if layout.get('engine') else ''}, tp {layout['tp']}, pp {layout['pp']})")
     table = Table(title=title)
     host = result.host_peak_bytes > 0
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",

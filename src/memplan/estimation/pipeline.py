@@ -165,6 +165,12 @@ class Estimate:
         return max(r.host.peak_bytes for r in self.per_rank)
 
     @property
+    def impl(self) -> str | None:
+        """Whose model code was traced (`TrainingSetup.impl`: hf, litgpt); None for a
+        snapshot of a step memplan did not build."""
+        return self.setup.get("impl")
+
+    @property
     def fits(self) -> bool | None:
         if self.capacity_bytes is None:
             return None
@@ -173,6 +179,7 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            "impl": self.impl,
             "parameters": self.parameters,
             "setup": self.setup,
             "layout": self.layout,

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from memplan.errors import UserError
-from memplan.models import quant
+from memplan.models import litgpt, quant
 from memplan.models.dtypes import TORCH_DTYPES
 from memplan.models.registry import FactorySpec, as_config, load_config, uses_remote_code
 from memplan.models.setup import ALL_LINEAR, DEFAULT_MAX_SEQ, TrainingSetup
@@ -199,20 +199,26 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
     init = contextlib.nullcontext() if skip_init else _seeded(setup.seed)
     with init:
         if isinstance(spec, FactorySpec):
-            if setup.head != "lm":
-                raise UserError(f"--head {setup.head} builds a Hugging Face head from a config; the factory "
-                                f"'{spec.spec}' builds its own model: leave the head at lm")
+            if setup.head != "lm" or setup.impl != "hf":
+                flag = f"--head {setup.head}" if setup.head != "lm" else f"--impl {setup.impl}"
+                raise UserError(f"{flag} builds a model from a Hugging Face config; the factory "
+                                f"'{spec.spec}' builds its own model: leave it out")
             model = _build_from_factory(spec, setup, device)
+        elif setup.impl == "litgpt":
+            model = _build_litgpt(copy.deepcopy(spec), setup, device)
         else:
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
         _check_sequence(model, setup)
         model.train()
-        if setup.lora_rank > 0:
+        if setup.lora_rank > 0 and setup.impl == "hf":
             _check_lora_targets(model, setup)
         if setup.quant != "none":
             _apply_quant(model, setup, spec, fake=skip_init)
-        _apply_checkpointing(model, setup)
-        if setup.lora_rank > 0:
+        if setup.impl == "litgpt" and setup.checkpointing == "full":
+            litgpt.checkpoint_blocks(model)
+        else:
+            _apply_checkpointing(model, setup)
+        if setup.lora_rank > 0 and setup.impl == "hf":
             model = _apply_lora(model, setup)
         elif setup.frozen_base:
             quant.train_unquantised(model)
@@ -233,9 +239,33 @@ def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig 
         quant.prepare_for_kbit_training(model)
 
 
+def _build_litgpt(config: PretrainedConfig, setup: TrainingSetup, device: str) -> nn.Module:
+    """LitGPT's `GPT` for `config` and the loss of its fine-tuning loop (`memplan.models.litgpt`)."""
+    if setup.head != "lm":
+        raise UserError(f"--impl litgpt builds LitGPT's language model; --head {setup.head} is a Hugging Face head: "
+                        "use --impl hf")
+    if setup.attn == "eager":
+        raise UserError("LitGPT's attention always calls scaled_dot_product_attention: use --attn sdpa with "
+                        "--impl litgpt")
+    if getattr(config, "num_local_experts", None) and is_fake_mode_active():
+        raise UserError("LitGPT's LLaMAMoE routes tokens with torch.where (data-dependent shapes), which fake "
+                        "tensors cannot trace: use --impl hf for a mixture-of-experts model")
+    model = litgpt.build_litgpt_model(config, setup, sequence_length(setup, config), TORCH_DTYPES[setup.dtype],
+                                      device)
+    model.memplan_attn_implementation = "sdpa"
+    return model
+
+
+def carried_between_steps(model: nn.Module) -> dict[str, Any]:
+    """What the model's training loop keeps alive from one micro-batch (and step) to the
+    next, for the capture to count from the start (LitGPT's loop keeps the previous
+    logits: `memplan.models.litgpt`); empty for the other models."""
+    return getattr(model, "carried", {})
+
+
 # Setup fields whose techniques no builder applies yet, with the value that turns each off.
 UNBUILT_TECHNIQUES = {
-    "compile": "none", "impl": "hf",
+    "compile": "none",
 }
 UNBUILT_OPTIMIZERS: tuple[str, ...] = ()
 

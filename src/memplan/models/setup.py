@@ -198,6 +198,8 @@ class TrainingSetup:
         if self.lora_targets is not None and ALL_LINEAR in self.lora_targets and len(self.lora_targets) > 1:
             raise UserError(f"--lora-targets {ALL_LINEAR} is peft's name for every linear layer but the output head "
                             f"and stands alone: drop the other names, or list every module without {ALL_LINEAR}")
+        if self.impl == "litgpt":
+            self._check_litgpt()
         if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not self.lora_alpha > 0):
             raise UserError(f"lora_alpha must be a number > 0, not {self.lora_alpha!r}")
 
@@ -214,6 +216,17 @@ class TrainingSetup:
         if self.cpu_offload == "optimizer" and self.zero_grad != "none":
             raise UserError("--cpu-offload optimizer (torchao's CPUOffloadOptimizer) frees the GPU gradients in "
                             "zero_grad(): use --zero-grad none")
+
+    def _check_litgpt(self) -> None:
+        """`UserError` for what LitGPT's own fine-tuning scripts do differently (memplan.models.litgpt)."""
+        if self.loss != "full":
+            raise UserError("LitGPT's fine-tuning loop computes its head and loss in 128-position chunks itself: "
+                            "use --loss full with --impl litgpt")
+        if self.quant != "none":
+            raise UserError("LitGPT quantises through Lightning Fabric's BitsandbytesPrecision, which memplan does "
+                            "not trace: use --impl hf with --quant")
+        if self.activation_offload != "none" or self.dora:
+            raise UserError("--activation-offload and --dora are applied to Hugging Face models: use --impl hf")
 
     def loss_chunks(self) -> int:
         """The number of chunks of a `chunked` loss (1 for `full` and `fused-linear`)."""

@@ -26,6 +26,17 @@ the layout is applied from outside):
   `reshard_after_forward=True`, over the "dp" dimension (HSDP: a ("replicate", "shard")
   mesh of the data-parallel ranks); `layout.fsdp_param_dtype`: torchtitan's
   `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`.
+- **FSDP1** (`--engine fsdp1`, ZeRO-3 `FULL_SHARD`):
+  `FullyShardedDataParallel` with the options HF Trainer hands accelerate
+  (transformers' `TrainingArguments._process_fsdp_args` for FSDP1: `use_orig_params=True`,
+  `backward_prefetch` "NO_PREFETCH", `forward_prefetch=False`; accelerate's
+  `FullyShardedDataParallelPlugin`: `limit_all_gathers=True`, the transformer-based auto-wrap
+  policy over the model's block class, `MixedPrecision(param_dtype=d, reduce_dtype=d,
+  buffer_dtype=d)` for mixed precision `d`), one flat parameter per block and one for the
+  root's remaining parameters. On a CPU process group FSDP1 needs `device_id=cpu` (without
+  it, `_init_device_handle` asks for an accelerator) and `sync_module_states=False` (its
+  broadcast refuses CPU tensors; every rank builds the same seeded weights anyway, what
+  the broadcast is for).
 - **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
   get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
   dimension of a ("pp", "pp_dp", "pp_tp") mesh (`pipeline_mesh`); one data-parallel rank per
@@ -78,8 +89,8 @@ def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: Tra
         return "only the 1F1B pipeline schedule is traced (the interleaved one is modelled)"
     if layout.pp > 1 and layout.dp > 1:
         return "PP x TP is traced with one data-parallel rank per stage; with more it is modelled"
-    if layout.zero in (1, 2) and layout.dp > 1:
-        return "ZeRO-1/2 (DeepSpeed semantics) are modelled, not traced"
+    if layout.zero_engine == "deepspeed" and layout.dp > 1:
+        return "DeepSpeed's ZeRO optimizers are modelled, not traced"
     if layout.zero == 0 and layout.dp > 1:
         return "DDP's reducer cannot run on a fake process group (its hook gets no tensor back): modelled"
     if layout.tp > 1:
@@ -247,9 +258,11 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
     under DDP), and DDP alone nothing; the caller models the reducer's buckets.
     `offload_params`: FSDP2 with `CPUOffloadPolicy()` (pinned host shards; call it inside
     `memplan.models.tracing.host_placement`, which serves the pinning on a CPU-only host)."""
-    if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
-        raise UserError("only DDP, FSDP2 (zero 3), TP, DDP + TP and FSDP2 + TP can be applied to a model")
+    if layout.pp > 1 or (layout.zero_engine == "deepspeed" and layout.dp > 1):
+        raise UserError("only DDP, FSDP2 (zero 3), FSDP1, TP, DDP + TP and FSDP2 + TP can be applied to a model")
     mesh = mesh if mesh is not None else device_mesh(layout)
+    if layout.dp > 1 and layout.zero_engine == "fsdp1":
+        return apply_fsdp1(model, layout, mesh["dp"])
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -292,6 +305,25 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
             return DistributedDataParallel(model, device_mesh=mesh["dp"])
         return DistributedDataParallel(model)
     return model
+
+
+def apply_fsdp1(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
+    """`model` under `FullyShardedDataParallel` as HF Trainer and accelerate set it up
+    (module docstring): a flat parameter per transformer block and one for the root."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    mixed = None
+    if layout.fsdp_param_dtype is not None:
+        dtype = TORCH_DTYPES[layout.fsdp_param_dtype]
+        mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+    strategy = ShardingStrategy.FULL_SHARD
+    device = next(model.parameters()).device
+    return FullyShardedDataParallel(
+        model, process_group=mesh.get_group(), sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({type(transformer_blocks(model)[0])}), backward_prefetch=None,
+        forward_prefetch=False, limit_all_gathers=True, use_orig_params=True, sync_module_states=False,
+        mixed_precision=mixed, device_id=torch.device(device.type))
 
 
 def pipeline_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:

@@ -3,6 +3,10 @@
 `Layout` holds the degrees and checks them against a model. Which ranks differ, and how
 each is estimated, is `memplan.parallel.plans`.
 
+`engine` is the library that shards (ZeRO stages 1-3): `fsdp2` (`fully_shard`, the
+default for stage 3), `fsdp1` (`FullyShardedDataParallel` `FULL_SHARD`, stage 3) or `deepspeed` (DeepSpeed's ZeRO optimizers, the default
+for stages 1 and 2, which only DeepSpeed implements as such). None: the stage's default.
+
 Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp.
 """
 
@@ -15,6 +19,7 @@ from memplan.errors import UserError
 from memplan.models.depth import num_layers
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.deepspeed import DeepSpeedConfig
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
@@ -22,6 +27,13 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
 SCHEDULES = ("1f1b", "interleaved")
 FSDP_PARAM_DTYPES = ("bf16", "fp16", "fp32")
 INTERLEAVED_CHUNKS = 2  # model chunks per rank with the interleaved schedule
+ENGINES = ("fsdp2", "fsdp1", "deepspeed")
+DS_KNOBS = ("ds_reduce_bucket_size", "ds_prefetch_bucket_size", "ds_param_persistence_threshold",
+            "ds_max_live_parameters", "ds_overlap_comm")
+# FSDP1's ZeRO-2 (`SHARD_GRAD_OP`) is left out: with `use_orig_params=True` on a CPU group it
+# fails in torch 2.13 ("If skipped using sharded views, the unsharded flat parameter should be
+# allocated", `FlatParamHandle`), so it cannot be checked against a real run here
+ENGINE_STAGES = {"fsdp2": (3,), "fsdp1": (3,), "deepspeed": (1, 2, 3)}  # the ZeRO stages each implements
 
 
 @dataclass
@@ -36,6 +48,13 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     fsdp_param_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)
+    engine: str | None = None  # who shards: fsdp2, fsdp1, deepspeed (module docstring); None: the stage's default
+    # DeepSpeed's ZeRO knobs (elements; None: DeepSpeed's default, `memplan.parallel.deepspeed`)
+    ds_reduce_bucket_size: int | None = None
+    ds_prefetch_bucket_size: int | None = None
+    ds_param_persistence_threshold: int | None = None
+    ds_max_live_parameters: int | None = None
+    ds_overlap_comm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "microbatches"):
@@ -64,8 +83,51 @@ class Layout:
                                 f"not {self.fsdp_param_dtype!r}")
             if self.zero != 3:
                 raise UserError("--fsdp-param-dtype (FSDP2's mixed-precision policy) needs --zero 3")
+        self._check_engine()
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < 1:
             raise UserError("pipeline parallelism needs --microbatches >= 1")
+
+    def _check_engine(self) -> None:
+        knobs = {name: getattr(self, name) for name in DS_KNOBS}
+        given = [name for name, value in knobs.items() if value not in (None, False)]
+        if given and self.zero_engine != "deepspeed":
+            raise UserError(f"--{given[0].replace('_', '-')} configures DeepSpeed's ZeRO: add --zero 1-3 "
+                            "--engine deepspeed")
+        for name, value in knobs.items():
+            if name != "ds_overlap_comm" and value is not None and (isinstance(value, bool) or
+                                                                    not isinstance(value, int) or value < 0):
+                raise UserError(f"--{name.replace('_', '-')} must be a whole number of elements >= 0, not {value!r}")
+        if self.engine is None:
+            return
+        if self.engine not in ENGINES:
+            raise UserError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.zero == 0:
+            raise UserError(f"--engine {self.engine} picks who shards with ZeRO; --zero 0 (DDP) shards nothing: "
+                            "add --zero 1-3 or leave --engine out")
+        stages = ENGINE_STAGES[self.engine]
+        if self.zero not in stages:
+            raise UserError(f"--engine {self.engine} implements ZeRO stage {' and '.join(map(str, stages))}, "
+                            f"not {self.zero}: use --engine deepspeed for stage {self.zero}")
+        if self.engine != "fsdp2" and (self.tp > 1 or self.pp > 1 or self.shard_size is not None):
+            raise UserError(f"--engine {self.engine} is estimated alone (data parallel only): leave out --tp, "
+                            "--pp and --shard-size, or use --engine fsdp2")
+        if self.engine == "deepspeed" and self.fsdp_param_dtype is not None:
+            raise UserError("--fsdp-param-dtype is FSDP's mixed precision: DeepSpeed trains in the setup's "
+                            "--dtype; leave it out")
+
+    @property
+    def deepspeed_config(self) -> DeepSpeedConfig:
+        """DeepSpeed's ZeRO knobs, DeepSpeed's defaults where not given."""
+        given = {name.removeprefix("ds_"): getattr(self, name) for name in DS_KNOBS}
+        return DeepSpeedConfig(**{k: v for k, v in given.items() if v is not None})
+
+    @property
+    def zero_engine(self) -> str | None:
+        """Who shards: the `engine` given, else the stage's default (fsdp2 for 3,
+        deepspeed for 1 and 2); None without ZeRO."""
+        if self.zero == 0:
+            return None
+        return self.engine or ("fsdp2" if self.zero == 3 else "deepspeed")
 
     @property
     def dp(self) -> int:
@@ -84,6 +146,9 @@ class Layout:
             raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
                             f"{config.spec} builds its own model: estimate it on one GPU, or data-parallel "
                             "with --world-size")
+        if setup.impl != "hf" and (self.tp > 1 or self.pp > 1):
+            raise UserError(f"--tp and --pp split Hugging Face modules; --impl {setup.impl} builds LitGPT's GPT: "
+                            "use data parallelism (--world-size, --zero) with it")
         heads = getattr(config, "num_attention_heads", None)
         kv = getattr(config, "num_key_value_heads", None) or heads
         if self.tp > 1:
@@ -122,4 +187,5 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["dp"] = self.dp
+        data["engine"] = self.zero_engine
         return data

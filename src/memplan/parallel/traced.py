@@ -59,7 +59,7 @@ from memplan.capture.pipeline import build_pipeline_stage
 from memplan.capture.recorder import Recorder
 from memplan.capture.step import StepTrace, TrainingStep
 from memplan.errors import UserError
-from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import (
     apply_stage_layout,
@@ -74,7 +74,10 @@ from memplan.trace.model import CATEGORY, FREE, Trace
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
 
-GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default")
+# FSDP2's all-gathers, and FSDP1's on CPU (`FlatParamHandle._all_gather_flat_param` gathers
+# into the chunks of the unsharded flat parameter with the list form, `dist.all_gather`)
+GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default",
+                   "c10d.allgather_.default")
 
 
 class DistributedRecorder(Recorder):
@@ -174,9 +177,38 @@ class DistributedRecorder(Recorder):
 
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
         try:
-            yield
+            with self.flat_param_storage_hooks():
+                yield
         finally:
             _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+
+    @contextlib.contextmanager
+    def flat_param_storage_hooks(self) -> Iterator[None]:
+        """FSDP1's in-place storage frees and re-allocations of its flat parameters (the
+        unsharded, padded flat parameter and the low-precision shard: `FlatParamHandle`
+        calls `torch.distributed.utils._alloc_storage` / `_free_storage`, which resize the
+        storage), reported as for FSDP2."""
+        from torch.distributed.fsdp import _flat_param
+
+        alloc, free = _flat_param._alloc_storage, _flat_param._free_storage
+
+        def alloc_storage(tensor: torch.Tensor, size: torch.Size) -> None:
+            before = tensor.untyped_storage().nbytes()
+            alloc(tensor, size)
+            if before == 0 and tensor.untyped_storage().nbytes() > 0:
+                self.storage_allocated(tensor)
+
+        def free_storage(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            free(tensor)
+            if before > 0:
+                self.storage_freed(tensor)
+
+        _flat_param._alloc_storage, _flat_param._free_storage = alloc_storage, free_storage
+        try:
+            yield
+        finally:
+            _flat_param._alloc_storage, _flat_param._free_storage = alloc, free
 
 
 @contextlib.contextmanager
@@ -205,7 +237,8 @@ def parallel_step_trace(step: TrainingStep, *, warmup: int = 1, meta: dict[str, 
     """`memplan.capture.capture` of `step` with the DTensor-aware recorder: the trace of a
     step whose model runs on a (real or fake) process group."""
     return capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=warmup,
-                   meta=meta, inputs=step.batches, recorder=DistributedRecorder())
+                   meta=meta, inputs=[step.batches, carried_between_steps(step.model)],
+                   recorder=DistributedRecorder())
 
 
 def _forget_previous_meshes() -> None:
@@ -310,7 +343,7 @@ def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
     for i in range(trace.num_ops):
         if trace.op_name(i) not in GLOO_STAGED_OPS:
             continue
-        outputs = trace.op_outputs(i)
+        outputs = np.unique(trace.op_outputs(i))  # the list form's chunks share one buffer
         nbytes = int(trace.buffers["nbytes"][outputs].sum())
         start = int(first[i])
         stop = int(first[i + 1]) if i + 1 < trace.num_ops else trace.num_events

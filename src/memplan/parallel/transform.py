@@ -50,6 +50,7 @@ import numpy as np
 from memplan.capture.step import StepTrace
 from memplan.hardware.roofline import matmul_dtype
 from memplan.models.setup import TrainingSetup
+from memplan.parallel import deepspeed
 from memplan.parallel.layout import Layout
 from memplan.trace.edit import ExtraBuffer, with_extra_buffers
 from memplan.trace.model import CATEGORY, PHASE, Trace
@@ -115,7 +116,7 @@ def data_parallel_trace(step: StepTrace, layout: Layout, setup: TrainingSetup) -
         act = trace.buffers["category"] == CATEGORY["activation"]
         nbytes[act] = np.ceil(nbytes[act] * (1 + (layout.pp - 1) / (layout.pp * 2))).astype(np.int64)
         trace = _with_nbytes(trace, nbytes)
-    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size)
+    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size, engine=layout.engine)
     return rank_trace(replace(step, trace=trace), data_parallel, setup, 0, reshard_after_forward=layout.pp == 1)
 
 
@@ -170,7 +171,9 @@ def rank_trace(step: StepTrace, layout: Layout, setup: TrainingSetup, stage: int
     grad_bytes_full = int(nbytes[buf.is_grad].sum())
     if layout.tp == 1 and "trainable_bytes" in trace.meta:
         grad_bytes_full = min(grad_bytes_full, int(trace.meta["trainable_bytes"]))
-    if layout.dp > 1:
+    if layout.dp > 1 and layout.zero_engine == "deepspeed":
+        nbytes = _deepspeed_rule(nbytes, buf, layout, setup, grad_bytes_full, step, extras)
+    elif layout.dp > 1:
         nbytes = _data_parallel_rule(nbytes, buf, layout, setup, grad_bytes_full, extras)
         if layout.zero == 3:
             nbytes = _zero3_rule(nbytes, buf, layout.shard_degree, trace, step.blocks_path, reshard_after_forward,
@@ -272,6 +275,46 @@ def _data_parallel_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, setup
     return nbytes
 
 
+def _block_bytes(nbytes: np.ndarray, buf: _Buffers, mask: np.ndarray) -> dict[int, int]:
+    """Per block index, the bytes of the buffers `mask` selects in it."""
+    return {int(k): int(nbytes[mask & (buf.block == k)].sum()) for k in np.unique(buf.block[mask & buf.in_block])}
+
+
+def _deepspeed_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, setup: TrainingSetup, grad_bytes_full: int,
+                    step: StepTrace, extras: list[ExtraBuffer]) -> np.ndarray:
+    """DeepSpeed's ZeRO stages 1-3 (`memplan.parallel.deepspeed`); its buffers are
+    appended to `extras`."""
+    trace, d, config = step.trace, layout.shard_degree, layout.deepspeed_config
+    nbytes = _shrink(nbytes, buf.is_state | buf.opt_temp, 1.0 / deepspeed.optimizer_factor(setup, d))
+    block_grads = _block_bytes(nbytes, buf, buf.is_grad)
+    root_grads = int(nbytes[buf.is_grad & ~buf.in_block].sum())
+    first, last = deepspeed.backward_start(trace), deepspeed.backward_end(trace)
+    if layout.zero in (1, 2):
+        extras += deepspeed.stage12_buffers(trace, setup, layout.zero, d, grad_bytes_full, config, buf.device)
+        nbytes[buf.is_grad] = 0
+        if layout.zero == 1:  # whole gradients until the backward's end reduces them into the partition
+            spans = block_spans(trace, step.blocks_path)
+            extras += [ExtraBuffer(block_grads[b], spans[b]["backward"][0], last, "gradient", "backward",
+                                   device=buf.device) for b in block_grads if "backward" in spans.get(b, {})]
+            extras.append(ExtraBuffer(root_grads, first, last, "gradient", "backward", device=buf.device))
+        # stage 2: each gradient is copied into the reduce bucket as it is made, and freed
+        return nbytes
+    element = deepspeed.element_bytes(setup)
+    full = nbytes.copy()
+    nbytes[buf.is_param] = deepspeed.partitioned_bytes(full[buf.is_param], element, d,
+                                                       config.param_persistence_threshold)
+    gathered = buf.is_param & (nbytes != full)  # partitioned, so gathered where used
+    block_params = _block_bytes(full, buf, gathered)
+    nbytes[buf.is_grad] = 0
+    extras += _fsdp_buffers(trace, step.blocks_path, block_params, block_grads,
+                            int(full[gathered & ~buf.in_block].sum()), buf.device,
+                            prefetch=deepspeed.stage3_prefetches(block_params, setup, config))
+    extras += deepspeed.stage3_buffers(trace, setup, d, grad_bytes_full, config, buf.device)
+    # the gradients outside the blocks are reduced by the backward's epilogue
+    extras.append(ExtraBuffer(root_grads, first, last, "gradient", "backward", device=buf.device))
+    return nbytes
+
+
 def _zero3_rule(nbytes: np.ndarray, buf: _Buffers, d: int, trace: Trace, blocks_path: str,
                 reshard_after_forward: bool, extras: list[ExtraBuffer]) -> np.ndarray:
     """ZeRO-3 / FSDP2 over `d` ranks: parameters sharded; the all-gather outputs and
@@ -295,10 +338,11 @@ def _block_input_bytes(step: StepTrace, setup: TrainingSetup) -> int:
 
 
 def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], grad_bytes: dict[int, int],
-                  root_bytes: int, device: int, reshard_after_forward: bool = True) -> list[ExtraBuffer]:
-    """FSDP2 all-gather outputs (prefetched one block ahead) and unsharded gradients;
-    without `reshard_after_forward`, one all-gather output per block, from its forward
-    (prefetched) to the end of its backward."""
+                  root_bytes: int, device: int, reshard_after_forward: bool = True,
+                  prefetch: bool = True) -> list[ExtraBuffer]:
+    """FSDP2 all-gather outputs (prefetched one block ahead; `prefetch=False`: gathered
+    when the block starts) and unsharded gradients; without `reshard_after_forward`, one
+    all-gather output per block, from its forward (prefetched) to the end of its backward."""
     spans = block_spans(trace, blocks_path)
     order_fwd = sorted(b for b in spans if "forward" in spans[b])
     extras = []
@@ -308,7 +352,7 @@ def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], g
         extras.append(ExtraBuffer(root_bytes, fwd_start, max(bwd_ends) if bwd_ends else -1, "other", "forward",
                                   device=device))
     for i, blk in enumerate(order_fwd):
-        start = spans[order_fwd[i - 1]]["forward"][0] if i > 0 else spans[blk]["forward"][0]
+        start = spans[order_fwd[i - 1]]["forward"][0] if i > 0 and prefetch else spans[blk]["forward"][0]
         end = spans[blk]["forward"][1]
         if not reshard_after_forward:
             end = spans[blk].get("backward", (start, end))[1]
@@ -317,7 +361,7 @@ def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], g
         param_bytes = {}  # the forward's all-gather output stays for the backward
     order_bwd = sorted((b for b in spans if "backward" in spans[b]), key=lambda b: spans[b]["backward"][0])
     for i, blk in enumerate(order_bwd):
-        start = spans[order_bwd[i - 1]]["backward"][0] if i > 0 else spans[blk]["backward"][0]
+        start = spans[order_bwd[i - 1]]["backward"][0] if i > 0 and prefetch else spans[blk]["backward"][0]
         end = spans[blk]["backward"][1]
         extras.append(ExtraBuffer(param_bytes.get(blk, 0), start, end, "other", "backward", device=device))
         grad_end = spans[order_bwd[i + 1]]["backward"][1] if i + 1 < len(order_bwd) else end
