@@ -57,6 +57,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan import models
+from memplan.capture.compiled import refuse_compiled_step
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.capture.step import build_training_step
 from memplan.errors import UserError
@@ -608,6 +609,7 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
         raise UserError("reorder traces one micro-batch per step: use --grad-accum 1")
     if setup.zero_grad != "none":
         raise UserError("reorder traces steps whose zero_grad frees the gradients: drop --zero-grad zeros")
+    refuse_compiled_step(setup, "in the eager step graph that reorder orders (a compiled step's order is Inductor's)")
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
