@@ -107,6 +107,10 @@ class Recorder(TorchDispatchMode):
     def __init__(self, *, record_flops: bool = True, compiled_regions: bool = False) -> None:
         super().__init__()
         self.compiled_regions = compiled_regions
+        # compiled code calls higher-order ops at run time (`run_and_save_rng_state` /
+        # `run_with_rng_state` around the random ops of a checkpointed region,
+        # torch/_prims/rng_prims.py): each is recorded as one op with what it returns
+        self.supports_higher_order_operators = compiled_regions
         self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref] = {}
         self._b = _Buffers()
@@ -359,7 +363,7 @@ class Recorder(TorchDispatchMode):
         self._op_bytes.append(float(moved))
         flops = float("nan")
         if self.record_flops:
-            counter = flop_registry.get(func._overloadpacket)
+            counter = flop_registry.get(getattr(func, "_overloadpacket", None))
             if counter is not None:
                 try:
                     flops = float(counter(*args, **kwargs, out_val=out))
