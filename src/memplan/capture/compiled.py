@@ -66,6 +66,10 @@ from memplan.errors import MemplanBug, UserError
 _AsyncCompile = inductor_async_compile.AsyncCompile
 
 
+class CompiledCaptureBug(MemplanBug):
+    """Inductor generated a kind of kernel the compiled capture does not record."""
+
+
 def refuse_compiled_step(setup: Any, what: str) -> None:
     """`UserError` where a compiled step would be traced by a capture that does not record
     compiled code (parallel ranks, pipeline stages, the reordering graph): Dynamo would run
@@ -146,7 +150,7 @@ class _NoKernels(_AsyncCompile):
         return _RecordedKernel(None, argtypes)
 
     def cpp(self, source_code: str) -> Any:
-        raise MemplanBug("Inductor asked for a C++ kernel without Python bindings (cpp_wrapper): "
+        raise CompiledCaptureBug("Inductor asked for a C++ kernel without Python bindings (cpp_wrapper): "
                          "memplan.capture.compiled records the Python wrapper only")
 
     def wait(self, scope: dict[str, Any]) -> None:
