@@ -87,8 +87,9 @@ def setup_label(case: dict[str, Any]) -> str:
         parallel += f" ({layout['fsdp_param_dtype']} params)"
     accum = f" x {s['grad_accum']} accum" if s.get("grad_accum", 1) > 1 else ""
     optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adafactor": "Adafactor"}[s.get("optimizer", "adamw")]
+    compiled = f", compile {s['compile']}" if s.get("compile", "none") != "none" else ""
     return (f"{method}, {precision}, b{s['batch']}{accum} x s{s['seq']}, "
-            f"{optimizer} {s['optimizer_impl']}, {ac}, {parallel}")
+            f"{optimizer} {s['optimizer_impl']}, {ac}{compiled}, {parallel}")
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
