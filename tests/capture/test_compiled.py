@@ -57,6 +57,7 @@ def profiled_peak(family: str, compile_mode: str) -> int:
     return TRUTH[family, compile_mode]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "compile_mode"), CASES)
 def test_compiled_estimate_matches_the_profiler_of_the_real_compiled_step_within_one_percent(family, compile_mode):
     truth = profiled_peak(family, compile_mode)
@@ -68,6 +69,7 @@ def test_compiled_estimate_matches_the_profiler_of_the_real_compiled_step_within
     assert abs(eager - truth) / truth > 0.02, f"eager {eager} vs compiled {truth}"
 
 
+@pytest.mark.slow
 def test_the_recorder_sees_every_allocation_of_the_real_compiled_code_and_fake_equals_real():
     config, setup = models.tiny_config("llama-2-7b"), setup_for("blocks")
     real = capture_model(config, setup, fake=False, device="cpu")
