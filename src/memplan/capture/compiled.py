@@ -29,7 +29,7 @@ Two things stand between that wrapper and the recorder:
    `_empty_strided_cuda`, C++ fast paths that call the allocator without passing the
    dispatcher, and its kernels are C++ or Triton functions called on raw pointers.
    `inductor_runs()` makes every wrapper module loaded while it is active allocate
-   through `torch.empty_strided` instead (the same allocation, now seen as an
+   through `torch.empty_strided` instead (the same allocation, seen as an
    `aten.empty_strided` op) and call each kernel next to a `memplan::inductor_kernel` op
    that reads and writes the kernel's tensor arguments (so the trace knows when a
    buffer is used); frees stay what they are, the wrapper's `del`s, seen by the
