@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan import models
 from memplan.capture.api import capture
+from memplan.capture.compiled import refuse_compiled_step
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.capture.recorder import set_microbatch
 from memplan.errors import UserError
@@ -157,6 +158,7 @@ def capture_pipeline_stage(
 ) -> Trace:
     """Capture one 1F1B pipeline stage of `model_spec` (batch and seq from `setup`) as it
     runs on `device` (a fake "cuda" capture runs CUDA's kernels and autocast lists)."""
+    refuse_compiled_step(setup, "on pipeline stages")
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:

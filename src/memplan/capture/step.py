@@ -38,7 +38,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memplan import models
 from memplan.capture.activation_offload import activation_offload_context
 from memplan.capture.api import capture
+from memplan.capture.compiled import inductor_runs
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
+from memplan.capture.recorder import Recorder
 from memplan.errors import UserError
 from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.losses import step_loss
@@ -233,7 +235,10 @@ def _captured_training_step(
     if device not in ("cpu", "cuda"):
         raise UserError(f"unknown device {device!r}: use cpu or cuda")
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with mode:
+    compiled = setup is not None and setup.compile != "none"
+    # a compiled step: compiled afresh at the warm-up, its generated code recorded as it runs
+    # (memplan.capture.compiled)
+    with mode, inductor_runs(fake=fake, gpu=device == "cuda") if compiled else contextlib.nullcontext():
         step = build_training_step(model_spec, setup, device="cpu", target_device=device)
         trace = capture(
             step.run,
@@ -244,6 +249,7 @@ def _captured_training_step(
             meta={**step.meta, "fake": fake},
             record_flops=record_flops,
             inputs=[step.batches, carried_between_steps(step.model)],
+            recorder=Recorder(record_flops=record_flops, compiled_regions=True) if compiled else None,
         )
     if device == "cuda":
         trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]

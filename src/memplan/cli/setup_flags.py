@@ -83,8 +83,8 @@ def _add_technique_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"LM loss: the model's own (full), head + cross-entropy in N chunks (chunked, "
                             f"N={DEFAULT_LOSS_CHUNKS}), or fused linear cross-entropy (no [B, S, V] logits)")
     group.add_argument("--compile", choices=COMPILES, default="none", nargs="?", const="blocks",
-                       help="torch.compile: blocks (each transformer block, as torchtitan; the bare flag) or "
-                            "the whole model")
+                       help="torch.compile: blocks (each transformer block and the loss, as torchtitan; the "
+                            "bare flag) or model (the whole model)")
     group.add_argument("--activation-offload", choices=ACTIVATION_OFFLOADS, default="none", nargs="?",
                        const="torchtune",
                        help="saved activations to pinned host memory: torchtune (OffloadActivations, the bare "

@@ -564,8 +564,10 @@ def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: TrainingSetup) 
     op-level policy), from the block's forward to the end of its backward. It is made by
     `torch.get_rng_state()` outside the dispatcher, so the recorder does not see it; on a
     GPU it is host memory (and the CUDA generator's state a host tensor too), so only a
-    cpu job's memory holds it."""
-    if setup.checkpointing not in ("full", "selective"):
+    cpu job's memory holds it. A compiled step checkpoints inside its compiled graphs, where
+    the state is saved by `run_and_save_rng_state` (torch/_prims/rng_prims.py), an op the
+    recorder sees (`memplan.capture.compiled`): nothing to add."""
+    if setup.checkpointing not in ("full", "selective") or setup.compile != "none":
         return []
     device = trace.main_device()
     return [trace_edit.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",

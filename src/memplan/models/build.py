@@ -28,6 +28,10 @@ torchtitan, where parallelism and checkpointing are applied from outside the net
   projections inside the attention module are recomputed too;
 - LoRA through peft when `lora_rank > 0`, on peft's default targets for the family
   (the attention projections; `query_key_value` for BLOOM, `c_attn` for GPT-2);
+- torch.compile last, after checkpointing and LoRA, as torchtitan applies it after
+  activation checkpointing (`compile_model`): `model` compiles the whole model in place,
+  `blocks` each transformer block and the loss on its own (Inductor's default backend;
+  what the compiled step allocates is recorded by `memplan.capture.compiled`);
 - weights: under `FakeTensorMode` (or on the meta device) weight init is skipped
   (`transformers.initialization.no_init_weights`), so a 70B model builds in about a second
   with no memory; on real tensors init is seeded by `setup.seed` without touching the
@@ -222,6 +226,7 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
             model = _apply_lora(model, setup)
         elif setup.frozen_base:
             quant.train_unquantised(model)
+        compile_model(model, setup)
     model.memplan_attention = setup.attn
     return model
 
@@ -265,7 +270,6 @@ def carried_between_steps(model: nn.Module) -> dict[str, Any]:
 
 # Setup fields whose techniques no builder applies yet, with the value that turns each off.
 UNBUILT_TECHNIQUES = {
-    "compile": "none",
 }
 UNBUILT_OPTIMIZERS: tuple[str, ...] = ()
 
@@ -451,6 +455,40 @@ def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
         attention.extend(found)
     for module in attention:
         _checkpoint_forward(module)
+
+
+def compile_model(model: nn.Module, setup: TrainingSetup) -> None:
+    """Apply `setup.compile` to `model` (in place; compilation itself happens at the first call):
+
+    - `model`: the whole model, `nn.Module.compile()` (`torch.compile` of its call); Hugging
+      Face computes the loss inside `forward`, so the loss is compiled with it;
+    - `blocks`: each transformer block replaced in its `ModuleList` by
+      `torch.compile(block, fullgraph=True)`, as torchtitan's `apply_compile` does
+      (torchtitan/models/llama3/infra/parallelize.py: after activation checkpointing, so a
+      checkpointed block is recomputed inside its compiled graph), and the loss compiled on
+      its own as torchtitan's `build_cross_entropy_loss` does (torchtitan/components/loss.py,
+      `torch.compile(loss_fn)`): here the model's `loss_function` (transformers'
+      `ForCausalLMLoss`, ...). A model whose `forward` computes its loss inline (BERT, the
+      GPT-2 classifier) has no loss to compile apart and is refused (`UserError`).
+    """
+    if setup.compile == "none":
+        return
+    if setup.compile == "model":
+        model.compile()
+        return
+    base = _base_model(model)
+    forward = type(base).forward
+    try:
+        calls_loss_function = "self.loss_function" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        calls_loss_function = False
+    if not hasattr(base, "loss_function") or not calls_loss_function:
+        raise UserError(f"--compile blocks compiles the loss apart through the model's loss_function, which "
+                        f"{type(base).__name__}.forward does not call: use --compile model")
+    blocks = transformer_blocks(model)
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, torch.compile(block, fullgraph=True))
+    base.loss_function = torch.compile(base.loss_function)
 
 
 def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str] | str:

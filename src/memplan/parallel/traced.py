@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from memplan import models
 from memplan.capture.api import capture
+from memplan.capture.compiled import refuse_compiled_step
 from memplan.capture.pipeline import build_pipeline_stage
 from memplan.capture.recorder import Recorder
 from memplan.capture.step import StepTrace, TrainingStep
@@ -280,6 +281,7 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
                       device: str = "cpu") -> StepTrace:
     """`rank` of `layout`, its step traced with DDP / FSDP2 / DTensor TP applied on a
     fake process group (see the module docstring)."""
+    refuse_compiled_step(setup, "on the ranks of a traced parallel layout (--zero 3, --tp)")
     with _fake_process_group(rank, layout.world_size):
         mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
         copies = fsdp_host_to_device_copies() if device == "cuda" and setup.cpu_offload == "params" \
@@ -311,6 +313,7 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
     shards, and DTensor caches sharding strategies keyed by mesh *value*, which leaves out
     the calling rank, so a second stage traced in the same process as another global rank
     would reach into the first one's (destroyed) process groups."""
+    refuse_compiled_step(setup, "on pipeline stages (--pp)")
     rank = stage * layout.dp * layout.tp
     with _fake_process_group(0, layout.world_size):
         mesh = pipeline_mesh(layout)
