@@ -101,7 +101,8 @@ def render(result: Estimate) -> None:
     console = Console()
     layout = result.layout
     title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
-             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']})")
+             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']}"
+             + (f", cp {layout['cp']}" if layout.get("cp", 1) > 1 else "") + ")")
     table = Table(title=title)
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
                 "optimizer", "activations", "temporaries", "other"):

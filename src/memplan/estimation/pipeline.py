@@ -58,8 +58,8 @@ from memplan.models.build import count_parameters
 from memplan.models.depth import num_layers, with_layers
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
-from memplan.parallel.layout import Layout
+from memplan.parallel.apply import traceable, traced_part, untraceable_tensor_parallel
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 from memplan.parallel.plans import RankPlan, rank_plans
 from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
 from memplan.parallel.transform import block_spans
@@ -292,11 +292,19 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
     if layout.fsdp_param_dtype is not None:
         if not parallel_tracing or traced_part(layout, config, setup) != layout:
             raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
+    if layout.cp > 1 and (not parallel_tracing or traced_part(layout, config, setup) != layout):
+        raise UserError(f"--cp is estimated only where it is traced: {traceable(layout, config, setup)}")
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and \
+            (not parallel_tracing or traced_part(layout, config, setup) is None):
+        raise UserError(f"--schedule {layout.schedule} is estimated only where PyTorch's schedule is traced: "
+                        f"{traceable(layout, config, setup) or 'tracing is off'}")
 
 
 def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
     """One rank's figures: capture, rank view, replay, extrapolate (module docstring)."""
-    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE
+    # PyTorch's multi-stage schedules interleave the rank's two chunks: traced at full depth
+    scheduled = job.layout.pp > 1 and job.layout.schedule in MULTI_STAGE_SCHEDULES
+    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE and not scheduled
     traced = job.parallel_tracing and plan.traceable
     steps = capture_rank_steps(job, plan, [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [plan.layers], traced)
     transform = _traced_view(job.device, plan.traced_transform) if traced else plan.transform

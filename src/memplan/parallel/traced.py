@@ -67,7 +67,8 @@ from memplan.parallel.apply import (
     device_mesh,
     pipeline_mesh,
 )
-from memplan.parallel.layout import Layout
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from memplan.parallel.schedules import schedule_rank_step
 from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, FREE, Trace
 
@@ -248,8 +249,16 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
     (global rank s * dp * tp) has the same TP and DP coordinates (0, 0), hence the same
     shards, and DTensor caches sharding strategies keyed by mesh *value*, which leaves out
     the calling rank, so a second stage traced in the same process as another global rank
-    would reach into the first one's (destroyed) process groups."""
+    would reach into the first one's (destroyed) process groups.
+
+    Under a multi-stage schedule (`memplan.parallel.schedules`: interleaved 1F1B,
+    interleaved zero bubble, ZB-V) the rank's step is PyTorch's own schedule over the
+    rank's two chunks, with its sends and receives on the fake group; the schedule reads
+    its row of actions by the pipeline rank, so the group is joined as the stage's first
+    rank, `stage` x dp x tp."""
     rank = stage * layout.dp * layout.tp
+    if layout.schedule in MULTI_STAGE_SCHEDULES:
+        return _capture_schedule_rank(config, setup, layout, stage, device)
     with _fake_process_group(0, layout.world_size):
         mesh = pipeline_mesh(layout)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -272,6 +281,21 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
                             recorder=DistributedRecorder())
     return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=blocks_path,
                               parameters=meta["parameters"], layers=layers)
+
+
+def _capture_schedule_rank(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
+                           device: str) -> StepTrace:
+    """`capture_stage_step` under a multi-stage schedule (see there)."""
+    rank = stage * layout.dp * layout.tp
+    with _fake_process_group(rank, layout.world_size):
+        mesh = pipeline_mesh(layout)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step = schedule_rank_step(config, setup, layout, stage, mesh, target_device=device)
+            meta = {**step.meta, "fake": True, "rank": rank, "layout": layout.to_dict()}
+            trace = capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=1, meta=meta,
+                            recorder=DistributedRecorder())
+    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=meta["blocks_path"],
+                              parameters=meta["parameters"], layers=meta["layers"])
 
 
 def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
