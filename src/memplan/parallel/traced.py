@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -187,11 +188,13 @@ def _forget_previous_meshes() -> None:
     hold the mesh object (and its process-group names) of the first call: after the
     fake group of one rank is destroyed, the next rank's trace would reach into it."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     _gen_transform_infos.cache_clear()
+    _clear_sharding_prop_cache()  # and the C++ fast path's cache (DTensor's dispatch moved to C++)
 
 
 @contextlib.contextmanager
@@ -227,8 +230,11 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
             step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
             trace = parallel_step_trace(step, meta={**step.meta, "fake": True, "rank": rank,
                                                     "layout": layout.to_dict()})
-    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
-                              parameters=step.meta["parameters"], layers=step.meta["layers"])
+    traced = StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
+                                parameters=step.meta["parameters"], layers=step.meta["layers"])
+    # under CP each rank's attention kernels see its own seq / cp queries (half of them at
+    # some ring steps): the sequence the GPU kernels' workspaces are sized by
+    return replace(traced, seq=traced.seq // layout.cp)
 
 
 def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
