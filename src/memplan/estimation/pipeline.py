@@ -11,11 +11,13 @@ function each:
    device's code paths (`memplan.capture.step.capture_step`), at full depth or, for deep
    models, at 3 and 4 blocks (`memplan.estimation.layers`); where the layout can be
    traced, the rank's own step with FSDP2 / DTensor TP applied on a fake process group
-   (`memplan.parallel.traced.capture_rank_step`; PP x TP:
+   (`memplan.parallel.traced.capture_rank_step`, CP ranks included; PP x TP:
    `memplan.parallel.traced.capture_stage_step`, the first rank of each distinct
    pipeline stage, its 1F1B step with the stage's modules under the TP plan, at 3 and 4
-   blocks per stage for deep models). TP that cannot be traced is refused (`UserError`)
-   unless `parallel_tracing=False`;
+   blocks per stage for deep models; under PyTorch's multi-stage schedules, every
+   pipeline rank's row of the schedule, at full depth). TP that cannot be traced is
+   refused (`UserError`) unless `parallel_tracing=False`; CP and the multi-stage
+   schedules are refused wherever they are not traced;
 3. **rank view** (`rank_views`): the rank's trace, modelled from the single-device trace
    by the layout rules (`memplan.parallel.transform.rank_trace`: DDP, ZeRO-1/2, PP
    without TP, or `parallel_tracing=False`), or the traced rank with the modelled rest
