@@ -20,6 +20,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memplan.capture.hf_masks import masks_as_on_real_tensors
 from memplan.capture.recorder import Recorder, _tensors
@@ -106,7 +107,17 @@ def _recording_hooks(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.note_saved(t)
-        return t
+        if t.grad_fn is None:
+            return t
+        # Returned as is, a tensor an op saves of its own output would hold that op's
+        # autograd node, which holds the packed tensor: a cycle through C++ that no garbage
+        # collection frees, so a graph kept with `retain_graph=True` (the pipeline's
+        # zero-bubble input backward, `stage_backward_input`) would never free it.
+        # PyTorch's SavedVariable keeps a saved output without its node for the same
+        # reason (`SavedVariable::save_metadata`); a detached alias of the same storage
+        # does the same here (its node is the saving op's own, restored on unpack).
+        with _disable_current_modes():  # the alias is no op of the step: unrecorded
+            return t.detach()
 
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t

@@ -105,7 +105,8 @@ def render(result: Estimate) -> None:
     code = f"{IMPL_NAMES.get(result.impl, result.impl)}, " if result.impl is not None else ""
     title = (f"{result.model} ({code}{result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
              f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}"
-             f"{' ' + layout['engine'] if layout.get('engine') else ''}, tp {layout['tp']}, pp {layout['pp']})")
+             f"{' ' + layout['engine'] if layout.get('engine') else ''}, tp {layout['tp']}, pp {layout['pp']}"
+             + (f", cp {layout['cp']}" if layout.get("cp", 1) > 1 else "") + ")")
     table = Table(title=title)
     host = result.host_peak_bytes > 0
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",

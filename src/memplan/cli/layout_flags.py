@@ -9,7 +9,7 @@ from memplan.parallel.layout import DS_KNOBS, ENGINES, FSDP_PARAM_DTYPES, SCHEDU
 
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallel layout")
-    group.add_argument("--world-size", type=int, default=None, metavar="N", help="GPUs in the job (default tp x pp)")
+    group.add_argument("--world-size", type=int, default=None, metavar="N", help="GPUs in the job (default tp x pp x cp)")
     group.add_argument("--zero", type=int, default=0, metavar="STAGE",
                        help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0; --engine picks another)")
     group.add_argument("--engine", choices=ENGINES, default=None,
@@ -19,6 +19,8 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shard-size", type=int, default=None, metavar="N", help="HSDP: shard over N ranks (zero 3)")
     group.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (DTensor, torchtitan's Llama plan)")
     group.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree")
+    group.add_argument("--cp", type=int, default=1, metavar="C",
+                       help="context-parallel degree: PyTorch's context_parallel ring attention, with --zero 3")
     group.add_argument("--microbatches", type=int, default=1, metavar="M", help="pipeline micro-batches")
     group.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"pipeline schedule: {', '.join(SCHEDULES)}")
     ds = parser.add_argument_group("DeepSpeed ZeRO (--engine deepspeed; elements, DeepSpeed's defaults)")
@@ -37,6 +39,6 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
-                  microbatches=args.microbatches, schedule=args.schedule,
+                  cp=getattr(args, "cp", 1), microbatches=args.microbatches, schedule=args.schedule,
                   fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None), engine=getattr(args, "engine", None),
                   **{name: getattr(args, name, None) for name in DS_KNOBS if getattr(args, name, None) is not None})

@@ -11,11 +11,13 @@ function each:
    device's code paths (`memplan.capture.step.capture_step`), at full depth or, for deep
    models, at 3 and 4 blocks (`memplan.estimation.layers`); where the layout can be
    traced, the rank's own step with FSDP2 / DTensor TP applied on a fake process group
-   (`memplan.parallel.traced.capture_rank_step`; PP x TP:
+   (`memplan.parallel.traced.capture_rank_step`, CP ranks included; PP x TP:
    `memplan.parallel.traced.capture_stage_step`, the first rank of each distinct
    pipeline stage, its 1F1B step with the stage's modules under the TP plan, at 3 and 4
-   blocks per stage for deep models). TP that cannot be traced is refused (`UserError`)
-   unless `parallel_tracing=False`;
+   blocks per stage for deep models; under PyTorch's multi-stage schedules, every
+   pipeline rank's row of the schedule, at full depth). TP that cannot be traced is
+   refused (`UserError`) unless `parallel_tracing=False`; CP and the multi-stage
+   schedules are refused wherever they are not traced;
 3. **rank view** (`rank_views`): the rank's trace, modelled from the single-device trace
    by the layout rules (`memplan.parallel.transform.rank_trace`: DDP, ZeRO-1/2, PP
    without TP, or `parallel_tracing=False`), or the traced rank with the modelled rest
@@ -59,8 +61,8 @@ from memplan.models.depth import num_layers, with_layers
 from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
-from memplan.parallel.layout import Layout
+from memplan.parallel.apply import traceable, traced_part, untraceable_tensor_parallel
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 from memplan.parallel.plans import RankPlan, rank_plans
 from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
 from memplan.parallel.transform import block_spans
@@ -330,11 +332,19 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
             raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
     if setup.cpu_offload == "params" and not parallel_tracing:
         raise UserError("--cpu-offload params is estimated where FSDP2 itself is traced: leave out --modelled-layout")
+    if layout.cp > 1 and (not parallel_tracing or traced_part(layout, config, setup) != layout):
+        raise UserError(f"--cp is estimated only where it is traced: {traceable(layout, config, setup)}")
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and \
+            (not parallel_tracing or traced_part(layout, config, setup) is None):
+        raise UserError(f"--schedule {layout.schedule} is estimated only where PyTorch's schedule is traced: "
+                        f"{traceable(layout, config, setup) or 'tracing is off'}")
 
 
 def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
     """One rank's figures: capture, rank view, replay, extrapolate (module docstring)."""
-    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE
+    # PyTorch's multi-stage schedules interleave the rank's two chunks: traced at full depth
+    scheduled = job.layout.pp > 1 and job.layout.schedule in MULTI_STAGE_SCHEDULES
+    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE and not scheduled
     traced = job.parallel_tracing and plan.traceable
     steps = capture_rank_steps(job, plan, [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [plan.layers], traced)
     transform = _traced_view(job.device, plan.traced_transform) if traced else plan.transform

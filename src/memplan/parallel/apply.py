@@ -40,9 +40,13 @@ the layout is applied from outside):
 - **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
   get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
   dimension of a ("pp", "pp_dp", "pp_tp") mesh (`pipeline_mesh`); one data-parallel rank per
-  stage, 1F1B schedule (more data-parallel ranks, and the interleaved schedule, are
-  modelled on that trace: `traced_part`). PP without TP stays modelled
+  stage (more data-parallel ranks are modelled on that trace: `traced_part`). Under
+  PyTorch's multi-stage schedules (`memplan.parallel.schedules`) the rank's two chunks run
+  PyTorch's schedule, with or without TP; 1F1B PP without TP stays modelled
   (`memplan.parallel.transform`).
+- **CP** (`memplan.parallel.context`): FSDP2 over the data-parallel x CP ranks
+  ("dp_shard_cp", flattened from ("dp", "cp")), and the step runs inside PyTorch's
+  `context_parallel` per micro-batch.
 - **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
   with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`); with TP, over the
   "dp" dimension of the mesh (`device_mesh=mesh["dp"]`: PyTorch's DDP + TP composition,
@@ -68,7 +72,8 @@ from memplan.errors import UserError
 from memplan.models import tracing
 from memplan.models.build import TORCH_DTYPES, transformer_blocks, transformer_blocks_path
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.layout import Layout
+from memplan.parallel.context import attach_attention_hooks, context_parallel_step
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from torch.distributed.device_mesh import DeviceMesh
@@ -77,22 +82,27 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
 STAGE_TP = "pp_tp"  # the TP dimension of a pipelined job's mesh (`pipeline_mesh`)
+CP_SHARD = "dp_shard_cp"  # torchtitan's name of the data-parallel x CP ranks FSDP2 shards over
 
 
 def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: TrainingSetup | None = None) -> str | None:
     """Why `layout` cannot be traced on a fake process group (None: it can)."""
     if layout.world_size == 1:
         return "one device: nothing to apply"
-    if layout.pp > 1 and layout.tp == 1:
-        return "pipeline parallelism without TP is modelled, not traced"
-    if layout.pp > 1 and layout.schedule != "1f1b":
-        return "only the 1F1B pipeline schedule is traced (the interleaved one is modelled)"
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and config is not None and not _llama_like(config):
+        return (f"PyTorch's {layout.schedule} schedule is traced over Llama-style decoder chunks, not model type "
+                f"{getattr(config, 'model_type', '?')!r}")
+    if layout.pp > 1 and layout.tp == 1 and layout.schedule == "1f1b":
+        return "1F1B pipeline parallelism without TP is modelled, not traced"
     if layout.pp > 1 and layout.dp > 1:
-        return "PP x TP is traced with one data-parallel rank per stage; with more it is modelled"
+        return "PP is traced with one data-parallel rank per stage; with more it is modelled"
     if layout.zero_engine == "deepspeed" and layout.dp > 1:
         return "DeepSpeed's ZeRO optimizers are modelled, not traced"
     if layout.zero == 0 and layout.dp > 1:
         return "DDP's reducer cannot run on a fake process group (its hook gets no tensor back): modelled"
+    if layout.cp > 1 and config is not None and not _llama_like(config):
+        return (f"context parallelism is applied to Llama-style decoders (rotary embeddings from position ids, "
+                f"`self_attn` modules), not model type {getattr(config, 'model_type', '?')!r}")
     if layout.tp > 1:
         return _tensor_parallel_refusal(config)
     return None
@@ -101,24 +111,24 @@ def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: Tra
 def traced_part(layout: Layout, config: PretrainedConfig | None = None,
                 setup: TrainingSetup | None = None) -> Layout | None:
     """The part of `layout` that is traced on a fake process group: the whole layout
-    where `traceable` accepts it; else, with TP, its TP (x PP, 1F1B) part alone, one
-    data-parallel rank, whose trace the data-parallel rules and the interleaved
-    schedule's factor then reshape (`memplan.parallel.transform.data_parallel_trace`);
-    None where nothing is traced (no TP, or TP this plan cannot apply)."""
+    where `traceable` accepts it; else its TP (x PP) or multi-stage PP part alone, one
+    data-parallel rank per stage, whose trace the data-parallel rules then reshape
+    (`memplan.parallel.transform.data_parallel_trace`); None where nothing is traced (no
+    TP and no multi-stage schedule, or a model this plan cannot apply to)."""
     if traceable(layout, config, setup) is None:
         return layout
-    if layout.tp == 1 or _tensor_parallel_refusal(config) is not None:
+    scheduled = layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES
+    if (layout.tp == 1 and not scheduled) or _tensor_parallel_refusal(config) is not None:
         return None
     if layout.pp == 1 and layout.zero == 0:
         return layout  # DDP + TP: traced with DDP's parameter transform, without its reducer
-    return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None, schedule="1f1b")
+    return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None)
 
 
 def modelled_rest(layout: Layout, part: Layout | None) -> bool:
     """Whether tracing `part` (`traced_part(layout)`) leaves some of `layout` to the
     modelled rules: what a smaller traced layout left out (DDP, ZeRO-1/2, data
-    parallelism across pipeline stages, the interleaved schedule), or DDP's buckets when
-    DDP + TP is traced whole."""
+    parallelism across pipeline stages), or DDP's buckets when DDP + TP is traced whole."""
     return part is not None and (part != layout or (layout.dp > 1 and layout.zero == 0))
 
 
@@ -159,13 +169,25 @@ def _llama_like(config: PretrainedConfig) -> bool:
 
 
 def device_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:
-    """The job's device mesh: ("dp", "tp"), or ("replicate", "shard", "tp") for HSDP."""
+    """The job's device mesh: ("dp", "tp"), or ("replicate", "shard", "tp") for HSDP; with
+    CP, ("dp", "cp", "tp") (torchtitan's order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if layout.shard_size is not None:
         return init_device_mesh(device, (layout.dp // layout.shard_size, layout.shard_size, layout.tp),
                                 mesh_dim_names=("replicate", "shard", "tp"))
+    if layout.cp > 1:
+        return init_device_mesh(device, (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp"))
     return init_device_mesh(device, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+
+
+def fsdp_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the data-parallel dimension ("dp", or HSDP's
+    ("replicate", "shard")); with CP the data-parallel x CP ranks, ("dp", "cp") flattened
+    into torchtitan's "dp_shard_cp"."""
+    if layout.cp > 1:
+        return mesh["dp", "cp"]._flatten(CP_SHARD)
+    return mesh["replicate", "shard"] if layout.shard_size is not None else mesh["dp"]
 
 
 def tensor_parallel_plan(model: nn.Module, blocks_path: str) -> dict[str, Any]:
@@ -271,10 +293,10 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
         if tied:
             _retie_embeddings(model)
         _replicate_the_rest(model, mesh["tp"])
-    if layout.dp > 1 and layout.zero == 3:
+    if layout.shard_degree > 1 and layout.zero == 3:
         from torch.distributed.fsdp import fully_shard
 
-        dp_mesh = mesh["replicate", "shard"] if layout.shard_size is not None else mesh["dp"]
+        dp_mesh = fsdp_mesh(layout, mesh)
         options: dict[str, Any] = {}
         if getattr(layout, "fsdp_param_dtype", None) is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -371,10 +393,14 @@ def build_parallel_step(config: PretrainedConfig, setup: TrainingSetup, layout: 
     process group (`memplan.parallel.traced`)."""
     if not models.is_fake_mode_active():
         torch.manual_seed(setup.seed)  # identical weights on every rank, as a checkpoint load gives
+        if mesh is None:
+            mesh = device_mesh(layout)
     model = models.build_model(config, setup, device="cpu")
     layers, blocks_path = len(transformer_blocks(model)), transformer_blocks_path(model)
     offload = setup.cpu_offload == "params"
     placement = tracing.host_placement() if offload else contextlib.nullcontext()
+    if layout.cp > 1:
+        attach_attention_hooks(model)
     if models.is_fake_mode_active():
         # the wrappers' set-up computes device-mesh coordinates and checks parameter
         # shapes with small real tensors; everything made from the (fake) parameters
@@ -391,5 +417,8 @@ def build_parallel_step(config: PretrainedConfig, setup: TrainingSetup, layout: 
             "layers": layers}
     cuda_kernels = target_device == "cuda" and models.is_fake_mode_active()
     meta["attention_kernels"] = "cuda" if cuda_kernels else "cpu"
-    return TrainingStep(trained, optimizer, batches,
-                        make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels), meta)
+    if layout.cp > 1:
+        run = context_parallel_step(trained, optimizer, batches, setup, mesh["cp"], cuda_kernels=cuda_kernels)
+    else:
+        run = make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels)
+    return TrainingStep(trained, optimizer, batches, run, meta)

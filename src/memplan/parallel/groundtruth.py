@@ -17,6 +17,11 @@ alive at the main thread's peak depends on how the ranks' processes run (a loade
 can show one root all-gather staging buffer more on a rank; docs/estimation.md). Repeat
 the measurement in fresh processes and take medians where that matters.
 
+Under a multi-stage pipeline schedule (`memplan.parallel.schedules`), each rank runs its
+pipeline rank of PyTorch's schedule with real sends and receives on gloo
+(`schedule_rank_step`, the step the estimate traces on the fake group); with CP, the step
+runs inside PyTorch's `context_parallel` (`memplan.parallel.context`).
+
 Assumes a small model (every rank holds its shard in the host's memory) and a layout
 that `memplan.parallel.apply.traceable` accepts.
 """
@@ -36,8 +41,9 @@ import torch
 from memplan.capture.groundtruth import profiler_peak_bytes
 from memplan.capture.step import TrainingStep
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.apply import build_parallel_step
-from memplan.parallel.layout import Layout
+from memplan.parallel.apply import build_parallel_step, pipeline_mesh
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from memplan.parallel.schedules import schedule_rank_step
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
@@ -107,7 +113,7 @@ def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> N
     try:
         peaks = []
         for config, setup, layout in cases:
-            step = build_parallel_step(config, setup, layout)
+            step = _rank_step(config, setup, layout, rank)
             step.run()  # warm-up: the optimizer state exists
             dist.barrier()
             peaks.append(_measured_step(step, dist))
@@ -116,6 +122,14 @@ def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> N
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(peaks))
     finally:
         dist.destroy_process_group()
+
+
+def _rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, rank: int) -> TrainingStep:
+    """`rank`'s step of `layout`: its pipeline rank under PyTorch's multi-stage schedule
+    (`memplan.parallel.schedules`), else the parallel step (`build_parallel_step`)."""
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES:
+        return schedule_rank_step(config, setup, layout, rank // (layout.dp * layout.tp), pipeline_mesh(layout))
+    return build_parallel_step(config, setup, layout)
 
 
 def measure_rank_peaks(cases: list[Case]) -> list[list[int]]:

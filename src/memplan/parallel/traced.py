@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,7 +69,8 @@ from memplan.parallel.apply import (
     device_mesh,
     pipeline_mesh,
 )
-from memplan.parallel.layout import Layout
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from memplan.parallel.schedules import schedule_rank_step
 from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, FREE, Trace
 
@@ -247,11 +249,13 @@ def _forget_previous_meshes() -> None:
     hold the mesh object (and its process-group names) of the first call: after the
     fake group of one rank is destroyed, the next rank's trace would reach into it."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     _gen_transform_infos.cache_clear()
+    _clear_sharding_prop_cache()  # and the C++ fast path's cache (DTensor's dispatch moved to C++)
 
 
 @contextlib.contextmanager
@@ -290,8 +294,11 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
             step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
             trace = parallel_step_trace(step, meta={**step.meta, "fake": True, "rank": rank,
                                                     "layout": layout.to_dict()})
-    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
-                              parameters=step.meta["parameters"], layers=step.meta["layers"])
+    traced = StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
+                                parameters=step.meta["parameters"], layers=step.meta["layers"])
+    # under CP each rank's attention kernels see its own seq / cp queries (half of them at
+    # some ring steps): the sequence the GPU kernels' workspaces are sized by
+    return replace(traced, seq=traced.seq // layout.cp)
 
 
 def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
@@ -312,9 +319,17 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
     (global rank s * dp * tp) has the same TP and DP coordinates (0, 0), hence the same
     shards, and DTensor caches sharding strategies keyed by mesh *value*, which leaves out
     the calling rank, so a second stage traced in the same process as another global rank
-    would reach into the first one's (destroyed) process groups."""
+    would reach into the first one's (destroyed) process groups.
+
+    Under a multi-stage schedule (`memplan.parallel.schedules`: interleaved 1F1B,
+    interleaved zero bubble, ZB-V) the rank's step is PyTorch's own schedule over the
+    rank's two chunks, with its sends and receives on the fake group; the schedule reads
+    its row of actions by the pipeline rank, so the group is joined as the stage's first
+    rank, `stage` x dp x tp."""
     refuse_compiled_step(setup, "on pipeline stages (--pp)")
     rank = stage * layout.dp * layout.tp
+    if layout.schedule in MULTI_STAGE_SCHEDULES:
+        return _capture_schedule_rank(config, setup, layout, stage, device)
     with _fake_process_group(0, layout.world_size):
         mesh = pipeline_mesh(layout)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -337,6 +352,21 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
                             recorder=DistributedRecorder())
     return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=blocks_path,
                               parameters=meta["parameters"], layers=layers)
+
+
+def _capture_schedule_rank(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
+                           device: str) -> StepTrace:
+    """`capture_stage_step` under a multi-stage schedule (see there)."""
+    rank = stage * layout.dp * layout.tp
+    with _fake_process_group(rank, layout.world_size):
+        mesh = pipeline_mesh(layout)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step = schedule_rank_step(config, setup, layout, stage, mesh, target_device=device)
+            meta = {**step.meta, "fake": True, "rank": rank, "layout": layout.to_dict()}
+            trace = capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=1, meta=meta,
+                            recorder=DistributedRecorder())
+    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=meta["blocks_path"],
+                              parameters=meta["parameters"], layers=meta["layers"])
 
 
 def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:

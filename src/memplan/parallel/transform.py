@@ -25,11 +25,11 @@ the rules to every buffer of a trace instead of to totals):
   gathered for the whole step.
 - **DDP** (data parallel, stage 0, d > 1): the reducer's gradient buckets, one
   persistent copy of the gradients (`gradient_as_bucket_view=False`, the default).
-- **PP degree p** with m micro-batches: the rank traces one micro-batch of a model
-  with L/p blocks; middle stages carry no embedding/head buffers; activations are
-  multiplied by the micro-batches in flight at the stage: min(m, p - s) under 1F1B
-  (Narayanan et al. 2021), times (1 + (p - 1) / (p v)) under the interleaved
-  schedule with v = 2 chunks (Korthikanti et al. 2022, section 4.2.3).
+- **PP degree p** with m micro-batches (1F1B): the rank traces one micro-batch of a
+  model with L/p blocks; middle stages carry no embedding/head buffers; activations are
+  multiplied by the micro-batches in flight at the stage: min(m, p - s) (Narayanan et
+  al. 2021). PyTorch's multi-stage schedules are traced, not modelled
+  (`memplan.parallel.schedules`).
 
 These rules are the fast path: the estimate traces FSDP2 and DTensor TP for real on a
 fake process group where it can (`memplan.parallel.traced`) and uses the rules for DDP,
@@ -102,20 +102,14 @@ def _with_nbytes(trace: Trace, nbytes: np.ndarray) -> Trace:
 
 
 def data_parallel_trace(step: StepTrace, layout: Layout, setup: TrainingSetup) -> Trace:
-    """One rank of `layout` from the traced step of its TP (x PP, 1F1B) part
+    """One rank of `layout` from the traced step of its TP (x PP) or multi-stage PP part
     (`memplan.parallel.apply.traced_part`): the data-parallel rules of `rank_trace` (DDP,
-    ZeRO 1-3, HSDP) on the traced buffers, which are already the rank's TP shards; under
-    the interleaved schedule, the traced 1F1B stage's activations times
-    (1 + (p - 1) / (p v)) first (the rule of the modelled path). With PP, FSDP2 keeps a
-    block's parameters unsharded from its first micro-batch's forward to its last
-    micro-batch's backward (torchtitan's `reshard_after_forward` default when PP is on:
-    resharding after every micro-batch's forward would gather them again per micro-batch)."""
+    ZeRO 1-3, HSDP) on the traced buffers, which are already the rank's TP shards. With
+    PP, FSDP2 keeps a block's parameters unsharded from its first micro-batch's forward to
+    its last micro-batch's backward (torchtitan's `reshard_after_forward` default when PP
+    is on: resharding after every micro-batch's forward would gather them again per
+    micro-batch)."""
     trace = step.trace
-    if layout.pp > 1 and layout.schedule == "interleaved":
-        nbytes = trace.buffers["nbytes"].astype(np.int64)
-        act = trace.buffers["category"] == CATEGORY["activation"]
-        nbytes[act] = np.ceil(nbytes[act] * (1 + (layout.pp - 1) / (layout.pp * 2))).astype(np.int64)
-        trace = _with_nbytes(trace, nbytes)
     data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size, engine=layout.engine)
     return rank_trace(replace(step, trace=trace), data_parallel, setup, 0, reshard_after_forward=layout.pp == 1)
 
@@ -221,8 +215,6 @@ def _pipeline_stage_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, stag
     if 0 < stage < last:
         nbytes[~buf.in_block & (buf.is_param | buf.is_grad | buf.flowing)] = 0
     in_flight = min(layout.microbatches, layout.pp - stage)
-    if layout.schedule == "interleaved":
-        in_flight *= 1 + (layout.pp - 1) / (layout.pp * 2)
     act = buf.cat == CATEGORY["activation"]
     nbytes[act] = np.ceil(nbytes[act] * in_flight).astype(np.int64)
 
