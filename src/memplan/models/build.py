@@ -28,6 +28,8 @@ torchtitan, where parallelism and checkpointing are applied from outside the net
   projections inside the attention module are recomputed too;
 - LoRA through peft when `lora_rank > 0`, on peft's default targets for the family
   (the attention projections; `query_key_value` for BLOOM, `c_attn` for GPT-2);
+- a mixture-of-experts model routes by `setup.routing` (`memplan.models.moe`: the stated
+  assignment replaces the router's expert ids as they enter the experts);
 - weights: under `FakeTensorMode` (or on the meta device) weight init is skipped
   (`transformers.initialization.no_init_weights`), so a 70B model builds in about a second
   with no memory; on real tensors init is seeded by `setup.seed` without touching the
@@ -47,6 +49,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import UserError
+from memplan.models.moe import apply_routing, check_routing
 from memplan.models.registry import FactorySpec, as_config, load_config
 from memplan.models.setup import DEFAULT_MAX_SEQ, TrainingSetup
 
@@ -167,6 +170,7 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
     refuse_unbuilt_techniques(setup)
     if isinstance(spec, str):
         spec = load_config(spec)
+    check_routing(spec, setup.routing, fake=is_fake_mode_active())
     skip_init = is_fake_mode_active() or torch.device(device).type == "meta"
     init = contextlib.nullcontext() if skip_init else _seeded(setup.seed)
     with init:
@@ -178,6 +182,7 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
         else:
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
         _check_sequence(model, setup)
+        apply_routing(model, getattr(model, "config", None), setup.routing)
         model.train()
         _apply_checkpointing(model, setup)
         if setup.lora_rank > 0:
@@ -221,13 +226,6 @@ def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: s
     dtype = TORCH_DTYPES[setup.dtype]
     wanted = "eager" if setup.attn == "eager" else "sdpa"
     no_init = no_init_weights() if skip_init else contextlib.nullcontext()
-    if skip_init and getattr(config, "num_local_experts", None) and setup.dtype == "fp32" and setup.autocast == "none":
-        # transformers' MoE kernel, torch._grouped_mm, has bf16-only meta (and CUDA)
-        # kernels, and the per-expert loop routes tokens with data-dependent shapes
-        raise UserError(
-            "an fp32 mixture-of-experts step cannot be traced on fake tensors (grouped_mm "
-            "is bf16-only on GPUs and in PyTorch's meta kernels): use --dtype bf16, or --real"
-        )
     with torch.device(device), no_init:
         try:
             model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)
