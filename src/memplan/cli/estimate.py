@@ -77,8 +77,12 @@ def render(result: Estimate) -> None:
     """The estimate as a table of ranks and a verdict, on stdout."""
     console = Console()
     layout = result.layout
+    expert = f", ep {layout['ep']}" if layout.get("ep", 1) > 1 else ""
     title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
-             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']})")
+             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, "
+             f"pp {layout['pp']}{expert})")
+    if result.routing is not None:
+        title += f", routing {result.routing}"
     table = Table(title=title)
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
                 "optimizer", "activations", "temporaries", "other"):
@@ -90,6 +94,9 @@ def render(result: Estimate) -> None:
                       *(format_bytes(b[k]) for k in ("parameters", "gradients", "optimizer_state",
                                                       "activations", "temporaries", "other")))
     console.print(table)
+    if result.routing not in (None, "balanced") and layout.get("ep", 1) > 1:
+        console.print(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
+                      "the other ranks'")
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "

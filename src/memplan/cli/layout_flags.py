@@ -19,9 +19,12 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--schedule", default="1f1b", metavar="NAME", help=f"pipeline schedule: {', '.join(SCHEDULES)}")
     group.add_argument("--fsdp-param-dtype", choices=FSDP_PARAM_DTYPES, default=None,
                        help="FSDP2 mixed precision (zero 3): gather and compute in this dtype, reduce in fp32")
+    group.add_argument("--ep", type=int, default=1, metavar="E",
+                       help="expert-parallel degree (mixture-of-experts, with --zero 3): routed experts split over "
+                            "E ranks taken from dp x tp, tokens exchanged by all-to-all (default 1)")
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
                   microbatches=args.microbatches, schedule=args.schedule,
-                  fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None))
+                  fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None), ep=getattr(args, "ep", 1))

@@ -1,9 +1,10 @@
-"""Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP.
+"""Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP, EP.
 
 `Layout` holds the degrees and checks them against a model. Which ranks differ, and how
 each is estimated, is `memplan.parallel.plans`.
 
-Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp.
+Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp. Expert
+parallelism (`ep`) borrows its ranks from dp x tp (`memplan.parallel.expert`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
 from memplan.models.depth import num_layers
+from memplan.models.moe import experts_of
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
 
@@ -36,9 +38,10 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     fsdp_param_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)
+    ep: int = 1  # expert parallelism: routed experts split over ep ranks taken from dp x tp
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "microbatches"):
+        for name in ("tp", "pp", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a whole number >= 1, not {value!r}")
@@ -66,6 +69,25 @@ class Layout:
                 raise UserError("--fsdp-param-dtype (FSDP2's mixed-precision policy) needs --zero 3")
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < 1:
             raise UserError("pipeline parallelism needs --microbatches >= 1")
+        if self.ep > 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """UserError (one line) for an EP degree the ranks cannot hold: EP takes its ranks
+        from dp x tp, a multiple of the TP group (transformers' `DistributedConfig`:
+        "ep_size must be a multiple of tp_size and divide fsdp_size * tp_size"; torchtitan's
+        `ParallelDims` with expert TP 1), and runs with FSDP2, as torchtitan applies it
+        whenever EP is on."""
+        if self.tp == 1 and self.dp % self.ep:
+            raise UserError(f"--ep {self.ep} does not divide the data-parallel degree {self.dp} (EP takes its ranks "
+                            f"from data parallelism): pick a divisor of {self.dp}")
+        if self.ep % self.tp or (self.dp * self.tp) % self.ep:
+            raise UserError(f"--ep {self.ep} must be a multiple of --tp {self.tp} and divide dp x tp = "
+                            f"{self.dp * self.tp} (EP takes its ranks from the data- and tensor-parallel ones)")
+        if self.zero != 3:
+            raise UserError("--ep shards the dense parts and the experts with FSDP2: add --zero 3")
+        if self.pp > 1 or self.shard_size is not None:
+            raise UserError("--ep is estimated with FSDP2 and TP only: leave out --pp and --shard-size")
 
     @property
     def dp(self) -> int:
@@ -78,8 +100,24 @@ class Layout:
             return 1
         return self.shard_size if self.shard_size is not None else self.dp
 
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP2-shard them (dp x tp / ep)."""
+        return self.dp * self.tp // self.ep
+
     def check(self, config: PretrainedConfig, setup: TrainingSetup) -> None:
         """Raise `UserError` when the model cannot take this layout."""
+        if self.ep > 1:
+            experts = None if isinstance(config, FactorySpec) else experts_of(config)
+            if experts is None:
+                name = getattr(config, "spec", None) or repr(getattr(config, "model_type", "?"))
+                raise UserError(f"--ep splits the routed experts of a mixture-of-experts model; {name} has none: "
+                                "leave --ep out")
+            if experts[0] % self.ep:
+                raise UserError(f"--ep {self.ep} does not divide the {experts[0]} experts: pick a divisor of "
+                                f"{experts[0]}")
+            if setup.lora_rank:
+                raise UserError("--ep with --lora-rank is not supported by this version of memplan")
         if isinstance(config, FactorySpec) and (self.tp > 1 or self.pp > 1):
             raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
                             f"{config.spec} builds its own model: estimate it on one GPU, or data-parallel "
