@@ -104,7 +104,7 @@ def test_a_factory_model_is_refused_tensor_and_pipeline_parallelism(layout):
     (Layout(), "params", "add --zero 3 and --world-size 2"),
     (Layout(world_size=2, zero=1), "optimizer", "add --zero 2 or 3"),
     (Layout(world_size=2), "optimizer", "add --zero 2 or 3"),
-    (Layout(world_size=4, zero=3, tp=2), "params", "leave out --tp, --pp and --cp"),
+    (Layout(world_size=4, zero=3, tp=2), "params", "leave out --tp, --pp, --cp"),
 ])
 def test_cpu_offload_is_refused_where_no_layout_can_take_it(layout, offload, message):
     with pytest.raises(UserError, match=message):

@@ -35,12 +35,16 @@ def test_fsdp2_frees_each_block_s_gathered_parameters_after_its_forward():
     assert names.count("c10d._reduce_scatter_base_.default") == LLAMA.num_hidden_layers + 1
 
 
-def test_gloo_stages_one_buffer_the_size_of_each_all_gather_output():
+def test_gloo_stages_each_all_gather_output_and_clones_each_reduce_scatter_input():
     trace = capture_rank_step(LLAMA, SETUP, Layout(world_size=2, zero=3), rank=0).trace
     extras = gloo_staging_buffers(trace)
     outputs = [int(trace.buffers["nbytes"][trace.op_outputs(i)].sum()) for i in range(trace.num_ops)
                if trace.op_name(i) == "c10d._allgather_base_.default"]
-    assert [x.nbytes for x in extras] == outputs
+    # ProcessGroupGloo::reduce_scatter_tensor_coalesced all-reduces a clone of its input
+    inputs = [int(trace.buffers["nbytes"][trace.op_inputs(i)].max()) for i in range(trace.num_ops)
+              if trace.op_name(i) == "c10d._reduce_scatter_base_.default"]
+    assert [x.nbytes for x in extras] == outputs + inputs
+    assert len(inputs) == LLAMA.num_hidden_layers + 1 and min(inputs) > 0
 
 
 def test_gloo_staging_buffer_is_freed_before_fsdp2_allocates_the_unsharded_parameters():

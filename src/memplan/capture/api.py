@@ -22,6 +22,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memplan.capture import grouped_mm
 from memplan.capture.hf_masks import masks_as_on_real_tensors
 from memplan.capture.recorder import Recorder, _tensors
 from memplan.models.quant import quantisation_constants
@@ -161,8 +162,11 @@ def capture(
     Tensors in `args`/`kwargs`, and in `inputs` (for a step that closes over its
     batch), are the step's inputs. `recorder` records with a `Recorder` subclass
     (e.g. the DTensor-aware one of `memplan.parallel.traced`) instead of a plain one. Works on real tensors and on
-    fake ones (call it inside the `FakeTensorMode` that made them).
+    fake ones (call it inside the `FakeTensorMode` that made them); on fake tensors a
+    mixture-of-experts step's `grouped_mm` runs in every dtype, as on CUDA
+    (`memplan.capture.grouped_mm`).
     """
+    grouped_mm.register()
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
     models = [model] if isinstance(model, torch.nn.Module) else list(model or [])

@@ -44,6 +44,7 @@ from memplan.capture.recorder import Recorder
 from memplan.errors import UserError
 from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.losses import step_loss
+from memplan.models.moe import experts_of
 from memplan.models.quant import weight_count
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
@@ -171,6 +172,8 @@ def build_training_step(
         "trainable_parameters": int(sum(weight_count(p) for p in model.parameters() if p.requires_grad)),
         "build_s": round(time.perf_counter() - start, 3),
     }
+    if not isinstance(config, FactorySpec) and experts_of(config):
+        meta["routing"] = setup.routing  # the assignment the experts were given (memplan.models.moe)
     # A CUDA job traced on fake tensors runs CUDA's attention kernels, not the CPU's
     cuda_kernels = (target_device or device) == "cuda" and models.is_fake_mode_active()
     step = make_step(model, optimizer, batches, setup, device, cuda_kernels=cuda_kernels)

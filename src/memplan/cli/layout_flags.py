@@ -35,10 +35,14 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     ds.add_argument("--ds-overlap-comm", action="store_true", help="overlap_comm for stages 1-2: two reduce buckets")
     group.add_argument("--fsdp-param-dtype", choices=FSDP_PARAM_DTYPES, default=None,
                        help="FSDP2 mixed precision (zero 3): gather and compute in this dtype, reduce in fp32")
+    group.add_argument("--ep", type=int, default=1, metavar="E",
+                       help="expert-parallel degree (mixture-of-experts, with --zero 3): routed experts split over "
+                            "E ranks taken from dp x tp, tokens exchanged by all-to-all (default 1)")
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
     return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
                   cp=getattr(args, "cp", 1), microbatches=args.microbatches, schedule=args.schedule,
                   fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None), engine=getattr(args, "engine", None),
+                  ep=getattr(args, "ep", 1),
                   **{name: getattr(args, name, None) for name in DS_KNOBS if getattr(args, name, None) is not None})

@@ -58,6 +58,7 @@ from memplan.hardware.roofline import matmul_dtype, step_seconds
 from memplan.layout import plan_addresses
 from memplan.models.build import count_parameters
 from memplan.models.depth import num_layers, with_layers
+from memplan.models.moe import experts_of
 from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
@@ -149,6 +150,7 @@ class Estimate:
     flops: float = 0.0
     bytes_moved: float = 0.0
     roofline_s: float = 0.0  # rank 0's compute time, per-op roofline over the device profile
+    routing: str | None = None  # a mixture-of-experts model's routing assumption (None: dense)
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -197,6 +199,7 @@ class Estimate:
             "fits": self.fits,
             "method": self.method,
             "parallel": self.parallel,
+            "routing": self.routing,
             "elapsed_s": round(self.elapsed_s, 3),
         }
 
@@ -300,6 +303,7 @@ def estimate(
         parallel=results[-1].parallel if layout.world_size > 1 else "single device",
         elapsed_s=time.perf_counter() - start, flops=totals.flops, bytes_moved=totals.bytes_moved,
         roofline_s=totals.roofline_s,
+        routing=setup.routing if not isinstance(config, FactorySpec) and experts_of(config) else None,
     )
 
 
@@ -318,8 +322,11 @@ def check_options(device: str, allocator: str, alloc_conf: str | None, cuda_cont
 
 def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
                             parallel_tracing: bool) -> None:
-    """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision or CPU
-    offload policy where FSDP2 is not traced (docs/estimation.md)."""
+    """`UserError` for TP that cannot be traced, for an FSDP2 mixed-precision or CPU
+    offload policy where FSDP2 is not traced, and for EP without tracing
+    (docs/estimation.md)."""
+    if layout.ep > 1 and not parallel_tracing:
+        raise UserError("--ep is estimated by tracing it on a fake process group: leave out --modelled-layout")
     if parallel_tracing and setup.quant != "none" and (layout.zero == 3 or layout.tp > 1):
         raise UserError("--quant with --zero 3 or --tp: FSDP2 and DTensor TP are not traced over bitsandbytes' "
                         "quantised weights by this version of memplan: estimate one GPU, DDP or ZeRO-1/2")

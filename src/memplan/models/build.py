@@ -32,6 +32,8 @@ torchtitan, where parallelism and checkpointing are applied from outside the net
   activation checkpointing (`compile_model`): `model` compiles the whole model in place,
   `blocks` each transformer block and the loss on its own (Inductor's default backend;
   what the compiled step allocates is recorded by `memplan.capture.compiled`);
+- a mixture-of-experts model routes by `setup.routing` (`memplan.models.moe`: the stated
+  assignment replaces the router's expert ids as they enter the experts);
 - weights: under `FakeTensorMode` (or on the meta device) weight init is skipped
   (`transformers.initialization.no_init_weights`), so a 70B model builds in about a second
   with no memory; on real tensors init is seeded by `setup.seed` without touching the
@@ -52,6 +54,7 @@ from torch import nn
 from memplan.errors import UserError
 from memplan.models import litgpt, quant
 from memplan.models.dtypes import TORCH_DTYPES
+from memplan.models.moe import apply_routing, check_routing
 from memplan.models.registry import FactorySpec, as_config, load_config, uses_remote_code
 from memplan.models.setup import ALL_LINEAR, DEFAULT_MAX_SEQ, TrainingSetup
 
@@ -199,6 +202,7 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
                         "estimated for: use --quant nf4 or fp4")
     if isinstance(spec, str):
         spec = load_config(spec)
+    check_routing(spec, setup.routing, fake=is_fake_mode_active())
     skip_init = is_fake_mode_active() or torch.device(device).type == "meta"
     init = contextlib.nullcontext() if skip_init else _seeded(setup.seed)
     with init:
@@ -213,6 +217,7 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
         else:
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
         _check_sequence(model, setup)
+        apply_routing(model, getattr(model, "config", None), setup.routing)
         model.train()
         if setup.lora_rank > 0 and setup.impl == "hf":
             _check_lora_targets(model, setup)
@@ -301,13 +306,6 @@ def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: s
     dtype = TORCH_DTYPES[setup.dtype]
     wanted = "eager" if setup.attn == "eager" else "sdpa"
     no_init = no_init_weights() if skip_init else contextlib.nullcontext()
-    if skip_init and getattr(config, "num_local_experts", None) and setup.dtype == "fp32" and setup.autocast == "none":
-        # transformers' MoE kernel, torch._grouped_mm, has bf16-only meta (and CUDA)
-        # kernels, and the per-expert loop routes tokens with data-dependent shapes
-        raise UserError(
-            "an fp32 mixture-of-experts step cannot be traced on fake tensors (grouped_mm "
-            "is bf16-only on GPUs and in PyTorch's meta kernels): use --dtype bf16, or --real"
-        )
     with torch.device(device), no_init:
         try:
             model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)

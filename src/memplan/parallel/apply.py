@@ -47,6 +47,14 @@ the layout is applied from outside):
 - **CP** (`memplan.parallel.context`): FSDP2 over the data-parallel x CP ranks
   ("dp_shard_cp", flattened from ("dp", "cp")), and the step runs inside PyTorch's
   `context_parallel` per micro-batch.
+- **EP** (`layout.ep`, with FSDP2): the routed experts split over EP groups by
+  transformers' own EP plan and all-to-all (`memplan.parallel.expert`), before TP; FSDP2
+  then shards each experts module over the ranks holding the same experts ("efsdp" of
+  the expert mesh, with transformers' gradient divide factor) before the blocks and the
+  root over "dp" (`transformers/distributed/fsdp.py`, `apply_fully_sharded_data_parallelism`;
+  torchtitan's `apply_fsdp` likewise shards `moe.experts` over its edp mesh first). With
+  TP, the attention of Mixtral and Qwen3-MoE takes the Llama plan, the router and the
+  norms are replicated, and each TP rank dispatches its slice of the tokens.
 - **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
   with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`); with TP, over the
   "dp" dimension of the mesh (`device_mesh=mesh["dp"]`: PyTorch's DDP + TP composition,
@@ -71,8 +79,10 @@ from memplan.capture.step import TrainingStep, make_step
 from memplan.errors import UserError
 from memplan.models import tracing
 from memplan.models.build import TORCH_DTYPES, transformer_blocks, transformer_blocks_path
+from memplan.models.moe import experts_of
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.context import attach_attention_hooks, context_parallel_step
+from memplan.parallel.expert import apply_expert_parallel, expert_mesh
 from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
@@ -80,6 +90,9 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
     from transformers import PretrainedConfig
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# MoE families whose attention is Llama's (per-head q/k norms at most): TP there, EP for the experts.
+# OLMoE's q/k norms span all heads and gpt-oss's attention sinks are per head, which the plan does not split.
+MOE_LLAMA_ATTENTION = ("mixtral", "qwen3_moe")
 ROWWISE = ("o_proj", "down_proj")
 STAGE_TP = "pp_tp"  # the TP dimension of a pipelined job's mesh (`pipeline_mesh`)
 CP_SHARD = "dp_shard_cp"  # torchtitan's name of the data-parallel x CP ranks FSDP2 shards over
@@ -104,7 +117,7 @@ def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: Tra
         return (f"context parallelism is applied to Llama-style decoders (rotary embeddings from position ids, "
                 f"`self_attn` modules), not model type {getattr(config, 'model_type', '?')!r}")
     if layout.tp > 1:
-        return _tensor_parallel_refusal(config)
+        return _tensor_parallel_refusal(config, layout)
     return None
 
 
@@ -118,7 +131,7 @@ def traced_part(layout: Layout, config: PretrainedConfig | None = None,
     if traceable(layout, config, setup) is None:
         return layout
     scheduled = layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES
-    if (layout.tp == 1 and not scheduled) or _tensor_parallel_refusal(config) is not None:
+    if (layout.tp == 1 and not scheduled) or _tensor_parallel_refusal(config, layout) is not None:
         return None
     if layout.pp == 1 and layout.zero == 0:
         return layout  # DDP + TP: traced with DDP's parameter transform, without its reducer
@@ -132,10 +145,21 @@ def modelled_rest(layout: Layout, part: Layout | None) -> bool:
     return part is not None and (part != layout or (layout.dp > 1 and layout.zero == 0))
 
 
-def _tensor_parallel_refusal(config: PretrainedConfig | None) -> str | None:
-    if config is not None and not _llama_like(config):
+def _tensor_parallel_refusal(config: PretrainedConfig | None, layout: Layout | None = None) -> str | None:
+    if config is None:
+        return None
+    model_type = getattr(config, "model_type", "?")
+    if experts_of(config) is not None:
+        if layout is None or layout.ep == 1:
+            return (f"the routed experts of {model_type!r} are split by expert parallelism, not by the Llama TP "
+                    "plan: add --ep")
+        if model_type not in MOE_LLAMA_ATTENTION:
+            return (f"the Llama TP plan fits the attention of {', '.join(MOE_LLAMA_ATTENTION)} only, not "
+                    f"{model_type!r}'s")
+        return None
+    if not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
-                f"model type {getattr(config, 'model_type', '?')!r} does not have")
+                f"model type {model_type!r} does not have")
     return None
 
 
@@ -150,7 +174,7 @@ def untraceable_tensor_parallel(layout: Layout, config: PretrainedConfig | None 
     (`parallel_tracing=False`)."""
     if layout.tp == 1:
         return None
-    refusal = _tensor_parallel_refusal(config)
+    refusal = _tensor_parallel_refusal(config, layout)
     if refusal is None and layout.dp > 1 and layout.zero == 0 and setup is not None and \
             getattr(setup, "lora_rank", 0):
         refusal = ("PyTorch's DDP + TP composition makes frozen parameters trainable again (it re-wraps every "
@@ -257,7 +281,10 @@ class ReplicateParallel:
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
         def to_local(_mod: nn.Module, outputs: Any, _device_mesh: Any) -> Any:
-            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+            # every output, tuples included (a MoE router returns logits, weights and expert ids)
+            from torch.utils._pytree import tree_map
+
+            return tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, outputs)
 
         distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
 
@@ -285,6 +312,10 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
     mesh = mesh if mesh is not None else device_mesh(layout)
     if layout.dp > 1 and layout.zero_engine == "fsdp1":
         return apply_fsdp1(model, layout, mesh["dp"])
+    experts = []
+    if layout.ep > 1:  # before TP, whose replication of the rest then leaves the (sharded) experts alone
+        efsdp_ep = expert_mesh(layout.dp, layout.tp, layout.ep)
+        experts = apply_expert_parallel(model, efsdp_ep["ep"], mesh["tp"])
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -307,6 +338,8 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy()
+        for module in experts:
+            _shard_experts(module, efsdp_ep["efsdp"], layout, options)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, **options)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, **options)
@@ -346,6 +379,19 @@ def apply_fsdp1(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module
         auto_wrap_policy=ModuleWrapPolicy({type(transformer_blocks(model)[0])}), backward_prefetch=None,
         forward_prefetch=False, limit_all_gathers=True, use_orig_params=True, sync_module_states=False,
         mixed_precision=mixed, device_id=torch.device(device.type))
+
+
+def _shard_experts(module: nn.Module, efsdp_mesh: DeviceMesh, layout: Layout, options: dict[str, Any]) -> None:
+    """FSDP2 on one experts module over the ranks that hold the same experts, as
+    transformers' `apply_fully_sharded_data_parallelism` does: its gradients cover the
+    batches of all dp ranks, so they are divided by dp, summed over efsdp and divided
+    locally where efsdp > 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=efsdp_mesh, reshard_after_forward=True, **options)
+    module.set_gradient_divide_factor(float(layout.dp))
+    if layout.efsdp > 1:
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def pipeline_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:

@@ -33,6 +33,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,8 @@ def _measured_step(step: TrainingStep, dist: Any) -> int:
     raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times")
 
 
-def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> None:
+def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str,
+               prepare: Callable[[TrainingStep], None] | None = None) -> None:
     import gc
 
     import torch.distributed as dist
@@ -114,6 +116,8 @@ def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> N
         peaks = []
         for config, setup, layout in cases:
             step = _rank_step(config, setup, layout, rank)
+            if prepare is not None:
+                prepare(step)
             step.run()  # warm-up: the optimizer state exists
             dist.barrier()
             peaks.append(_measured_step(step, dist))
@@ -132,10 +136,12 @@ def _rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, r
     return build_parallel_step(config, setup, layout)
 
 
-def measure_rank_peaks(cases: list[Case]) -> list[list[int]]:
+def measure_rank_peaks(cases: list[Case], prepare: Callable[[TrainingStep], None] | None = None) -> list[list[int]]:
     """Per case `(config, setup, layout)`, the profiler peak bytes of one real training
     step on every rank (rank order). All cases share one world size and run, one after
-    the other, in the same set of processes."""
+    the other, in the same set of processes. `prepare` (a module-level function, so that
+    the processes can import it) is run on every rank's built step before its warm-up,
+    e.g. to give the model trained weights."""
     import torch.multiprocessing as mp
 
     sizes = {layout.world_size for _, _, layout in cases}
@@ -149,7 +155,7 @@ def measure_rank_peaks(cases: list[Case]) -> list[list[int]]:
     for attempt in range(PROFILER_ATTEMPTS):
         with tempfile.TemporaryDirectory(prefix="memplan-gt-") as workdir:
             try:
-                mp.spawn(_rank_main, args=(cases, world_size, workdir), nprocs=world_size, join=True)
+                mp.spawn(_rank_main, args=(cases, world_size, workdir, prepare), nprocs=world_size, join=True)
             except mp.ProcessRaisedException as exc:
                 if "memory analysis failed" not in str(exc) or attempt == PROFILER_ATTEMPTS - 1:
                     raise

@@ -1,4 +1,4 @@
-"""Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP, CP.
+"""Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP, CP, EP.
 
 `Layout` holds the degrees and checks them against a model. Which ranks differ, and how
 each is estimated, is `memplan.parallel.plans`.
@@ -9,7 +9,8 @@ for stages 1 and 2, which only DeepSpeed implements as such). None: the stage's 
 
 Rank numbering follows torchtitan's device mesh (`torchtitan/distributed/parallel_dims.py`,
 `ParallelDims.build_mesh`: pp, dp_replicate, dp_shard, cp, tp): pp outermost, then dp,
-then cp, then tp; world size = dp x cp x tp x pp.
+then cp, then tp; world size = dp x cp x tp x pp. Expert
+parallelism (`ep`) borrows its ranks from dp x tp (`memplan.parallel.expert`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from memplan.errors import UserError
 from memplan.models.build import sequence_length
 from memplan.models.depth import num_layers
+from memplan.models.moe import experts_of
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.deepspeed import DeepSpeedConfig
@@ -62,9 +64,10 @@ class Layout:
     ds_param_persistence_threshold: int | None = None
     ds_max_live_parameters: int | None = None
     ds_overlap_comm: bool = False
+    ep: int = 1  # expert parallelism: routed experts split over ep ranks taken from dp x tp
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "microbatches"):
+        for name in ("tp", "pp", "cp", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a whole number >= 1, not {value!r}")
@@ -93,6 +96,25 @@ class Layout:
         self._check_engine()
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < 1:
             raise UserError("pipeline parallelism needs --microbatches >= 1")
+        if self.ep > 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """UserError (one line) for an EP degree the ranks cannot hold: EP takes its ranks
+        from dp x tp, a multiple of the TP group (transformers' `DistributedConfig`:
+        "ep_size must be a multiple of tp_size and divide fsdp_size * tp_size"; torchtitan's
+        `ParallelDims` with expert TP 1), and runs with FSDP2, as torchtitan applies it
+        whenever EP is on."""
+        if self.tp == 1 and self.dp % self.ep:
+            raise UserError(f"--ep {self.ep} does not divide the data-parallel degree {self.dp} (EP takes its ranks "
+                            f"from data parallelism): pick a divisor of {self.dp}")
+        if self.ep % self.tp or (self.dp * self.tp) % self.ep:
+            raise UserError(f"--ep {self.ep} must be a multiple of --tp {self.tp} and divide dp x tp = "
+                            f"{self.dp * self.tp} (EP takes its ranks from the data- and tensor-parallel ones)")
+        if self.zero != 3:
+            raise UserError("--ep shards the dense parts and the experts with FSDP2: add --zero 3")
+        if self.pp > 1 or self.cp > 1 or self.shard_size is not None:
+            raise UserError("--ep is estimated with FSDP2 and TP only: leave out --pp, --cp and --shard-size")
 
     def _check_engine(self) -> None:
         knobs = {name: getattr(self, name) for name in DS_KNOBS}
@@ -115,9 +137,10 @@ class Layout:
         if self.zero not in stages:
             raise UserError(f"--engine {self.engine} implements ZeRO stage {' and '.join(map(str, stages))}, "
                             f"not {self.zero}: use --engine deepspeed for stage {self.zero}")
-        if self.engine != "fsdp2" and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.shard_size is not None):
+        if self.engine != "fsdp2" and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
+                                       or self.shard_size is not None):
             raise UserError(f"--engine {self.engine} is estimated alone (data parallel only): leave out --tp, "
-                            "--pp, --cp and --shard-size, or use --engine fsdp2")
+                            "--pp, --cp, --ep and --shard-size, or use --engine fsdp2")
         if self.engine == "deepspeed" and self.fsdp_param_dtype is not None:
             raise UserError("--fsdp-param-dtype is FSDP's mixed precision: DeepSpeed trains in the setup's "
                             "--dtype; leave it out")
@@ -148,8 +171,24 @@ class Layout:
             return 1
         return (self.shard_size if self.shard_size is not None else self.dp) * self.cp
 
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP2-shard them (dp x tp / ep)."""
+        return self.dp * self.tp // self.ep
+
     def check(self, config: PretrainedConfig, setup: TrainingSetup) -> None:
         """Raise `UserError` when the model cannot take this layout."""
+        if self.ep > 1:
+            experts = None if isinstance(config, FactorySpec) else experts_of(config)
+            if experts is None:
+                name = getattr(config, "spec", None) or repr(getattr(config, "model_type", "?"))
+                raise UserError(f"--ep splits the routed experts of a mixture-of-experts model; {name} has none: "
+                                "leave --ep out")
+            if experts[0] % self.ep:
+                raise UserError(f"--ep {self.ep} does not divide the {experts[0]} experts: pick a divisor of "
+                                f"{experts[0]}")
+            if setup.lora_rank:
+                raise UserError("--ep with --lora-rank is not supported by this version of memplan")
         if isinstance(config, FactorySpec) and (self.tp > 1 or self.pp > 1):
             raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
                             f"{config.spec} builds its own model: estimate it on one GPU, or data-parallel "
@@ -186,8 +225,9 @@ class Layout:
         """`UserError` for CPU offloading this layout cannot take (docs/estimation.md)."""
         if setup.cpu_offload == "none":
             return
-        if self.tp > 1 or self.pp > 1 or self.cp > 1:
-            raise UserError("--cpu-offload is estimated for data parallelism only: leave out --tp, --pp and --cp")
+        if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1:
+            raise UserError("--cpu-offload is estimated for data parallelism only: leave out --tp, --pp, --cp "
+                            "and --ep")
         if setup.cpu_offload == "params" and (self.zero != 3 or self.dp < 2):
             raise UserError("--cpu-offload params is FSDP2's CPUOffloadPolicy: add --zero 3 and --world-size 2 or more")
         if setup.cpu_offload == "optimizer" and self.dp > 1 and self.zero < 2:

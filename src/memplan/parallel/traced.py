@@ -31,8 +31,9 @@ the calling thread, then one on its own worker thread, freed when the collective
 completes (measured with torch.profiler on gloo runs; none for reduce-scatter). They
 normally follow each other, so one buffer stands for both; on a loaded machine they
 sometimes overlap on one rank, or the worker's outlives the op, which no trace can know.
-`gloo_staging_buffers` adds one such buffer per all-gather to a cpu trace, live while the
-all-gather op runs:
+A reduce-scatter on gloo is an all-reduce of a clone of its input, one input-sized buffer
+while the op runs (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`). `gloo_staging_buffers`
+adds both to a cpu trace; one buffer per all-gather, live while the all-gather op runs:
 every rank issues the same collective at the same point of the step, so it completes
 before the next op starts, and before FSDP2's copy-out allocates the unsharded
 parameters (the profiler timeline of a real run shows the staging buffer freed before
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
 # into the chunks of the unsharded flat parameter with the list form, `dist.all_gather`)
 GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default",
                    "c10d.allgather_.default")
+GLOO_CLONED_OPS = ("c10d._reduce_scatter_base_.default", "c10d.reduce_scatter_tensor_coalesced_.default")
 
 
 class DistributedRecorder(Recorder):
@@ -161,8 +163,11 @@ class DistributedRecorder(Recorder):
 
     @contextlib.contextmanager
     def fsdp_storage_hooks(self) -> Iterator[None]:
-        """Report FSDP2's in-place storage frees and re-allocations (module docstring)."""
-        from torch.distributed.fsdp._fully_shard import _fsdp_param
+        """Report FSDP2's in-place storage frees and re-allocations (module docstring).
+        `_fsdp_param_group` holds its own name for `alloc_storage`: a group on a one-rank
+        mesh (the experts of an EP layout whose EP group spans dp x tp) skips the
+        all-gather and allocates its unsharded parameters there (`wait_for_unshard`)."""
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
         alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
 
@@ -179,11 +184,13 @@ class DistributedRecorder(Recorder):
                 self.storage_freed(tensor)
 
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+        _fsdp_param_group.alloc_storage = alloc_storage
         try:
             with self.flat_param_storage_hooks():
                 yield
         finally:
             _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+            _fsdp_param_group.alloc_storage = alloc
 
     @contextlib.contextmanager
     def flat_param_storage_hooks(self) -> Iterator[None]:
@@ -370,7 +377,33 @@ def _capture_schedule_rank(config: PretrainedConfig, setup: TrainingSetup, layou
 
 
 def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
-    """gloo's per-all-gather staging buffers (module docstring), for a cpu job on gloo."""
+    """gloo's per-all-gather staging buffers and per-reduce-scatter input clones (module
+    docstring), for a cpu job on gloo."""
+    return _all_gather_staging(trace) + _reduce_scatter_clones(trace)
+
+
+def _reduce_scatter_clones(trace: Trace) -> list[ExtraBuffer]:
+    """gloo runs a reduce-scatter as an all-reduce of a copy of its input
+    (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`: `buffers.push_back(
+    inputTensors[i].clone())`, then the rank's chunk copied out when the work is waited
+    on): one input-sized buffer while the op runs (measured: allocated after the
+    reduce-scatter's output and freed when `dist.reduce_scatter_tensor` returns)."""
+    first = trace.ops["first_event"]
+    extras = []
+    for i in range(trace.num_ops):
+        if trace.op_name(i) not in GLOO_CLONED_OPS:
+            continue
+        inputs = trace.op_inputs(i)
+        nbytes = int(trace.buffers["nbytes"][inputs].max()) if inputs.shape[0] else 0
+        start = int(first[i])
+        stop = int(first[i + 1]) if i + 1 < trace.num_ops else trace.num_events
+        extras.append(ExtraBuffer(nbytes, start, stop if stop < trace.num_events else -1, "other",
+                                  trace.phase_at(min(start, trace.num_events - 1))))
+    return [x for x in extras if x.nbytes > 0]
+
+
+def _all_gather_staging(trace: Trace) -> list[ExtraBuffer]:
+    """One output-sized gloo staging buffer per all-gather, live while the op runs."""
     first = trace.ops["first_event"]
     extras = []
     for i in range(trace.num_ops):
