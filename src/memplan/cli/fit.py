@@ -179,22 +179,26 @@ def _title(result: FitResult, args: argparse.Namespace) -> str:
     return f"{result.model} on {fewest}{result.gpus} x {args.gpu}: the {len(result.rows)} fastest configurations"
 
 
+def _cells(row: Row, what_fits_mode: bool) -> list[str]:
+    c = row.to_json()
+    timing = [format_bytes(c["device_used_bytes"]), f"{c['step_s']:.3f}", f"{1000 * c['s_per_token']:.4f}"]
+    if what_fits_mode:
+        return [", ".join(c["changes"]) or "(none)", *timing]
+    accum = c["microbatches"] if c["pp"] > 1 else c["grad_accum"]
+    return [str(c["dp"]), str(c["zero"]), str(c["tp"]), str(c["pp"]), str(c["micro_batch"]), str(accum),
+            c["checkpointing"], c["allocator"], *timing]
+
+
 def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> None:
     """A table of `result`'s rows, then each row's `memplan estimate` command."""
     console = Console()
     table = Table(title=_title(result, args))
     what_fits_mode = isinstance(result, WhatFitsResult)
-    columns = ["#", *(["changes"] if what_fits_mode else []), "dp", "zero", "tp", "pp", "micro-batch", "accum",
-               "ckpt", "allocator", "device used", "usable", "step (s)", "ms/token"]
-    for col in columns:
+    layout = ["dp", "zero", "tp", "pp", "mb", "accum", "ckpt", "allocator"]
+    for col in ["#", *(["changes"] if what_fits_mode else layout), "device used", "step (s)", "ms/token"]:
         table.add_column(col, justify="left" if col == "changes" else "right")
     for i, row in enumerate(result.rows, start=1):
-        c = row.to_json()
-        accum = c["microbatches"] if c["pp"] > 1 else c["grad_accum"]
-        table.add_row(str(i), *([", ".join(c["changes"]) or "(none)"] if what_fits_mode else []), str(c["dp"]),
-                      str(c["zero"]), str(c["tp"]), str(c["pp"]), str(c["micro_batch"]), str(accum),
-                      c["checkpointing"], c["allocator"], format_bytes(c["device_used_bytes"]),
-                      format_bytes(c["usable_bytes"]), f"{c['step_s']:.3f}", f"{1000 * c['s_per_token']:.4f}")
+        table.add_row(str(i), *_cells(row, what_fits_mode))
     console.print(table)
     for i, row in enumerate(result.rows, start=1):
         console.print(f"{i}: {estimate_command(row, args)}", soft_wrap=True, highlight=False)
@@ -203,8 +207,10 @@ def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> N
         console.print(f"one step below, {b.candidate.layout.world_size} GPUs: the closest candidate needs "
                       f"{format_bytes(b.device_used_bytes)} of {format_bytes(b.usable_bytes)} usable", highlight=False)
     if what_fits_mode and result.unbuilt:
-        console.print("not tried, not yet built: " + "; ".join(result.unbuilt), highlight=False)
-    console.print(f"({result.estimates} estimates; traced, {margin:.0%} margin)", highlight=False)
+        console.print("not tried, not yet built: " + ", ".join(result.unbuilt), highlight=False)
+    usable = format_bytes(result.rows[0].usable_bytes) if result.rows else "-"
+    console.print(f"({result.estimates} estimates; every row traced; usable {usable}: {margin:.0%} margin)",
+                  highlight=False)
 
 
 def render_max(result: MaxResult, args: argparse.Namespace) -> None:
@@ -220,7 +226,9 @@ def render_max(result: MaxResult, args: argparse.Namespace) -> None:
     if result.value is None:
         console.print(f"not even {result.target} {result.step} fits", highlight=False)
         return
-    why = {"memory": f"{result.target} {result.value + result.step} does not fit",
+    above = result.above.candidate.setup if result.above is not None else None
+    larger = (above.seq if result.target == "seq" else above.batch) if above is not None else None
+    why = {"memory": f"{result.target} {larger} does not fit",
            "positions": "the model's maximum positions", "cap": "the search's upper limit"}[result.limit]
     console.print(f"largest {result.target}: {result.value} ({why}; {result.estimates} estimates)", highlight=False)
     console.print(estimate_command(result.at, args), soft_wrap=True, highlight=False)

@@ -18,7 +18,12 @@ same setup and layout (`memplan.estimation.search`). The search gets there in tw
    screened only for the layouts and checkpointing that passed at the smaller one);
 2. **confirm**, fastest (screened) first: trace the candidates that passed, a wave of as
    many as there are workers at a time, until `top` rows fit or `CONFIRMATIONS_PER_ROW`
-   x `top` traced estimates were spent. Rows are ranked by their traced seconds per token.
+   x `top` traced estimates were spent. Each confirmation calibrates the screen: per kind
+   of traced layout (FSDP2, TP, pipeline stages, and their combinations), the smallest ratio
+   of traced to screened memory seen so far; a screened candidate whose memory times that
+   ratio exceeds the usable capacity is not traced (on llama-3.1-70b at seq 8192 the traced
+   FSDP2 step is about 7% above the modelled ZeRO-3 rule, so candidates the 10% slack let
+   through are mostly hopeless). Rows are ranked by their traced seconds per token.
 
 Step time: `memplan.estimation.steptime`. `gpus="auto"`: the smallest count of the ladder
 1, 2, 4, 8, 16, 24, 32, ... (whole 8-GPU nodes past 8) whose memory-minimal candidates
@@ -54,6 +59,7 @@ DEFAULT_TOP = 5
 CONFIRMATIONS_PER_ROW = 3
 MAX_AUTO_GPUS = 4096
 NODE_GPUS = 8
+MAX_COUNTS_CONFIRMED = 3  # counts whose full search may confirm nothing before auto gives up
 
 
 @dataclass(frozen=True)
@@ -76,12 +82,14 @@ class FitResult:
     rows: list[Row]
     estimates: int = 0
     refused: dict[str, int] = field(default_factory=dict)  # reason -> candidates
+    spent: dict[str, Any] = field(default_factory=dict)  # `Evaluator.spent`
     below: Row | None = None  # gpus="auto": the closest candidate one step below the answer
     probes: list[dict[str, Any]] = field(default_factory=list)  # gpus="auto": the counts screened
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu, "gpus": self.gpus,
                 "configurations": [r.to_json() for r in self.rows], "estimates": self.estimates,
+                "search": self.spent,
                 "refused": self.refused, "below": self.below.to_json() if self.below is not None else None,
                 "gpu_counts_screened": self.probes}
 
@@ -167,26 +175,55 @@ def _traced_key(config: Any, cand: Candidate) -> str:
     return cand.setup_key() + repr(part)
 
 
+def _kind(layout: Layout) -> tuple[bool, bool, bool]:
+    """What a layout traces on a fake process group: FSDP2, TP, pipeline stages."""
+    return layout.zero == 3 and layout.dp > 1, layout.tp > 1, layout.pp > 1
+
+
+@dataclass
+class _Calibration:
+    """Per kind of traced layout, the smallest ratio of traced to screened device memory
+    the confirmations have seen; a screened row whose memory times it exceeds the usable
+    capacity is not traced (module docstring, step 2)."""
+
+    ratios: dict[tuple[bool, bool, bool], float] = field(default_factory=dict)
+
+    def hopeless(self, row: Row) -> bool:
+        ratio = self.ratios.get(_kind(row.candidate.layout))
+        return ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
+
+    def learn(self, screened: Row, traced: Row) -> None:
+        if screened.device_used_bytes and traced.refused is None:
+            kind = _kind(screened.candidate.layout)
+            ratio = traced.device_used_bytes / screened.device_used_bytes
+            self.ratios[kind] = min(ratio, self.ratios.get(kind, ratio))
+
+
 def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[Row]:
     """The `top` fastest rows that fit, traced (module docstring, step 2)."""
     order = sorted((r for r in screened if r.passes_screen()), key=lambda r: r.s_per_token)
     final: list[Row] = []
     budget = CONFIRMATIONS_PER_ROW * top
+    calibration = _Calibration()
     i = 0
     while i < len(order) and len(final) < top and budget > 0:
-        wave: dict[str, list[Candidate]] = {}
+        wave: dict[str, list[Row]] = {}
         while i < len(order) and sum(map(len, wave.values())) < min(ev.workers, budget) and len(final) < top:
             row = order[i]
             i += 1
             if row.traced:
                 final.append(row)
-            else:
-                wave.setdefault(_traced_key(config, row.candidate), []).append(row.candidate)
+            elif not calibration.hopeless(row):
+                wave.setdefault(_traced_key(config, row.candidate), []).append(row)
         if not wave:
-            break
+            continue
         budget -= sum(map(len, wave.values()))
-        for rows in ev.run([Task(c, [True] * len(c)) for c in wave.values()]):
-            final += [r for r in rows if r is not None and r.fits]
+        groups = list(wave.values())
+        for group, rows in zip(groups, ev.run([Task([r.candidate for r in g], [True] * len(g)) for g in groups])):
+            for was, row in zip(group, rows):
+                if row is not None:
+                    calibration.learn(was, row)
+                    final += [row] if row.fits else []
     return sorted(final, key=lambda r: (r.s_per_token, r.device_used_bytes))[:top]
 
 
@@ -209,7 +246,7 @@ def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int | str, 
         else:
             rows = confirm(ev, config, screen_layouts(ev, config, setup, gpus, refused, space), top)
             result = FitResult(model_name(model), gpu, gpus, rows)
-        result.estimates, result.refused = ev.estimates, refused
+        result.estimates, result.refused, result.spent = ev.estimates, refused, ev.spent()
     return result
 
 
@@ -253,13 +290,30 @@ def fewest_gpus(ev: Evaluator, config: Any, setup: TrainingSetup, top: int, refu
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if passes(mid) else (mid, high)
-    for i in range(high, len(ladder)):
+    return _answer(ev, config, setup, top, refused, space, ladder, high, passes, screened, probes)
+
+
+def _answer(ev: Evaluator, config: Any, setup: TrainingSetup, top: int, refused: dict[str, int], space: SearchSpace,
+            ladder: list[int], first: int, passes: Any, screened: dict[int, list[Row]],
+            probes: list[dict[str, Any]]) -> FitResult:
+    """The full search at the first count whose screen passes, moving up the ladder (at
+    most `MAX_COUNTS_CONFIRMED` counts) while it confirms nothing, and down while the count
+    below has a traced candidate that fits."""
+    name = model_name(ev.job.model)
+    for i in range(first, min(first + MAX_COUNTS_CONFIRMED, len(ladder))):
         rows = confirm(ev, config, screen_layouts(ev, config, setup, ladder[i], refused, space), top)
-        if rows:
-            below = _confirm_closest(ev, screened, ladder[i - 1]) if i > 0 else None
-            return FitResult(name, ev.job.gpu, ladder[i], rows, probes=probes, below=below)
-        if ladder[i] not in screened:
-            passes(i)
+        if not rows:
+            continue
+        below = None
+        while i > 0:
+            passes(i - 1)  # the count below is screened
+            below = _confirm_closest(ev, screened, ladder[i - 1])
+            lower = confirm(ev, config, screen_layouts(ev, config, setup, ladder[i - 1], refused, space), top) \
+                if below is not None and below.fits else []
+            if not lower:
+                break
+            i, rows = i - 1, lower
+        return FitResult(name, ev.job.gpu, ladder[i], rows, probes=probes, below=below)
     return FitResult(name, ev.job.gpu, None, [], probes=probes)
 
 

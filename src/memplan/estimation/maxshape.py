@@ -57,6 +57,7 @@ class MaxResult:
     above: Row | None
     probes: list[Row] = field(default_factory=list)
     estimates: int = 0
+    spent: dict[str, Any] = field(default_factory=dict)  # `Evaluator.spent`
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu, "target": self.target, "step": self.step, "max": self.value,
@@ -64,7 +65,7 @@ class MaxResult:
                 "above": self.above.to_json() if self.above is not None else None,
                 "probes": [{"value": shape_of(r, self.target), "device_used_bytes": r.device_used_bytes,
                             "usable_bytes": r.usable_bytes, "fits": r.fits} for r in self.probes],
-                "estimates": self.estimates}
+                "estimates": self.estimates, "search": self.spent}
 
 
 def shape_of(row: Row, target: str) -> int:
@@ -170,8 +171,10 @@ def max_shape(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
                 break
             usable = next(iter(bracket.rows.values())).usable_bytes
             values = bracket.probes(usable, eager, ev.workers, halved=_width(bracket) <= width / 2)
-        estimates = ev.estimates
-    return _result(model_name(model), gpu, bracket, estimates)
+        estimates, spent = ev.estimates, ev.spent()
+    result = _result(model_name(model), gpu, bracket, estimates)
+    result.spent = spent
+    return result
 
 
 def _upper(config: Any, target: str) -> int:

@@ -33,6 +33,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -220,8 +221,10 @@ def _row(cand: Candidate, traced: bool, allocator: str, result: Estimate, job: F
                result.peak_reserved_bytes, capacity, job.usable_bytes(capacity), result.parallel, result.method)
 
 
-def run_task(job: FitJob, task: Task, state: _State | None = None) -> list[Row | None]:
-    """The rows of `task`'s candidates in order; None where a required one did not pass."""
+def run_task(job: FitJob, task: Task, state: _State | None = None) -> tuple[list[Row | None], float]:
+    """The rows of `task`'s candidates in order (None where a required one did not pass),
+    and the CPU seconds they took."""
+    start_s = time.process_time()
     if state is None:  # in a worker: the process's own state
         key = _job_key(job)
         if key not in _PROCESS_STATE:
@@ -234,7 +237,7 @@ def run_task(job: FitJob, task: Task, state: _State | None = None) -> list[Row |
             rows.append(None)
             continue
         rows.append(evaluate(state, cand, traced))
-    return rows
+    return rows, time.process_time() - start_s
 
 
 def _init_worker(filters: list[Any]) -> None:
@@ -265,6 +268,9 @@ class Evaluator:
             self.workers = 1  # a factory's module is importable from this process's path only
         self.state = _State(job, job.config())
         self.estimates = 0  # candidates estimated so far (screened or traced)
+        self.worker_cpu_s = 0.0  # CPU seconds the pool's workers spent on tasks
+        self.started_s = time.perf_counter()
+        self.started_cpu_s = time.process_time()
         self._pool: ProcessPoolExecutor | None = None
         self._progress = _Progress(label) if progress else None
 
@@ -284,16 +290,26 @@ class Evaluator:
         if self.workers == 1 or len(tasks) == 1:
             out = []
             for task in tasks:
-                out.append(run_task(self.job, task, self.state))
+                out.append(run_task(self.job, task, self.state)[0])
                 self._done(out[-1])
             return out
         pool = self._ensure_pool()
         futures = {pool.submit(run_task, self.job, task): i for i, task in enumerate(tasks)}
         results: list[list[Row | None]] = [[] for _ in tasks]
         for future in as_completed(futures):
-            results[futures[future]] = future.result()
-            self._done(results[futures[future]])
+            rows, cpu_s = future.result()
+            results[futures[future]] = rows
+            self.worker_cpu_s += cpu_s
+            self._done(rows)
         return results
+
+    def spent(self) -> dict[str, Any]:
+        """What the search spent: estimates, wall and CPU seconds (this process, plus the
+        workers' seconds on tasks; the forkserver's one import of torch is not counted)."""
+        main_cpu_s = time.process_time() - self.started_cpu_s
+        return {"estimates": self.estimates, "workers": self.workers,
+                "wall_s": round(time.perf_counter() - self.started_s, 3),
+                "cpu_s": round(main_cpu_s + self.worker_cpu_s, 3), "worker_cpu_s": round(self.worker_cpu_s, 3)}
 
     def _done(self, rows: list[Row | None]) -> None:
         self.estimates += sum(r is not None for r in rows)

@@ -188,7 +188,7 @@ class _Search:
         unbuilt = is_unbuilt(cand)
         if unbuilt is not None:
             if len(changes) == 1:
-                self.unbuilt.append(f"{changes[0].name}: {unbuilt}")
+                self.unbuilt.append(changes[0].name)
             return False
         why = refusal(self.config, cand)
         if why is not None:
@@ -241,7 +241,7 @@ def what_fits(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
                 search.level(level, base, top)
                 if search.found or ev.estimates >= max_nodes:
                     break
-        estimates = ev.estimates
+        estimates, spent = ev.estimates, ev.spent()
     rows = [r for _, r in sorted(search.found, key=lambda t: (t[0], t[1].s_per_token))][:top]
     return WhatFitsResult(model_name(model), gpu, layout.world_size, rows if not base.fits else [base],
-                          estimates=estimates, refused=search.refused, base=base, unbuilt=search.unbuilt)
+                          estimates=estimates, spent=spent, refused=search.refused, base=base, unbuilt=search.unbuilt)
