@@ -100,12 +100,14 @@ def test_max_seq_round_trips_through_the_printed_estimate_command(tiny_config_pa
 
 
 def test_what_fits_finds_the_smallest_changes_and_each_round_trips(tiny_config_path, capsys):
+    # the base and three single changes (the checkpointing policies come first)
     code = main(["fit", tiny_config_path, "--gpu", "t4", "--gpus", "1", "--capacity", "360MiB", "--what-fits",
-                 "--seq", "64", "--batch", "16", "--top", "2", "--workers", "1", "--json"])
+                 "--seq", "64", "--batch", "16", "--top", "2", "--max-nodes", "4", "--workers", "1", "--json"])
     doc = json.loads(capsys.readouterr().out)
-    assert code == 0 and not doc["base"]["fits"]
+    assert code == 0 and not doc["base"]["fits"] and doc["estimates"] == 4
     rows = doc["configurations"]
     assert 1 <= len(rows) <= 2 and all(len(r["changes"]) == 1 and r["fits"] for r in rows)
+    assert rows[0]["changes"][0].startswith("checkpointing")
     for row in rows:
         again = _run_printed_command(row["command"], capsys)
         assert again["device_used_bytes"] == row["device_used_bytes"] <= row["usable_bytes"]

@@ -18,12 +18,17 @@ same setup and layout (`memplan.estimation.search`). The search gets there in tw
    screened only for the layouts and checkpointing that passed at the smaller one);
 2. **confirm**, fastest (screened) first: trace the candidates that passed, a wave of as
    many as there are workers at a time, until `top` rows fit or `CONFIRMATIONS_PER_ROW`
-   x `top` traced estimates were spent. Each confirmation calibrates the screen: per kind
-   of traced layout (FSDP2, TP, pipeline stages, and their combinations), the smallest ratio
-   of traced to screened memory seen so far; a screened candidate whose memory times that
-   ratio exceeds the usable capacity is not traced (on llama-3.1-70b at seq 8192 the traced
-   FSDP2 step is about 7% above the modelled ZeRO-3 rule, so candidates the 10% slack let
-   through are mostly hopeless). Rows are ranked by their traced seconds per token.
+   x `top` traced estimates were spent. Each confirmation teaches the rest: a traced
+   estimate that does not fit rules out every candidate that needs at least its memory
+   (same degrees and setup, a lower ZeRO stage, a larger micro-batch, checkpointing that
+   saves less); and per parallel degrees (else per kind of traced layout: FSDP2, TP,
+   pipeline stages) the smallest ratio of traced to screened memory seen so far scales the
+   screened figures, and a candidate that then does not fit waits until every other has
+   been tried. The modelled rules are far from the traced steps where TP is involved: on
+   llama-3.1-70b at seq 8192 (fp32, 64 GPUs) the traced FSDP2 step was 7% above the modelled
+   ZeRO-3 rule, but FSDP2 x TP 2-8 were 1.1-5.7x the modelled TP rule (plain TP keeps the
+   [B, S, H] activations whole; the rule assumes sequence parallel). Rows are ranked by
+   their traced seconds per token.
 
 Step time: `memplan.estimation.steptime`. `gpus="auto"`: the smallest count of the ladder
 1, 2, 4, 8, 16, 24, 32, ... (whole 8-GPU nodes past 8) whose memory-minimal candidates
@@ -175,54 +180,87 @@ def _traced_key(config: Any, cand: Candidate) -> str:
     return cand.setup_key() + repr(part)
 
 
+CHECKPOINT_MEMORY = {"full": 0, "selective-op": 1, "selective": 1, "none": 2}  # more memory, larger
+
+
 def _kind(layout: Layout) -> tuple[bool, bool, bool]:
     """What a layout traces on a fake process group: FSDP2, TP, pipeline stages."""
     return layout.zero == 3 and layout.dp > 1, layout.tp > 1, layout.pp > 1
 
 
-@dataclass
-class _Calibration:
-    """Per kind of traced layout, the smallest ratio of traced to screened device memory
-    the confirmations have seen; a screened row whose memory times it exceeds the usable
-    capacity is not traced (module docstring, step 2)."""
+def _traced_degrees(layout: Layout) -> tuple[bool, int, int]:
+    """FSDP2 or not, TP and PP degrees: what the traced part of a layout depends on."""
+    return layout.zero == 3 and layout.dp > 1, layout.tp, layout.pp
 
-    ratios: dict[tuple[bool, bool, bool], float] = field(default_factory=dict)
+
+def _rest(setup: TrainingSetup) -> dict[str, Any]:
+    fields = setup.to_dict()
+    for name in ("batch", "checkpointing", "grad_accum"):
+        fields.pop(name)
+    return fields
+
+
+def dominates(failed: Candidate, cand: Candidate) -> bool:
+    """Whether `cand` needs at least the memory of `failed`: the same degrees and setup but a
+    lower or equal ZeRO stage, a micro-batch as large and checkpointing that saves no more."""
+    a, b = failed.layout, cand.layout
+    return ((a.tp, a.pp, a.dp) == (b.tp, b.pp, b.dp) and b.zero <= a.zero
+            and cand.setup.batch >= failed.setup.batch
+            and CHECKPOINT_MEMORY[cand.setup.checkpointing] >= CHECKPOINT_MEMORY[failed.setup.checkpointing]
+            and _rest(cand.setup) == _rest(failed.setup))
+
+
+@dataclass
+class _Learned:
+    """What the confirmations so far say about the rest (module docstring, step 2): the
+    smallest ratio of traced to screened memory per parallel degrees (else per kind of
+    traced layout), and the candidates whose traced estimate did not fit."""
+
+    by_degrees: dict[tuple[bool, int, int], float] = field(default_factory=dict)
+    by_kind: dict[tuple[bool, bool, bool], float] = field(default_factory=dict)
+    failed: list[Candidate] = field(default_factory=list)
+
+    def doubtful(self, row: Row) -> bool:
+        """Whether the screened `row`, scaled by the ratio its layout has shown, does not fit."""
+        lay = row.candidate.layout
+        ratio = self.by_degrees.get(_traced_degrees(lay), self.by_kind.get(_kind(lay)))
+        return not row.traced and ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
 
     def hopeless(self, row: Row) -> bool:
-        ratio = self.ratios.get(_kind(row.candidate.layout))
-        return ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
+        return any(dominates(f, row.candidate) for f in self.failed)
 
     def learn(self, screened: Row, traced: Row) -> None:
+        if traced.refused is None and not traced.fits:
+            self.failed.append(traced.candidate)
         if screened.device_used_bytes and traced.refused is None:
-            kind = _kind(screened.candidate.layout)
             ratio = traced.device_used_bytes / screened.device_used_bytes
-            self.ratios[kind] = min(ratio, self.ratios.get(kind, ratio))
+            for table, key in ((self.by_degrees, _traced_degrees(screened.candidate.layout)),
+                               (self.by_kind, _kind(screened.candidate.layout))):
+                table[key] = min(ratio, table.get(key, ratio))
 
 
 def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[Row]:
     """The `top` fastest rows that fit, traced (module docstring, step 2)."""
-    order = sorted((r for r in screened if r.passes_screen()), key=lambda r: r.s_per_token)
+    pending = [r for r in screened if r.passes_screen()]
     final: list[Row] = []
     budget = CONFIRMATIONS_PER_ROW * top
-    calibration = _Calibration()
-    i = 0
-    while i < len(order) and len(final) < top and budget > 0:
+    learned = _Learned()
+    while pending and len(final) < top and budget > 0:
+        pending = [r for r in pending if not learned.hopeless(r)]
+        pending.sort(key=lambda r: (learned.doubtful(r), r.s_per_token))
         wave: dict[str, list[Row]] = {}
-        while i < len(order) and sum(map(len, wave.values())) < min(ev.workers, budget) and len(final) < top:
-            row = order[i]
-            i += 1
+        while pending and sum(map(len, wave.values())) < min(ev.workers, budget) and len(final) < top:
+            row = pending.pop(0)
             if row.traced:
                 final.append(row)
-            elif not calibration.hopeless(row):
+            else:
                 wave.setdefault(_traced_key(config, row.candidate), []).append(row)
-        if not wave:
-            continue
         budget -= sum(map(len, wave.values()))
         groups = list(wave.values())
         for group, rows in zip(groups, ev.run([Task([r.candidate for r in g], [True] * len(g)) for g in groups])):
             for was, row in zip(group, rows):
                 if row is not None:
-                    calibration.learn(was, row)
+                    learned.learn(was, row)
                     final += [row] if row.fits else []
     return sorted(final, key=lambda r: (r.s_per_token, r.device_used_bytes))[:top]
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from memplan.errors import UserError
 from memplan.estimation.fit import model_name
-from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task
+from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task, refusal
 from memplan.models.build import max_positions, sequence_length
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
@@ -157,6 +157,9 @@ def max_shape(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
     layout = layout if layout is not None else Layout()
     config = load_config(model) if isinstance(model, str) else model
     job = FitJob(model, gpu, capacity, margin)
+    why = refusal(config, Candidate(setup, layout))
+    if why is not None:
+        raise UserError(why)
     upper = _upper(config, target)
     bracket = _Bracket(target, min(step, upper), upper)
     start = sequence_length(setup, config) if target == "seq" else setup.batch
