@@ -16,15 +16,17 @@ same setup and layout (`memplan.estimation.search`). The search gets there in tw
    be monotone where it is: ZeRO-3 <= ZeRO-2 <= ZeRO-1 <= DDP at the same degrees (a stage
    is screened only if the one above it passed) and micro-batch (a larger micro-batch is
    screened only for the layouts and checkpointing that passed at the smaller one);
-2. **confirm**, fastest (screened) first: trace the candidates that passed, a wave of as
-   many as there are workers at a time, until `top` rows fit or `CONFIRMATIONS_PER_ROW`
-   x `top` traced estimates were spent. Each confirmation teaches the rest: a traced
-   estimate that does not fit rules out every candidate that needs at least its memory
-   (same degrees and setup, a lower ZeRO stage, a larger micro-batch, checkpointing that
-   saves less); and per parallel degrees (else per kind of traced layout: FSDP2, TP,
-   pipeline stages) the smallest ratio of traced to screened memory seen so far scales the
-   screened figures, and a candidate that then does not fit waits until every other has
-   been tried. The modelled rules are far from the traced steps where TP is involved: on
+2. **confirm**: the screened candidates that fit and need no tracing are rows already;
+   the others are traced, a wave of as many as there are workers at a time, while one of
+   them could still enter the `top` fastest (its screened time beats the `top`-th row's)
+   and at most `CONFIRMATIONS_PER_ROW` x `top` ranks were traced (a pipelined layout
+   traces up to three stages). Each
+   confirmation teaches the rest: a traced estimate that does not fit rules out every
+   candidate that needs at least its memory (same degrees and setup, a lower ZeRO stage, a
+   larger micro-batch, checkpointing that saves less); and the largest ratio of traced to
+   screened memory seen for the same parallel degrees (else the same kind of traced layout:
+   FSDP2, TP, pipeline stages; else TP or not) scales the screened figures: a candidate that
+   then does not fit is traced after those that still do, fastest first within each. The modelled rules are far from the traced steps where TP is involved: on
    llama-3.1-70b at seq 8192 (fp32, 64 GPUs) the traced FSDP2 step was 7% above the modelled
    ZeRO-3 rule, but FSDP2 x TP 2-8 were 1.1-5.7x the modelled TP rule (plain TP keeps the
    [B, S, H] activations whole; the rule assumes sequence parallel). Rows are ranked by
@@ -60,7 +62,7 @@ CHECKPOINTING = ("none", "selective-op", "full")
 MAX_TP = 8  # TP beyond one NVLink domain is not worth searching
 MAX_PP = 8
 PP_MICROBATCHES_PER_STAGE = 2  # pipeline micro-batches >= 2 x stages: bubble (p - 1) / m under 1/2
-DEFAULT_TOP = 5
+DEFAULT_TOP = 3
 CONFIRMATIONS_PER_ROW = 3
 MAX_AUTO_GPUS = 4096
 NODE_GPUS = 8
@@ -183,16 +185,6 @@ def _traced_key(config: Any, cand: Candidate) -> str:
 CHECKPOINT_MEMORY = {"full": 0, "selective-op": 1, "selective": 1, "none": 2}  # more memory, larger
 
 
-def _kind(layout: Layout) -> tuple[bool, bool, bool]:
-    """What a layout traces on a fake process group: FSDP2, TP, pipeline stages."""
-    return layout.zero == 3 and layout.dp > 1, layout.tp > 1, layout.pp > 1
-
-
-def _traced_degrees(layout: Layout) -> tuple[bool, int, int]:
-    """FSDP2 or not, TP and PP degrees: what the traced part of a layout depends on."""
-    return layout.zero == 3 and layout.dp > 1, layout.tp, layout.pp
-
-
 def _rest(setup: TrainingSetup) -> dict[str, Any]:
     fields = setup.to_dict()
     for name in ("batch", "checkpointing", "grad_accum"):
@@ -210,52 +202,67 @@ def dominates(failed: Candidate, cand: Candidate) -> bool:
             and _rest(cand.setup) == _rest(failed.setup))
 
 
+def _ratio_keys(layout: Layout) -> list[tuple[Any, ...]]:
+    """From the most to the least specific: the layout's traced degrees, its kind of traced
+    layout, whether it has TP (the modelled TP rule is the furthest from its traced step)."""
+    fsdp = layout.zero == 3 and layout.dp > 1
+    return [("degrees", fsdp, layout.tp, layout.pp), ("kind", fsdp, layout.tp > 1, layout.pp > 1),
+            ("tp", layout.tp > 1)]
+
+
 @dataclass
 class _Learned:
     """What the confirmations so far say about the rest (module docstring, step 2): the
-    smallest ratio of traced to screened memory per parallel degrees (else per kind of
-    traced layout), and the candidates whose traced estimate did not fit."""
+    largest ratio of traced to screened memory per parallel degrees, per kind of traced
+    layout and per TP or not, and the candidates whose traced estimate did not fit."""
 
-    by_degrees: dict[tuple[bool, int, int], float] = field(default_factory=dict)
-    by_kind: dict[tuple[bool, bool, bool], float] = field(default_factory=dict)
+    ratios: dict[tuple[Any, ...], float] = field(default_factory=dict)
     failed: list[Candidate] = field(default_factory=list)
 
     def doubtful(self, row: Row) -> bool:
-        """Whether the screened `row`, scaled by the ratio its layout has shown, does not fit."""
-        lay = row.candidate.layout
-        ratio = self.by_degrees.get(_traced_degrees(lay), self.by_kind.get(_kind(lay)))
-        return not row.traced and ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
+        """Whether the screened `row`, scaled by the most specific ratio known for its
+        layout, does not fit (it is then confirmed after the others)."""
+        ratio = next((self.ratios[k] for k in _ratio_keys(row.candidate.layout) if k in self.ratios), None)
+        return ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
 
     def hopeless(self, row: Row) -> bool:
         return any(dominates(f, row.candidate) for f in self.failed)
 
     def learn(self, screened: Row, traced: Row) -> None:
-        if traced.refused is None and not traced.fits:
+        if traced.refused is not None:
+            return
+        if not traced.fits:
             self.failed.append(traced.candidate)
-        if screened.device_used_bytes and traced.refused is None:
+        if screened.device_used_bytes:
             ratio = traced.device_used_bytes / screened.device_used_bytes
-            for table, key in ((self.by_degrees, _traced_degrees(screened.candidate.layout)),
-                               (self.by_kind, _kind(screened.candidate.layout))):
-                table[key] = min(ratio, table.get(key, ratio))
+            for key in _ratio_keys(screened.candidate.layout):
+                self.ratios[key] = max(ratio, self.ratios.get(key, ratio))
+
+
+def confirmation_cost(layout: Layout) -> int:
+    """The ranks a traced estimate of `layout` traces: one, or with PP one per distinct
+    stage (first, a middle one, last; `memplan.parallel.plans.rank_plans`)."""
+    return 1 if layout.pp == 1 else min(layout.pp, 3)
 
 
 def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[Row]:
     """The `top` fastest rows that fit, traced (module docstring, step 2)."""
-    pending = [r for r in screened if r.passes_screen()]
-    final: list[Row] = []
+    final = [r for r in screened if r.traced and r.fits]  # the screen was the traced estimate
+    pending = [r for r in screened if not r.traced and r.passes_screen()]
     budget = CONFIRMATIONS_PER_ROW * top
     learned = _Learned()
-    while pending and len(final) < top and budget > 0:
-        pending = [r for r in pending if not learned.hopeless(r)]
+    while pending and budget > 0:
+        times = sorted(r.s_per_token for r in final)
+        bar = times[top - 1] if len(times) >= top else float("inf")  # what a new row must beat
+        pending = [r for r in pending if r.s_per_token < bar and not learned.hopeless(r)]
         pending.sort(key=lambda r: (learned.doubtful(r), r.s_per_token))
         wave: dict[str, list[Row]] = {}
-        while pending and sum(map(len, wave.values())) < min(ev.workers, budget) and len(final) < top:
-            row = pending.pop(0)
-            if row.traced:
-                final.append(row)
-            else:
-                wave.setdefault(_traced_key(config, row.candidate), []).append(row)
-        budget -= sum(map(len, wave.values()))
+        for row in [r for r in pending if confirmation_cost(r.candidate.layout) <= budget][: ev.workers]:
+            wave.setdefault(_traced_key(config, row.candidate), []).append(row)
+            budget -= confirmation_cost(row.candidate.layout)
+            pending.remove(row)
+        if not wave:
+            break
         groups = list(wave.values())
         for group, rows in zip(groups, ev.run([Task([r.candidate for r in g], [True] * len(g)) for g in groups])):
             for was, row in zip(group, rows):
