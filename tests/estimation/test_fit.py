@@ -30,7 +30,8 @@ def _estimate_of(config, row, gpu="t4", capacity=None):
 
 def test_fit_rows_are_the_traced_estimates_of_estimate_ranked_by_time_per_token():
     config = models.tiny_config("llama-2-7b")
-    result = fit(config, "t4", 2, models.TrainingSetup(seq=32, batch=2), progress=False, workers=2, space=ONE_SETUP)
+    result = fit(config, "t4", 2, models.TrainingSetup(seq=32, batch=2), top=5, progress=False, workers=2,
+                 space=ONE_SETUP)
     rows = result.rows
     assert rows and all(r.traced and r.fits for r in rows)
     assert [r.s_per_token for r in rows] == sorted(r.s_per_token for r in rows)
