@@ -35,10 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "PyTorch snapshot pickle of the step")
     add_setup_flags(p)
     add_layout_flags(p)
-    target = p.add_mutually_exclusive_group()
-    target.add_argument("--gpu", default=None, metavar="NAME",
-                        help="device profile, e.g. h100-80gb; --gpu list prints every profile")
-    target.add_argument("--capacity", default=None, metavar="SIZE", help="device memory, e.g. 80GiB")
+    p.add_argument("--gpu", default=None, metavar="NAME", help="device profile, e.g. h100-80gb; --gpu list prints every profile")
+    p.add_argument("--capacity", default=None, metavar="SIZE",
+                   help="device memory, e.g. 80GiB (with --gpu: in place of the profile's)")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="target device (default cuda; a TRACE's is the one it was captured for)")
     p.add_argument("--allocator", default="caching", metavar="NAME",

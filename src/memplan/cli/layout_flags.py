@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
+from memplan.cli.setup_flags import flags_of
 from memplan.parallel.layout import DS_KNOBS, ENGINES, FSDP_PARAM_DTYPES, SCHEDULES, Layout
 
 
-def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+def add_layout_flags(parser: argparse.ArgumentParser, *, world_size: bool = True) -> None:
+    """The layout flags; `world_size=False` leaves --world-size out (`memplan fit` takes --gpus)."""
     group = parser.add_argument_group("parallel layout")
-    group.add_argument("--world-size", type=int, default=None, metavar="N", help="GPUs in the job (default tp x pp x cp)")
+    if world_size:
+        group.add_argument("--world-size", type=int, default=None, metavar="N",
+                           help="GPUs in the job (default tp x pp x cp)")
     group.add_argument("--zero", type=int, default=0, metavar="STAGE",
                        help="0 DDP, 1-2 DeepSpeed ZeRO, 3 FSDP2 fully_shard (default 0; --engine picks another)")
     group.add_argument("--engine", choices=ENGINES, default=None,
@@ -40,9 +45,27 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                             "E ranks taken from dp x tp, tokens exchanged by all-to-all (default 1)")
 
 
-def layout_from_args(args: argparse.Namespace) -> Layout:
-    return Layout(world_size=args.world_size, zero=args.zero, shard_size=args.shard_size, tp=args.tp, pp=args.pp,
-                  cp=getattr(args, "cp", 1), microbatches=args.microbatches, schedule=args.schedule,
+def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> Layout:
+    """The layout the flags describe; `world_size` where the command takes it another way."""
+    return Layout(world_size=world_size if world_size is not None else args.world_size, zero=args.zero,
+                  shard_size=args.shard_size, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                  cp=getattr(args, "cp", 1), schedule=args.schedule,
                   fsdp_param_dtype=getattr(args, "fsdp_param_dtype", None), engine=getattr(args, "engine", None),
                   ep=getattr(args, "ep", 1),
                   **{name: getattr(args, name, None) for name in DS_KNOBS if getattr(args, name, None) is not None})
+
+
+def layout_argv(layout: Layout) -> list[str]:
+    """The layout flags of `memplan estimate` that describe `layout`."""
+    values = asdict(layout)  # the fields as given: `to_dict` adds the derived dp and the stage's engine
+    defaults = {**asdict(Layout()), "world_size": None}
+    return flags_of(values, defaults, add_layout_flags)
+
+
+def custom_layout_flags(args: argparse.Namespace) -> list[str]:
+    """The layout flags given with other than their default values."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_layout_flags(parser, world_size=False)
+    defaults = vars(parser.parse_args([]))
+    return [f"--{name.replace('_', '-')}" for name, default in defaults.items()
+            if getattr(args, name, default) != default]

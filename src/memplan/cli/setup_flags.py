@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from memplan.cli.from_file import add_model_input_flags
-from memplan.errors import UserError
+from memplan.errors import MemplanBug, UserError
 from memplan.models.moe import experts_of
 from memplan.models.registry import load_config
 from memplan.models.setup import (
@@ -152,3 +153,31 @@ def _technique_fields(args: argparse.Namespace) -> dict:
     targets = getattr(args, "lora_targets", None)
     fields["lora_targets"] = tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None
     return fields
+
+
+def flags_of(values: dict, defaults: dict, add_flags: Callable[[argparse.ArgumentParser], None]) -> list[str]:
+    """The command-line flags `add_flags` defines that give `values` where they differ
+    from `defaults` (what a parser of those flags turns back into `values`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser)
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for name, value in values.items():
+        if value == defaults.get(name):
+            continue
+        action = actions.get(name)
+        if action is None:
+            raise MemplanBug(f"no command-line flag sets {name}={value!r}")
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            argv.append(action.option_strings[0])
+        else:
+            text = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+            argv += [action.option_strings[0], text]
+    return argv
+
+
+def setup_argv(setup: TrainingSetup) -> list[str]:
+    """The setup flags that describe `setup` (`setup_from_args` of them gives it back)."""
+    values = setup.to_dict()
+    values.pop("seed")  # the seed of real-tensor weights: no flag, no effect on memory
+    return flags_of(values, TrainingSetup().to_dict(), add_setup_flags)

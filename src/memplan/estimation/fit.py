@@ -1,175 +1,378 @@
-"""`fit(model, gpu, gpus, setup)`: the layouts that fit, fastest first.
+"""`fit(model, gpu, gpus, setup)`: the layouts that fit, fastest first; `gpus="auto"`: the
+fewest GPUs that fit, and at what layout.
 
 LLMem's method selection (arXiv 2404.10933: pick the fastest of DP / sharded DP / TP /
 DP+TP that does not run out of memory), over the whole space: data-parallel degree,
-ZeRO stage 0-3, TP and PP degrees, micro-batch size, activation checkpointing (full,
-torchtitan's op-level selective policy, none) and the
-allocator (caching, else expandable segments when only those fit). Each candidate's
-memory is a full `estimate` (captured steps are shared between candidates through the
-estimate cache, so a search costs a few traces plus one replay per candidate). The search
-uses the modelled layout rules (`estimate(..., parallel_tracing=False)`): tracing FSDP2 / TP
-on a fake process group for every candidate would cost a trace per candidate; re-run
-`memplan estimate` on the chosen configuration for the traced figure.
+ZeRO stage 0-3, TP and PP degrees, micro-batch size, activation checkpointing (none,
+torchtitan's op-level selective policy, full) and the allocator (caching, else
+expandable segments where only those fit).
 
-Step time is a roofline model over the device profile, as PyTorch's
-`torch.distributed._tools.runtime_estimator.RuntimeEstimator` does in roofline mode:
-compute = sum over the traced ops of max(FLOPs / peak FLOP/s, bytes / HBM bandwidth),
-divided by the TP degree, times the micro-batches of a step and the pipeline bubble
-(1 + (p - 1) / m); communication = bytes each rank sends over the interconnect
-(ring all-reduce 2(n-1)/n x gradients for DDP / ZeRO-1/2, 3(n-1)/n x parameters for
-ZeRO-3's all-gathers and reduce-scatter, 8(t-1)/t x B S H per block for TP with
-sequence parallel), divided by the link bandwidth; data-parallel communication is
-assumed to overlap compute (step = compute + max(0, dp_comm - compute) + tp_comm).
-Candidates are ranked by seconds per token (the micro-batch varies across them).
+Every row `fit` returns is a traced estimate, the figures `memplan estimate` prints for the
+same setup and layout (`memplan.estimation.search`). The search gets there in two steps:
+
+1. **screen** every candidate, one task per training setup, so that the candidates of a
+   setup share its single-device trace (layouts without a traced part are traced figures
+   already; FSDP2 and TP are screened with the modelled layout rules). Memory is taken to
+   be monotone where it is: ZeRO-3 <= ZeRO-2 <= ZeRO-1 <= DDP at the same degrees (a stage
+   is screened only if the one above it passed) and micro-batch (a larger micro-batch is
+   screened only for the layouts and checkpointing that passed at the smaller one);
+2. **confirm**: the screened candidates that fit and need no tracing are rows already;
+   the others are traced, a wave of as many as there are workers at a time, while one of
+   them could still enter the `top` fastest (its screened time beats the `top`-th row's)
+   and at most `CONFIRMATIONS_PER_ROW` x `top` ranks were traced (a pipelined layout
+   traces up to three stages). Each
+   confirmation teaches the rest: a traced estimate that does not fit rules out every
+   candidate that needs at least its memory (same degrees and setup, a lower ZeRO stage, a
+   larger micro-batch, checkpointing that saves less); and the largest ratio of traced to
+   screened memory seen for the same parallel degrees (else the same kind of traced layout:
+   FSDP2, TP, pipeline stages; else TP or not) scales the screened figures: a candidate that
+   then does not fit is traced after those that still do, fastest first within each. The modelled rules are far from the traced steps where TP is involved: on
+   llama-3.1-70b at seq 8192 (fp32, 64 GPUs) the traced FSDP2 step was 7% above the modelled
+   ZeRO-3 rule, but FSDP2 x TP 2-8 were 1.1-5.7x the modelled TP rule (plain TP keeps the
+   [B, S, H] activations whole; the rule assumes sequence parallel). Rows are ranked by
+   their traced seconds per token.
+
+Step time: `memplan.estimation.steptime`. `gpus="auto"`: the smallest count of the ladder
+1, 2, 4, 8, 16, 24, 32, ... (whole 8-GPU nodes past 8) whose memory-minimal candidates
+(full checkpointing, micro-batch 1, ZeRO-3 where there is more than one data-parallel
+rank, every TP x PP) pass the screen, found by doubling then bisection (memory per GPU
+falls as the count grows), then the full search at that count; a count whose search
+confirms nothing moves the answer up the ladder. The count below the answer is reported
+with its closest candidate, traced.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
-from memplan.estimation.pipeline import Estimate, StepCache, estimate
-from memplan.hardware.devices import DeviceProfile, device_profile
-from memplan.hardware.roofline import matmul_dtype
+from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task, refusal
 from memplan.models.depth import num_layers
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.apply import traced_part
 from memplan.parallel.layout import Layout
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
 
 MICRO_BATCHES = (1, 2, 4)
-CHECKPOINTING = ("full", "selective-op", "none")
+CHECKPOINTING = ("none", "selective-op", "full")
 MAX_TP = 8  # TP beyond one NVLink domain is not worth searching
-PP_MICROBATCHES_PER_STAGE = 2  # pipeline micro-batches = 2 x stages (bubble 1/(2)) by default
+MAX_PP = 8
+PP_MICROBATCHES_PER_STAGE = 2  # pipeline micro-batches >= 2 x stages: bubble (p - 1) / m under 1/2
+DEFAULT_TOP = 3
+CONFIRMATIONS_PER_ROW = 3
+MAX_AUTO_GPUS = 4096
+NODE_GPUS = 8
+MAX_COUNTS_CONFIRMED = 3  # counts whose full search may confirm nothing before auto gives up
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the layout search varies besides the data-parallel degree and ZeRO stage."""
+
+    micro_batches: tuple[int, ...] = MICRO_BATCHES  # the setup's own batch is searched too
+    checkpointing: tuple[str, ...] = CHECKPOINTING
+    max_tp: int = MAX_TP
+    max_pp: int = MAX_PP
 
 
 @dataclass
-class Candidate:
-    layout: Layout
-    micro_batch: int
-    checkpointing: str
-    allocator: str
+class FitResult:
+    """What `fit` found: the rows that fit (traced, fastest first) and what the search spent."""
+
+    model: str
+    gpu: str
+    gpus: int | None
+    rows: list[Row]
+    estimates: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # reason -> candidates
+    spent: dict[str, Any] = field(default_factory=dict)  # `Evaluator.spent`
+    below: Row | None = None  # gpus="auto": the closest candidate one step below the answer
+    probes: list[dict[str, Any]] = field(default_factory=list)  # gpus="auto": the counts screened
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu, "gpus": self.gpus,
+                "configurations": [r.to_json() for r in self.rows], "estimates": self.estimates,
+                "search": self.spent,
+                "refused": self.refused, "below": self.below.to_json() if self.below is not None else None,
+                "gpu_counts_screened": self.probes}
+
+
+def model_name(model: Any) -> str:
+    return model if isinstance(model, str) else getattr(model, "spec", None) or type(model).__name__
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(config: PretrainedConfig, gpus: int) -> Iterator[Candidate]:
+def parallel_degrees(config: PretrainedConfig | FactorySpec, gpus: int,
+                     space: SearchSpace = SearchSpace()) -> list[tuple[int, int]]:
+    """The (TP, PP) pairs searched on `gpus`: TP up to `space.max_tp` dividing the attention
+    and key/value heads, PP up to `space.max_pp` dividing the blocks."""
     heads = getattr(config, "num_attention_heads", 1) or 1
     kv = getattr(config, "num_key_value_heads", None) or heads
     blocks = num_layers(config) or 1
-    for tp in _divisors(gpus):
-        if tp > MAX_TP or heads % tp or kv % tp:
-            continue
-        for pp in _divisors(gpus // tp):
-            if pp > 8 or blocks % pp:
+    return [(tp, pp) for tp in _divisors(gpus) if tp <= space.max_tp and not heads % tp and not kv % tp
+            for pp in _divisors(gpus // tp) if pp <= space.max_pp and not blocks % pp]
+
+
+def micro_batches(setup: TrainingSetup, space: SearchSpace = SearchSpace()) -> list[int]:
+    return sorted({*space.micro_batches, setup.batch})
+
+
+def candidate(setup: TrainingSetup, gpus: int, tp: int, pp: int, zero: int) -> Candidate:
+    """`setup` under one layout of `gpus` GPUs; with PP the step's micro-batches are the
+    pipeline's (at least `PP_MICROBATCHES_PER_STAGE` per stage)."""
+    if pp > 1:
+        micro = max(setup.grad_accum, PP_MICROBATCHES_PER_STAGE * pp)
+        return Candidate(replace(setup, grad_accum=1), Layout(world_size=gpus, zero=zero, tp=tp, pp=pp,
+                                                              microbatches=micro))
+    return Candidate(setup, Layout(world_size=gpus, zero=zero, tp=tp, pp=pp))
+
+
+def layout_task(config: Any, setup: TrainingSetup, gpus: int, refused: dict[str, int], space: SearchSpace,
+                keep: set[tuple[int, int, int]] | None = None, zeros: tuple[int, ...] = (3, 2, 1, 0)) -> Task:
+    """The candidates of one setup on `gpus` (those in `keep`, if given), ZeRO stages in
+    `zeros` order, each requiring the one before it at the same degrees to pass."""
+    task = Task([], [], [])
+    for tp, pp in parallel_degrees(config, gpus, space):
+        previous = None
+        for zero in zeros if gpus // (tp * pp) > 1 else (0,):
+            if keep is not None and (tp, pp, zero) not in keep:
                 continue
-            dp = gpus // (tp * pp)
-            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                for ckpt in CHECKPOINTING:
-                    for mb in MICRO_BATCHES:
-                        micro = PP_MICROBATCHES_PER_STAGE * pp if pp > 1 else 1
-                        yield Candidate(Layout(world_size=gpus, zero=zero, tp=tp, pp=pp, microbatches=micro),
-                                        mb, ckpt, "caching")
+            cand = candidate(setup, gpus, tp, pp, zero)
+            why = refusal(config, cand)
+            if why is not None:
+                refused[why] = refused.get(why, 0) + 1
+                continue
+            task.candidates.append(cand)
+            task.traced.append(False)
+            task.requires.append(previous)
+            previous = len(task.candidates) - 1
+    return task
 
 
-def step_seconds(result: Estimate, cand: Candidate, config: PretrainedConfig, profile: DeviceProfile,
-                 setup: TrainingSetup) -> dict[str, float]:
-    """Roofline step time of one candidate (see the module docstring)."""
-    lay = cand.layout
-    element = 4 if matmul_dtype(setup) == "fp32" else 2
-    micro = lay.microbatches if lay.pp > 1 else setup.grad_accum
-    compute = result.roofline_s / lay.tp * micro * (1 + (lay.pp - 1) / max(micro, 1) if lay.pp > 1 else 1)
-    params = result.parameters / (lay.tp * lay.pp)
-    link = profile.interconnect_bytes_per_s
-    dp = lay.dp
-    if dp > 1 and lay.zero == 3:
-        dp_bytes = 3 * (dp - 1) / dp * params * element
-    elif dp > 1:
-        dp_bytes = 2 * (dp - 1) / dp * params * element
-    else:
-        dp_bytes = 0.0
-    hidden = getattr(config, "hidden_size", 0) or 0
-    seq = setup.seq or 1024
-    tp_bytes = 0.0
-    if lay.tp > 1:
-        blocks = (num_layers(config) or 1) / lay.pp
-        tp_bytes = 8 * (lay.tp - 1) / lay.tp * cand.micro_batch * seq * hidden * element * blocks * micro
-    dp_s, tp_s = dp_bytes / link, tp_bytes / link
-    total = compute + max(0.0, dp_s - compute) + tp_s
-    tokens = cand.micro_batch * seq * micro * dp
-    return {"step_s": total, "compute_s": compute, "dp_comm_s": dp_s, "tp_comm_s": tp_s, "tokens_per_step": tokens,
-            "s_per_token": total / tokens}
+def _degrees(row: Row) -> tuple[int, int, int]:
+    lay = row.candidate.layout
+    return lay.tp, lay.pp, lay.zero
 
 
-def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int, setup: TrainingSetup | None = None, *,
-        progress: bool = True, top: int | None = None) -> list[dict[str, Any]]:
-    """The configurations that fit on `gpus` x `gpu`, fastest (seconds per token) first."""
-    if not isinstance(gpus, int) or gpus < 1:
-        raise UserError(f"--gpus must be a whole number >= 1, not {gpus!r}")
-    profile = device_profile(gpu)
+def screen_layouts(ev: Evaluator, config: Any, setup: TrainingSetup, gpus: int, refused: dict[str, int],
+                   space: SearchSpace) -> list[Row]:
+    """Every candidate of the search on `gpus` that passes the screen (module docstring)."""
+    passing: list[Row] = []
+    keep: dict[str, set[tuple[int, int, int]] | None] = dict.fromkeys(space.checkpointing)
+    for mb in micro_batches(setup, space):
+        policies = [c for c in space.checkpointing if keep[c] is None or keep[c]]
+        tasks = [layout_task(config, replace(setup, batch=mb, checkpointing=c), gpus, refused, space, keep[c])
+                 for c in policies]
+        for policy, rows in zip(policies, ev.run(tasks)):
+            ok = [r for r in rows if r is not None and r.passes_screen()]
+            keep[policy] = {_degrees(r) for r in ok}
+            passing += ok
+    return passing
+
+
+def _traced_key(config: Any, cand: Candidate) -> str:
+    part = traced_part(cand.layout, config, cand.setup)
+    return cand.setup_key() + repr(part)
+
+
+CHECKPOINT_MEMORY = {"full": 0, "selective-op": 1, "selective": 1, "none": 2}  # more memory, larger
+
+
+def _rest(setup: TrainingSetup) -> dict[str, Any]:
+    fields = setup.to_dict()
+    for name in ("batch", "checkpointing", "grad_accum"):
+        fields.pop(name)
+    return fields
+
+
+def dominates(failed: Candidate, cand: Candidate) -> bool:
+    """Whether `cand` needs at least the memory of `failed`: the same degrees and setup but a
+    lower or equal ZeRO stage, a micro-batch as large and checkpointing that saves no more."""
+    a, b = failed.layout, cand.layout
+    return ((a.tp, a.pp, a.dp) == (b.tp, b.pp, b.dp) and b.zero <= a.zero
+            and cand.setup.batch >= failed.setup.batch
+            and CHECKPOINT_MEMORY[cand.setup.checkpointing] >= CHECKPOINT_MEMORY[failed.setup.checkpointing]
+            and _rest(cand.setup) == _rest(failed.setup))
+
+
+def _ratio_keys(layout: Layout) -> list[tuple[Any, ...]]:
+    """From the most to the least specific: the layout's traced degrees, its kind of traced
+    layout, whether it has TP (the modelled TP rule is the furthest from its traced step)."""
+    fsdp = layout.zero == 3 and layout.dp > 1
+    return [("degrees", fsdp, layout.tp, layout.pp), ("kind", fsdp, layout.tp > 1, layout.pp > 1),
+            ("tp", layout.tp > 1)]
+
+
+@dataclass
+class _Learned:
+    """What the confirmations so far say about the rest (module docstring, step 2): the
+    largest ratio of traced to screened memory per parallel degrees, per kind of traced
+    layout and per TP or not, and the candidates whose traced estimate did not fit."""
+
+    ratios: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    failed: list[Candidate] = field(default_factory=list)
+
+    def doubtful(self, row: Row) -> bool:
+        """Whether the screened `row`, scaled by the most specific ratio known for its
+        layout, does not fit (it is then confirmed after the others)."""
+        ratio = next((self.ratios[k] for k in _ratio_keys(row.candidate.layout) if k in self.ratios), None)
+        return ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
+
+    def hopeless(self, row: Row) -> bool:
+        return any(dominates(f, row.candidate) for f in self.failed)
+
+    def learn(self, screened: Row, traced: Row) -> None:
+        if traced.refused is not None:
+            return
+        if not traced.fits:
+            self.failed.append(traced.candidate)
+        if screened.device_used_bytes:
+            ratio = traced.device_used_bytes / screened.device_used_bytes
+            for key in _ratio_keys(screened.candidate.layout):
+                self.ratios[key] = max(ratio, self.ratios.get(key, ratio))
+
+
+def confirmation_cost(layout: Layout) -> int:
+    """The ranks a traced estimate of `layout` traces: one, or with PP one per distinct
+    stage (first, a middle one, last; `memplan.parallel.plans.rank_plans`)."""
+    return 1 if layout.pp == 1 else min(layout.pp, 3)
+
+
+def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[Row]:
+    """The `top` fastest rows that fit, traced (module docstring, step 2)."""
+    final = [r for r in screened if r.traced and r.fits]  # the screen was the traced estimate
+    pending = [r for r in screened if not r.traced and r.passes_screen()]
+    budget = CONFIRMATIONS_PER_ROW * top
+    learned = _Learned()
+    while pending and budget > 0:
+        times = sorted(r.s_per_token for r in final)
+        bar = times[top - 1] if len(times) >= top else float("inf")  # what a new row must beat
+        pending = [r for r in pending if r.s_per_token < bar and not learned.hopeless(r)]
+        pending.sort(key=lambda r: (learned.doubtful(r), r.s_per_token))
+        wave: dict[str, list[Row]] = {}
+        for row in [r for r in pending if confirmation_cost(r.candidate.layout) <= budget][: ev.workers]:
+            wave.setdefault(_traced_key(config, row.candidate), []).append(row)
+            budget -= confirmation_cost(row.candidate.layout)
+            pending.remove(row)
+        if not wave:
+            break
+        groups = list(wave.values())
+        for group, rows in zip(groups, ev.run([Task([r.candidate for r in g], [True] * len(g)) for g in groups])):
+            for was, row in zip(group, rows):
+                if row is not None:
+                    learned.learn(was, row)
+                    final += [row] if row.fits else []
+    return sorted(final, key=lambda r: (r.s_per_token, r.device_used_bytes))[:top]
+
+
+def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int | str, setup: TrainingSetup | None = None,
+        *, top: int = DEFAULT_TOP, margin: float = 0.05, capacity: int | None = None, workers: int | None = None,
+        progress: bool = True, space: SearchSpace = SearchSpace()) -> FitResult:
+    """The configurations that fit on `gpus` x `gpu` (or, `gpus="auto"`, on the fewest),
+    fastest (seconds per token) first, each a traced estimate (module docstring)."""
+    if gpus != "auto" and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise UserError(f"--gpus must be a whole number >= 1 or auto, not {gpus!r}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise UserError(f"--top must be a whole number >= 1, not {top!r}")
     setup = setup if setup is not None else TrainingSetup()
     if setup.cpu_offload == "params":
-        raise UserError("memplan fit searches with the modelled layout rules, and FSDP2's CPU offload is estimated "
-                        "where FSDP2 is traced: use memplan estimate --zero 3 --cpu-offload params")
+        raise UserError("memplan fit screens layouts with the modelled rules, and FSDP2's CPU offload is estimated "
+                        "only where FSDP2 is traced: use memplan estimate --zero 3 --cpu-offload params")
+    job = FitJob(model, gpu, capacity, margin)
     config = load_config(model) if isinstance(model, str) else model
-    todo = [cand for cand in candidates(config, gpus) if _layout_takes(cand.layout, config, setup)]
-    cache: StepCache = {}
-    fitting = []
-    bar = _progress(len(todo)) if progress else None
-    try:
-        for cand in todo:
-            trial = replace(setup, batch=cand.micro_batch, checkpointing=cand.checkpointing,
-                            grad_accum=1 if cand.layout.pp > 1 else setup.grad_accum)
-            result = None
-            for allocator in ("caching", "expandable"):
-                result = estimate(config, trial, cand.layout, gpu=gpu, allocator=allocator, cache=cache,
-                                  parallel_tracing=False)
-                if result.fits:
-                    cand = replace(cand, allocator=allocator)
-                    break
-            if bar is not None:
-                bar[0].update(bar[1], advance=1)
-            if result is None or not result.fits:
-                continue
-            timing = step_seconds(result, cand, config, profile, trial)
-            fitting.append({
-                "world_size": gpus, "dp": cand.layout.dp, "zero": cand.layout.zero, "tp": cand.layout.tp,
-                "pp": cand.layout.pp, "microbatches": cand.layout.microbatches, "micro_batch": cand.micro_batch,
-                "checkpointing": cand.checkpointing, "allocator": cand.allocator,
-                "alloc_conf": "expandable_segments:True" if cand.allocator == "expandable" else None,
-                "peak_allocated_bytes": result.peak_allocated_bytes,
-                "peak_reserved_bytes": result.peak_reserved_bytes,
-                "device_used_bytes": result.device_used_bytes, "capacity_bytes": result.capacity_bytes,
-                **{k: round(v, 6) if isinstance(v, float) else v for k, v in timing.items()},
-            })
-    finally:
-        if bar is not None:
-            bar[0].stop()
-    fitting.sort(key=lambda c: (c["s_per_token"], c["device_used_bytes"]))
-    return fitting[:top] if top else fitting
+    refused: dict[str, int] = {}
+    with Evaluator(job, workers, progress, "searching layouts") as ev:
+        if gpus == "auto":
+            result = fewest_gpus(ev, config, setup, top, refused, space)
+        else:
+            rows = confirm(ev, config, screen_layouts(ev, config, setup, gpus, refused, space), top)
+            result = FitResult(model_name(model), gpu, gpus, rows)
+        result.estimates, result.refused, result.spent = ev.estimates, refused, ev.spent()
+    return result
 
 
-def _layout_takes(layout: Layout, config: PretrainedConfig, setup: TrainingSetup) -> bool:
-    """Whether `layout` can run `setup` (e.g. CPU offload needs ZeRO-2/3 over several GPUs)."""
-    try:
-        layout.check(config, setup)
-    except UserError:
-        return False
-    return True
+def gpu_ladder(limit: int = MAX_AUTO_GPUS) -> list[int]:
+    """1, 2, 4, 8, then whole nodes of `NODE_GPUS`, up to `limit`."""
+    return [n for n in (1, 2, 4) if n <= limit] + list(range(NODE_GPUS, limit + 1, NODE_GPUS))
 
 
-def _progress(total: int) -> tuple[Any, Any]:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _minimal_screen(ev: Evaluator, config: Any, setup: TrainingSetup, gpus: int, refused: dict[str, int],
+                    space: SearchSpace) -> list[Row]:
+    """The memory-minimal candidates on `gpus` (module docstring), screened."""
+    policy = "full" if "full" in space.checkpointing else space.checkpointing[-1]
+    minimal = replace(setup, batch=min(micro_batches(setup, space)), checkpointing=policy)
+    rows = ev.run([layout_task(config, minimal, gpus, refused, space, zeros=(3,))])[0]
+    return [r for r in rows if r is not None]
 
-    bar = Progress(TextColumn("searching layouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=Console(file=sys.stderr), transient=True)
-    bar.start()
-    return bar, bar.add_task("fit", total=total)
+
+def fewest_gpus(ev: Evaluator, config: Any, setup: TrainingSetup, top: int, refused: dict[str, int],
+                space: SearchSpace) -> FitResult:
+    """`fit(..., gpus="auto")` (module docstring)."""
+    ladder = gpu_ladder()
+    probes: list[dict[str, Any]] = []
+    screened: dict[int, list[Row]] = {}
+
+    def passes(i: int) -> bool:
+        if ladder[i] not in screened:
+            screened[ladder[i]] = _minimal_screen(ev, config, setup, ladder[i], refused, space)
+            probes.append({"gpus": ladder[i], "passes_screen": any(r.passes_screen() for r in screened[ladder[i]])})
+        return any(r.passes_screen() for r in screened[ladder[i]])
+
+    powers = [i for i, n in enumerate(ladder) if n & (n - 1) == 0]
+    low, high = -1, None
+    for i in powers:
+        if passes(i):
+            high = i
+            break
+        low = i
+    name = model_name(ev.job.model)
+    if high is None:
+        return FitResult(name, ev.job.gpu, None, [], probes=probes, below=_closest(screened, ladder[low]))
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if passes(mid) else (mid, high)
+    return _answer(ev, config, setup, top, refused, space, ladder, high, passes, screened, probes)
+
+
+def _answer(ev: Evaluator, config: Any, setup: TrainingSetup, top: int, refused: dict[str, int], space: SearchSpace,
+            ladder: list[int], first: int, passes: Any, screened: dict[int, list[Row]],
+            probes: list[dict[str, Any]]) -> FitResult:
+    """The full search at the first count whose screen passes, moving up the ladder (at
+    most `MAX_COUNTS_CONFIRMED` counts) while it confirms nothing, and down while the count
+    below has a traced candidate that fits."""
+    name = model_name(ev.job.model)
+    for i in range(first, min(first + MAX_COUNTS_CONFIRMED, len(ladder))):
+        rows = confirm(ev, config, screen_layouts(ev, config, setup, ladder[i], refused, space), top)
+        if not rows:
+            continue
+        below = None
+        while i > 0:
+            passes(i - 1)  # the count below is screened
+            below = _confirm_closest(ev, screened, ladder[i - 1])
+            lower = confirm(ev, config, screen_layouts(ev, config, setup, ladder[i - 1], refused, space), top) \
+                if below is not None and below.fits else []
+            if not lower:
+                break
+            i, rows = i - 1, lower
+        return FitResult(name, ev.job.gpu, ladder[i], rows, probes=probes, below=below)
+    return FitResult(name, ev.job.gpu, None, [], probes=probes)
+
+
+def _closest(screened: dict[int, list[Row]], gpus: int) -> Row | None:
+    rows = [r for r in screened.get(gpus, []) if r.refused is None]
+    return min(rows, key=lambda r: r.device_used_bytes) if rows else None
+
+
+def _confirm_closest(ev: Evaluator, screened: dict[int, list[Row]], gpus: int) -> Row | None:
+    """The candidate one count below the answer that came closest to fitting, traced."""
+    row = _closest(screened, gpus)
+    if row is None or row.traced:
+        return row
+    return ev.run([Task([row.candidate], [True])])[0][0]

@@ -403,14 +403,26 @@ def step_totals(job: EstimateJob, plan: RankPlan, steps: list[StepTrace]) -> Ste
             r = [step_seconds(s.trace, profile, dtype) for s in steps]
             totals.roofline_s = float(layers.extrapolate(r[0], r[1], TRACE_BLOCKS, plan.layers))
     else:
-        totals.parameters = steps[0].parameters if job.layout.pp == 1 else count_parameters(job.config)
+        totals.parameters = steps[0].parameters if job.layout.pp == 1 else model_parameters(job.config)
         totals.flops = float(np.nansum(steps[0].trace.ops["flops"]))
         totals.bytes_moved = float(np.nansum(steps[0].trace.ops["bytes_moved"]))
         if profile is not None:
             totals.roofline_s = step_seconds(steps[0].trace, profile, dtype)
     if job.layout.pp > 1 and len(steps) == 2:
-        totals.parameters = count_parameters(job.config)
+        totals.parameters = model_parameters(job.config)
     return totals
+
+
+_PARAMETER_COUNTS: dict[str, int] = {}
+
+
+def model_parameters(config: PretrainedConfig | FactorySpec) -> int:
+    """`count_parameters(config)`, once per config: it builds the whole model on the meta
+    device (about a second for 70B), and a search estimates many layouts of one model."""
+    key = config.spec if isinstance(config, FactorySpec) else json.dumps(config.to_dict(), sort_keys=True, default=str)
+    if key not in _PARAMETER_COUNTS:
+        _PARAMETER_COUNTS[key] = count_parameters(config)
+    return _PARAMETER_COUNTS[key]
 
 
 def capture_rank_steps(job: EstimateJob, plan: RankPlan, depths: list[int | None], traced: bool, *,
@@ -620,8 +632,10 @@ def cached_capture(config: PretrainedConfig, depth: int | None, setup: TrainingS
         target = with_layers(config, depth) if depth is not None else config
     model_key = target.spec if isinstance(target, FactorySpec) else json.dumps(target.to_dict(), sort_keys=True,
                                                                                  default=str)
+    # the rank tells traced ranks apart; every rank shares one single-device capture
     key = (model_key, json.dumps(setup.to_dict(), sort_keys=True),
-           device, json.dumps(layout.to_dict(), sort_keys=True) if layout is not None else None, rank)
+           device, json.dumps(layout.to_dict(), sort_keys=True) if layout is not None else None,
+           rank if layout is not None else 0)
     if cache is not None and key in cache:
         return cache[key]
     if layout is None:

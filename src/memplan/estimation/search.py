@@ -1,0 +1,367 @@
+"""Estimating many candidate (training setup, layout) pairs, in parallel: what `memplan fit`
+searches with.
+
+A candidate is evaluated only through `memplan.estimation.estimate`, one of two ways:
+
+- **traced** (what `memplan estimate` computes for it, the figures fit shows):
+  `estimate(..., parallel_tracing=True)`;
+- **screened**: where the layout has a part that `estimate` traces on a fake process group
+  (FSDP2, DTensor TP: `memplan.parallel.apply.traced_part`), the modelled layout rules
+  instead (`parallel_tracing=False`), which replay the single-device trace the candidates
+  of one setup share (a trace costs seconds, a replay a fraction of one). A screened figure
+  only prunes and orders; a screened candidate is shown after it has been traced. Where
+  the layout has no traced part (one GPU, DDP, ZeRO-1/2, PP without TP) both ways are the
+  same computation, and the screen is the traced figure.
+
+A candidate fits when its device memory is at most the usable capacity, capacity x
+(1 - margin). The screen lets through what is within `SCREEN_SLACK` above it: the modelled
+rules are not the traced figure (ZeRO-3 modelled 12.6% under the traced FSDP2 step on
+llama-2-70b, TP 31% under a real TP run; docs/estimation.md).
+
+Candidates are grouped (one group: one setup, so one shared trace); groups run in a
+process pool over the machine's cores. Workers start from a `forkserver` that imported
+torch, transformers and memplan once (forking a process whose torch threads are running is
+unsafe, spawning re-imports everything per worker; Python's `multiprocessing` docs,
+"Contexts and start methods"); each worker keeps the traces it captured for the groups it
+runs next. Within a group a candidate may require an earlier one to pass the screen
+(memory that is monotone along an axis: if ZeRO-3 does not fit, ZeRO-2 does not either).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memplan.errors import UserError
+from memplan.estimation.pipeline import Estimate, StepCache, estimate
+from memplan.estimation.steptime import StepTime, step_time
+from memplan.hardware.devices import device_profile
+from memplan.models.build import refuse_unbuilt_techniques
+from memplan.models.registry import FactorySpec, load_config
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
+from memplan.parallel.layout import Layout
+
+if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+    from transformers import PretrainedConfig
+
+SCREEN_SLACK = 0.10
+ALLOCATORS = ("caching", "expandable")  # expandable segments only where caching does not fit
+DEFAULT_MARGIN = 0.05
+ModelSpec = Any  # str | PretrainedConfig | FactorySpec (a registry name, a config, a factory)
+
+
+@dataclass
+class FitJob:
+    """What every candidate of one search shares: the model, the GPU and the headroom."""
+
+    model: ModelSpec
+    gpu: str
+    capacity_bytes: int | None = None  # overrides the profile's capacity
+    margin: float = DEFAULT_MARGIN
+
+    def __post_init__(self) -> None:
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or \
+                not 0 <= self.margin < 1:
+            raise UserError(f"the margin must be a fraction in [0, 1) (e.g. 5%), not {self.margin!r}")
+        device_profile(self.gpu)  # an unknown GPU is a UserError before any tracing
+
+    def config(self) -> PretrainedConfig | FactorySpec:
+        return load_config(self.model) if isinstance(self.model, str) else self.model
+
+    def usable_bytes(self, capacity_bytes: int) -> int:
+        return int(capacity_bytes * (1 - self.margin))
+
+
+@dataclass
+class Candidate:
+    """One training setup under one layout; `changes` names what differs from the user's own."""
+
+    setup: TrainingSetup
+    layout: Layout
+    changes: tuple[str, ...] = ()
+
+    def key(self) -> str:
+        return json.dumps([self.setup.to_dict(), self.layout.to_dict()], sort_keys=True)
+
+    def setup_key(self) -> str:
+        return json.dumps(self.setup.to_dict(), sort_keys=True)
+
+
+@dataclass
+class Row:
+    """One candidate's estimate: traced (the figures `memplan estimate` gives) or screened."""
+
+    candidate: Candidate
+    traced: bool
+    allocator: str = "caching"
+    device_used_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    capacity_bytes: int = 0
+    usable_bytes: int = 0
+    parallel: str = ""
+    method: str = ""
+    time: StepTime | None = None
+    refused: str | None = None  # why `estimate` refused it (a UserError's line)
+
+    @property
+    def fits(self) -> bool:
+        return self.refused is None and self.device_used_bytes <= self.usable_bytes
+
+    def passes_screen(self) -> bool:
+        if self.traced:
+            return self.fits
+        return self.refused is None and self.device_used_bytes <= self.usable_bytes * (1 + SCREEN_SLACK)
+
+    @property
+    def s_per_token(self) -> float:
+        return self.time.s_per_token if self.time is not None else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.candidate.layout
+        return {
+            "changes": list(self.candidate.changes), "world_size": lay.world_size, "dp": lay.dp, "zero": lay.zero,
+            "tp": lay.tp, "pp": lay.pp, "microbatches": lay.microbatches, "micro_batch": self.candidate.setup.batch,
+            "grad_accum": self.candidate.setup.grad_accum, "checkpointing": self.candidate.setup.checkpointing,
+            "allocator": self.allocator, "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes, "device_used_bytes": self.device_used_bytes,
+            "capacity_bytes": self.capacity_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
+            "parallel": self.parallel, "method": self.method, "traced": self.traced,
+            **(self.time.to_json() if self.time is not None else {}),
+            "setup": self.candidate.setup.to_dict(), "layout": lay.to_dict(),
+        }
+
+
+@dataclass
+class Task:
+    """One group: candidates evaluated in order by one worker (they share its traces).
+    `requires[i]`: the index of an earlier candidate that must pass the screen (or None);
+    `traced[i]`: trace candidate i even where a screen would do."""
+
+    candidates: list[Candidate]
+    traced: list[bool]
+    requires: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.requires:
+            self.requires = [None] * len(self.candidates)
+
+
+def refusal(config: PretrainedConfig | FactorySpec, cand: Candidate) -> str | None:
+    """Why `estimate` would refuse `cand` before tracing it (None: it would not): a
+    technique no builder applies yet (`refuse_unbuilt_techniques`), a layout the model
+    cannot take (`Layout.check`), TP that cannot be traced."""
+    try:
+        refuse_unbuilt_techniques(cand.setup)
+        cand.layout.check(config, cand.setup)
+    except UserError as exc:
+        return str(exc)
+    return untraceable_tensor_parallel(cand.layout, config, cand.setup)
+
+
+def is_unbuilt(cand: Candidate) -> str | None:
+    """The line `refuse_unbuilt_techniques` refuses `cand`'s setup with (None: every
+    technique it names is built)."""
+    try:
+        refuse_unbuilt_techniques(cand.setup)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class _State:
+    """A process's traces and model config, kept across the tasks it runs."""
+
+    job: FitJob
+    config: Any
+    cache: StepCache = field(default_factory=dict)
+
+
+_PROCESS_STATE: dict[str, _State] = {}  # in a worker: its state, per job
+
+
+def _job_key(job: FitJob) -> str:
+    model = job.model if isinstance(job.model, (str, FactorySpec)) else json.dumps(job.model.to_dict(), sort_keys=True,
+                                                                                 default=str)
+    return json.dumps([str(model), job.gpu, job.capacity_bytes, job.margin])
+
+
+def evaluate(state: _State, cand: Candidate, traced: bool) -> Row:
+    """`cand`'s row: traced, or screened where its layout has a traced part (module docstring)."""
+    job, config = state.job, state.config
+    exact = traced or traced_part(cand.layout, config, cand.setup) is None
+    row = Row(cand, exact)
+    profile = device_profile(job.gpu)
+    for allocator in ALLOCATORS:
+        try:
+            result = estimate(job.model, cand.setup, cand.layout, gpu=job.gpu, capacity=job.capacity_bytes,
+                              allocator=allocator, cache=state.cache, parallel_tracing=exact)
+        except UserError as exc:
+            return Row(cand, exact, refused=str(exc))
+        row = _row(cand, exact, allocator, result, job)
+        row.time = step_time(result, cand.setup, cand.layout, config, profile)
+        if row.fits:
+            break
+    return row
+
+
+def _row(cand: Candidate, traced: bool, allocator: str, result: Estimate, job: FitJob) -> Row:
+    capacity = int(result.capacity_bytes or 0)
+    return Row(cand, traced, allocator, result.device_used_bytes, result.peak_allocated_bytes,
+               result.peak_reserved_bytes, capacity, job.usable_bytes(capacity), result.parallel, result.method)
+
+
+def run_task(job: FitJob, task: Task, state: _State | None = None) -> tuple[list[Row | None], float]:
+    """The rows of `task`'s candidates in order (None where a required one did not pass),
+    and the CPU seconds they took."""
+    start_s = time.process_time()
+    if state is None:  # in a worker: the process's own state
+        key = _job_key(job)
+        if key not in _PROCESS_STATE:
+            _PROCESS_STATE.clear()
+            _PROCESS_STATE[key] = _State(job, job.config())
+        state = _PROCESS_STATE[key]
+    rows: list[Row | None] = []
+    for cand, traced, needs in zip(task.candidates, task.traced, task.requires):
+        if needs is not None and (rows[needs] is None or not rows[needs].passes_screen()):
+            rows.append(None)
+            continue
+        rows.append(evaluate(state, cand, traced))
+    return rows, time.process_time() - start_s
+
+
+def _init_worker(filters: list[Any]) -> None:
+    warnings.filters[:] = filters  # the caller's warning filters (the CLI silences library chatter)
+    import torch
+
+    torch.set_num_threads(1)  # fake tensors compute nothing; a worker is one core
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Evaluator:
+    """Runs tasks in-process (`workers=1`, or a model the workers cannot import) or in a
+    process pool, with a progress bar on stderr. Use as a context manager."""
+
+    def __init__(self, job: FitJob, workers: int | None = None, progress: bool = False, label: str = "searching"):
+        self.job = job
+        self.workers = available_cores() if workers is None else workers
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise UserError(f"--workers must be a whole number >= 1, not {workers!r}")
+        if isinstance(job.model, FactorySpec) or (isinstance(job.model, str) and ":" in job.model):
+            self.workers = 1  # a factory's module is importable from this process's path only
+        self.state = _State(job, job.config())
+        self.estimates = 0  # candidates estimated so far (screened or traced)
+        self.worker_cpu_s = 0.0  # CPU seconds the pool's workers spent on tasks
+        self.started_s = time.perf_counter()
+        self.started_cpu_s = time.process_time()
+        self._pool: ProcessPoolExecutor | None = None
+        self._progress = _Progress(label) if progress else None
+
+    def __enter__(self) -> Evaluator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._progress is not None:
+            self._progress.stop()
+
+    def run(self, tasks: Sequence[Task]) -> list[list[Row | None]]:
+        """Each task's rows, in the order of `tasks`."""
+        if self._progress is not None:
+            self._progress.add(sum(len(t.candidates) for t in tasks))
+        if self.workers == 1 or len(tasks) == 1:
+            out = []
+            for task in tasks:
+                out.append(run_task(self.job, task, self.state)[0])
+                self._done(out[-1])
+            return out
+        pool = self._ensure_pool()
+        futures = {pool.submit(run_task, self.job, task): i for i, task in enumerate(tasks)}
+        results: list[list[Row | None]] = [[] for _ in tasks]
+        for future in as_completed(futures):
+            rows, cpu_s = future.result()
+            results[futures[future]] = rows
+            self.worker_cpu_s += cpu_s
+            self._done(rows)
+        return results
+
+    def spent(self) -> dict[str, Any]:
+        """What the search spent: estimates, wall and CPU seconds (this process, plus the
+        workers' seconds on tasks; the forkserver's one import of torch is not counted)."""
+        main_cpu_s = time.process_time() - self.started_cpu_s
+        return {"estimates": self.estimates, "workers": self.workers,
+                "wall_s": round(time.perf_counter() - self.started_s, 3),
+                "cpu_s": round(main_cpu_s + self.worker_cpu_s, 3), "worker_cpu_s": round(self.worker_cpu_s, 3)}
+
+    def _done(self, rows: list[Row | None]) -> None:
+        self.estimates += sum(r is not None for r in rows)
+        if self._progress is not None:
+            self._progress.advance(len(rows))
+
+    def _ensure_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_context(self.state.config),
+                                             initializer=_init_worker, initargs=(list(warnings.filters),))
+        return self._pool
+
+
+def _context(config: Any) -> multiprocessing.context.BaseContext:
+    """`forkserver` with memplan, torch and the model's transformers module imported once
+    (module docstring); `spawn` where there is no forkserver."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    preload = ["memplan.estimation.search"]
+    family = type(config).__module__.replace(".configuration_", ".modeling_")
+    if family.startswith("transformers.models."):
+        preload.append(family)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(preload)
+    return context
+
+
+class _Progress:
+    """A rich progress bar on stderr whose total grows as a search submits work."""
+
+    def __init__(self, label: str):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("estimates"),
+                            TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task(label, total=0)
+        self.total = 0
+
+    def add(self, count: int) -> None:
+        self.total += count
+        self.bar.update(self.task, total=self.total)
+
+    def advance(self, count: int) -> None:
+        self.bar.update(self.task, advance=count)
+
+    def stop(self) -> None:
+        self.bar.stop()
