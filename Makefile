@@ -31,7 +31,7 @@ browser:
 		  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 test: $(STAMP) lint browser
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q --durations=40
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info memplan-out test-artifacts

@@ -78,7 +78,7 @@ def litgpt_config_fields(config: PretrainedConfig) -> dict[str, Any]:
     model_type = getattr(config, "model_type", None)
     mlp = MLP_CLASSES.get(model_type)
     if mlp is None:
-        raise UserError(f"LitGPT has no model for model type '{model_type}' (it covers "
+        raise UserError(f"memplan maps no LitGPT model for model type '{model_type}' (it maps "
                         f"{', '.join(sorted(MLP_CLASSES))}): use --impl hf")
     heads = int(config.num_attention_heads)
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads

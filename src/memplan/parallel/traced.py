@@ -394,11 +394,15 @@ def _reduce_scatter_clones(trace: Trace) -> list[ExtraBuffer]:
         if trace.op_name(i) not in GLOO_CLONED_OPS:
             continue
         inputs = trace.op_inputs(i)
-        nbytes = int(trace.buffers["nbytes"][inputs].max()) if inputs.shape[0] else 0
+        if not inputs.shape[0]:
+            continue
+        largest = inputs[int(np.argmax(trace.buffers["nbytes"][inputs]))]
         start = int(first[i])
         stop = int(first[i + 1]) if i + 1 < trace.num_ops else trace.num_events
-        extras.append(ExtraBuffer(nbytes, start, stop if stop < trace.num_events else -1, "other",
-                                  trace.phase_at(min(start, trace.num_events - 1))))
+        extras.append(ExtraBuffer(int(trace.buffers["nbytes"][largest]), start,
+                                  stop if stop < trace.num_events else -1, "other",
+                                  trace.phase_at(min(start, trace.num_events - 1)),
+                                  device=int(trace.buffers["device"][largest])))  # the clone is where its input is
     return [x for x in extras if x.nbytes > 0]
 
 
