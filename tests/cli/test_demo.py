@@ -3,11 +3,11 @@
 import json
 
 from memplan.cli import main
-from memplan.cli.demo import offload_rows
+from memplan.cli.demo import offload_rows, render_text
 from memplan.units import format_bytes
 
 
-def test_demo_writes_every_output_and_a_report(tmp_path, capsys):
+def test_demo_writes_every_output_and_a_report(tmp_path, capsys, monkeypatch):
     out = tmp_path / "demo"
     assert main(["demo", "-o", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -28,3 +28,9 @@ def test_demo_writes_every_output_and_a_report(tmp_path, capsys):
     methods = dict(rows[1:])
     assert len(methods) >= 3 and len(set(methods.values())) >= 2, methods
     assert off["feasible"] and off["peak_device_bytes"] <= off["budget_bytes"]
+    # and the answers stay readable at 80 columns
+    monkeypatch.setenv("COLUMNS", "80")
+    summary = {"peak_bytes": doc["peak_bytes"], "peak_phase": doc["peak_phase"]}
+    text = render_text(summary, doc, {"report": out / "report"}, out)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "zero_infinity" in text and "over budget" in text

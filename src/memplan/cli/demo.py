@@ -35,13 +35,13 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from memplan import models
 from memplan.capture import capture
 from memplan.capture.groundtruth import profiler_peak_bytes
 from memplan.capture.step import build_training_step
 from memplan.cli import main, print_json
+from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
 from memplan.offload.lifetimes import op_peak_bytes, resident_floor_bytes
 from memplan.trace import Trace, load, save_snapshot
@@ -199,33 +199,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(summary: dict[str, Any], results: dict[str, Any], paths: dict[str, Path], out_dir: Path) -> None:
-    """The demo's answers as a table on stdout."""
-    console = Console()
+    """The demo's answers as question/answer rows on stdout."""
+    echo(render_text(summary, results, paths, out_dir))
+
+
+def render_text(summary: dict[str, Any], results: dict[str, Any], paths: dict[str, Path], out_dir: Path) -> str:
+    """The demo's answers: a headline, question/answer rows and where the report is."""
     est = results["estimate"]
-    console.print(
-        f"[bold]{DEFAULT_MODEL}[/bold] training step (batch 8, seq 1024, bf16, AdamW, full checkpointing): "
-        f"peak live [bold]{format_bytes(summary['peak_bytes'])}[/bold] in {summary['peak_phase']}"
-    )
-    table = Table(title="memplan on the default job")
-    table.add_column("question")
-    table.add_column("answer", justify="right")
-    table.add_row(f"device memory used on one {DEFAULT_GPU} (estimate)",
-                  f"{format_bytes(est['device_used_bytes'])} — {'fits' if est['fits'] else 'does not fit'}")
-    for a, r in results["allocators"].items():
-        table.add_row(f"reserved by the {a} allocator",
-                      f"{format_bytes(r['peak_reserved_bytes'])} ({100 * r['fragmentation']:.1f}% fragmentation)")
+    rows = [(f"device memory used on one {DEFAULT_GPU} (estimate)",
+             f"{format_bytes(est['device_used_bytes'])} — {'fits' if est['fits'] else 'does not fit'}")]
+    rows += [(f"reserved by the {a} allocator",
+              f"{format_bytes(r['peak_reserved_bytes'])} ({100 * r['fragmentation']:.1f}% fragmentation)")
+             for a, r in results["allocators"].items()]
     reo = results["reorder"]
-    table.add_row("peak after reordering (batch 1, seq 128)",
-                  f"{format_bytes(reo['optimized_peak_bytes'])} vs {format_bytes(reo['baseline_peak_bytes'])} "
-                  f"in program order")
-    for method, answer in offload_rows(results["offload"]):
-        table.add_row(method, answer)
+    rows.append(("peak after reordering (batch 1, seq 128)",
+                 f"{format_bytes(reo['optimized_peak_bytes'])} vs {format_bytes(reo['baseline_peak_bytes'])} "
+                 f"in program order"))
+    rows += offload_rows(results["offload"])
     real = results["real_cpu_check"]
-    table.add_row("real CPU step: captured vs profiler peak",
-                  f"{format_bytes(real['captured_peak_bytes'])} vs {format_bytes(real['profiler_peak_bytes'])} "
-                  f"({100 * real['error']:+.2f}%)")
-    console.print(table)
-    console.print(f"report: [bold]{paths['report'] / 'index.html'}[/bold]  (all outputs in {out_dir}/)")
+    rows.append(("real CPU step: captured vs profiler peak",
+                 f"{format_bytes(real['captured_peak_bytes'])} vs {format_bytes(real['profiler_peak_bytes'])} "
+                 f"({100 * real['error']:+.2f}%)"))
+    return (paragraph(f"{DEFAULT_MODEL} training step (batch 8, seq 1024, bf16, AdamW, full checkpointing): "
+                      f"peak live {format_bytes(summary['peak_bytes'])} in {summary['peak_phase']}")
+            + "\n" + pairs(rows, title="memplan on the default job") + "\n"
+            + paragraph(f"report: {paths['report'] / 'index.html'}  (all outputs in {out_dir}/)"))
 
 
 def offload_rows(off: dict[str, Any]) -> list[tuple[str, str]]:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
 from memplan.cli import print_json
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.table import echo, table
 from memplan.estimation.fit import fit
 from memplan.units import format_bytes
 
@@ -43,12 +41,9 @@ def run(args: argparse.Namespace) -> int:
         print_json({"model": args.model, "gpu": args.gpu, "gpus": args.gpus, "configurations": configs,
                     **from_json(args)})
         return 0
-    table = Table(title=f"{args.model} on {args.gpus} x {args.gpu}: {len(configs)} configurations fit")
-    for col in ("dp", "zero", "tp", "pp", "micro-batch", "ckpt", "allocator", "device used", "step (s)", "ms/token"):
-        table.add_column(col, justify="right")
-    for c in configs:
-        table.add_row(str(c["dp"]), str(c["zero"]), str(c["tp"]), str(c["pp"]), str(c["micro_batch"]),
-                      c["checkpointing"], c["allocator"], format_bytes(c["device_used_bytes"]),
-                      f"{c['step_s']:.3f}", f"{1000 * c['s_per_token']:.3f}")
-    Console().print(table)
+    echo(table(["dp", "zero", "tp", "pp", "micro-batch", "ckpt", "allocator", "device used", "step (s)", "ms/token"],
+               [[c["dp"], c["zero"], c["tp"], c["pp"], c["micro_batch"], c["checkpointing"], c["allocator"],
+                 format_bytes(c["device_used_bytes"]), f"{c['step_s']:.3f}", f"{1000 * c['s_per_token']:.3f}"]
+                for c in configs],
+               title=f"{args.model} on {args.gpus} x {args.gpu}: {len(configs)} configurations fit"))
     return 0
