@@ -261,9 +261,21 @@
           return blockTip(data, i);
         }
       }
-      return null;
+      return segments ? segmentTip(data, segments, t, y) : null;
     };
     return p;
+  }
+
+  function segmentTip(data, S, t, y) {
+    for (var i = 0; i < S.start.length; i += 1) {
+      if (t >= S.start[i] && t < S.end[i] && y >= S.addr[i] && y < S.addr[i] + S.nbytes[i]) {
+        return [["", "segment of " + fmtBytes(S.nbytes[i]) + " (free space inside it)"],
+          ["cudaMalloc", "event " + S.start[i] + " (" + phaseAt(data, S.start[i]) + ")"],
+          ["cudaFree", S.end[i] >= data.events ? "kept to the end of the step" : "event " + S.end[i]],
+          ["address", fmtBytes(S.addr[i]) + " from the first segment"]];
+      }
+    }
+    return null;
   }
 
   function maxEnd(starts, sizes) {
