@@ -39,7 +39,7 @@ def commands(root, llama, trace, csv):
         "estimate one rank": (["estimate", trace, "--gpu", "a100-80gb"], estimate_head),
         "estimate ranks": (["estimate", llama, *TINY, "--pp", "2", "--gpu", "a100-80gb"], ["rank", *estimate_head]),
         "gpu list": (["estimate", "--gpu", "list"], ["gpu", "platform", "memory", "bandwidth", "bf16", "source"]),
-        "fit": (["fit", llama, *TINY, "--gpu", "a100-80gb", "--gpus", "2", "--top", "3"],
+        "fit": (["fit", llama, *TINY, "--gpu", "a100-80gb", "--gpus", "1", "--top", "3"],
                 ["dp", "zero", "micro-batch", "ckpt", "allocator", "device used", "step (s)", "ms/token"]),
         "offload": (["offload", trace, "--gpu", "h100-80gb", "--nvme", "2x7GB/s", "--budget", "1MiB"],
                     ["ideal step", "memplan", "zero_offload"]),

@@ -150,9 +150,9 @@
       ctx.fillText(fmtBytes(v), LEFT - 4, y + 4);
       ctx.fillRect(LEFT - 2, y, 2, 1);
     }
-    ctx.textAlign = "center";
     for (i = 0; i <= 4; i += 1) {
       var t = this.view.x0 + (this.view.x1 - this.view.x0) * i / 4;
+      ctx.textAlign = i === 4 ? "right" : "center";  // the last label ends at the frame's edge
       ctx.fillText(String(Math.round(t)), this.sx(t), this.height - 6);
     }
     ctx.strokeStyle = "#999";
