@@ -6,8 +6,10 @@ from memplan.hardware.devices import device_profile
 from memplan.hardware.roofline import op_seconds
 from memplan.offload.lifetimes import (
     analyse_lifetimes,
+    idle_bytes_per_op,
     measured_op_durations_s,
     op_peak_bytes,
+    resident_floor_bytes,
 )
 
 W, A, T = 0, 1, 2
@@ -26,6 +28,16 @@ def test_inactive_intervals_between_uses_wrap_and_tail(make_trace):
     # tail runs to op 10 (the next step's op 0)
     assert sorted(lt.inactive_intervals(A)) == [(1, 7), (7, 10)]
     assert lt.inactive_returns[(lt.inactive_buffer == A) & (lt.inactive_after_op == 7)].tolist() == [False]
+
+
+def test_idle_bytes_per_op_and_the_resident_floor(make_trace):
+    tr = small(make_trace)
+    lt = analyse_lifetimes(tr, np.ones(10))
+    # W idle through ops 1-7 and 9 (wrapping to its next use at op 0); A idle through 2-6, and 8-9 (its tail)
+    assert idle_bytes_per_op(tr, lt).tolist() == [0, 100, 200, 200, 200, 200, 200, 100, 100, 200]
+    assert lt.op_bytes.tolist() == [100] + [200] * 9
+    # the least any plan reaches: one of W and A is in use at ops 0, 1, 7 and 8
+    assert resident_floor_bytes(tr) == 100
 
 
 def test_a_tail_ends_at_the_freeing_op_when_an_allocation_follows_the_free(make_trace):

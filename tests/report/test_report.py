@@ -1,6 +1,7 @@
 """`memplan report`: figures present and visible in a real browser, offline, refused mismatches."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def test_report_writes_an_index_and_one_png_per_figure(traced):
     for name in pngs:
         assert f'src="{name}"' in page
     assert page.count("<figcaption>") == 3
-    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert "http://" not in page and "https://" not in page
+    assert re.findall(r"<script src=\"([^\"]+)\"", page) == ["timeline.js"]  # memplan's own, beside the page
 
 
 def test_a_plan_for_another_trace_is_refused_before_anything_is_written(traced, tmp_path):

@@ -9,7 +9,8 @@ import torch
 
 import memplan
 from memplan.errors import UserError
-from memplan.layout.plan import AddressPlan, DynamicWindow, IterationPlan
+from memplan.layout.plan import LONG_LIVED, AddressPlan, DynamicWindow, IterationPlan
+from memplan.runtime import FALLBACK_REASONS
 
 
 def make_plan(groups, arena_bytes, windows=(), alignment_bytes=64):
@@ -76,6 +77,50 @@ def test_planned_bytes_still_in_use_are_not_handed_out_again(ext):
     del kept, other
     assert pa.stats["conflicts"] == 1
     assert pa.stats["fallbacks"] == 1
+
+
+def test_long_lived_request_goes_to_the_fallback_not_the_dynamic_space(ext):
+    plan = make_plan([(0, [64, 64], [LONG_LIVED, -1])], 128, windows=[DynamicWindow(0, 0, 2, [(0, 128)])])
+    with memplan.planned_allocator(plan) as pa:
+        kept = request(64)
+        dynamic = request(64)
+        assert not pa.owns(kept) and pa.owns(dynamic)
+        del kept, dynamic
+    stats = pa.stats
+    assert (stats["long_lived"], stats["served_dynamic"], stats["fallbacks"]) == (1, 1, 1)
+    assert stats["fallback_reasons"]["outlived_iteration"] == 1
+
+
+def test_tensor_kept_past_its_planned_lifetime_is_demoted_to_the_fallback(ext):
+    # The plan frees request 0 within its iteration; the run keeps it. The next
+    # iteration's request 0 finds its bytes held (one conflict); from then on the
+    # entry is long-lived and served by the fallback.
+    plan = make_plan([(0, [64], [0])], 64)
+    kept = []
+    with memplan.planned_allocator(plan) as pa:
+        for _ in range(4):
+            kept.append(request(64))
+            pa.next_iteration()
+        assert pa.owns(kept[0]) and not any(pa.owns(t) for t in kept[1:])
+    stats = pa.stats
+    assert (stats["conflicts"], stats["demoted"], stats["fallbacks"]) == (1, 1, 3)
+    assert stats["fallback_reasons"] == {**dict.fromkeys(FALLBACK_REASONS, 0), "conflict": 1, "outlived_iteration": 2}
+    del kept
+
+
+def test_each_fallback_is_counted_under_its_reason(ext):
+    plan = make_plan([(0, [64, 64], [0, 0])], 64)
+    with memplan.planned_allocator(plan) as pa:
+        a = request(64)
+        b = request(64)  # conflict: a still holds offset 0
+        c = request(32)  # beyond the plan
+        del a, b, c
+        pa.next_iteration()
+        d = request(65)  # unplanned size
+        del d
+    reasons = pa.stats["fallback_reasons"]
+    assert (reasons["conflict"], reasons["beyond_plan"], reasons["unplanned_size"]) == (1, 1, 1)
+    assert sum(reasons.values()) == pa.stats["fallbacks"] == 3
 
 
 def test_unplanned_request_goes_best_fit_into_the_dynamic_space(ext):

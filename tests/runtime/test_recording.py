@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memplan
+from memplan.layout.plan import LONG_LIVED
 from memplan.runtime import plan_steady_state, record_step, trace_from_recording
 
 A, F = 0, 1
@@ -61,9 +62,31 @@ def test_requests_live_at_once_get_disjoint_offsets_and_freed_ones_are_reused():
     assert plan_steady_state(trace).arena_bytes == 128
 
 
-def test_never_freed_requests_are_left_to_the_fallback():
+def test_never_freed_requests_are_long_lived():
     trace = recording([(A, 0, 64, 0), (A, 1, 64, 0), (F, 1, 64, 0)])
-    assert plan_steady_state(trace).iterations[0].offset.tolist() == [-1, 0]
+    plan = plan_steady_state(trace)
+    assert plan.iterations[0].offset.tolist() == [LONG_LIVED, 0]
+    assert plan.stats["long_lived"] == 1
+
+
+def test_request_freed_after_its_next_instance_is_made_is_long_lived():
+    # `self.last = new` in the step: x of iteration 0 is freed after x of iteration 1 is
+    # made, so two instances live at once; one periodic offset cannot hold both.
+    events = [(A, 0, 64, 0), (A, 1, 64, 1), (F, 0, 64, 1)]
+    plan = plan_steady_state(recording(events))
+    assert plan.iterations[0].offset.tolist() == [LONG_LIVED]
+    assert plan.stats["wrapping"] == 0
+
+
+def test_what_the_step_returns_is_recorded_as_never_freed(ext):
+    def step():
+        scratch = torch.empty(100, dtype=torch.uint8)
+        del scratch
+        return torch.empty(64, dtype=torch.uint8)  # a loss the loop may keep
+
+    trace = record_step(step, 2)
+    assert trace.buffers["free_event"].tolist() == [1, -1, 4, -1]
+    assert plan_steady_state(trace).iterations[0].offset.tolist() == [0, LONG_LIVED]
 
 
 def test_request_freed_in_the_next_iteration_wraps_around():

@@ -4,7 +4,8 @@ STAlloc's runtime (arXiv 2507.16274; infinigence/STAlloc) reserves one arena of 
 plan's height, matches the n-th allocation request of an iteration to the n-th entry of
 that iteration's plan (sizes must be equal) and serves it at the planned offset.
 Iterations beyond the last planned one replay the last planned iteration's entries
-(the plan is periodic). A request that is not matched (a different size, no entry, a
+(the plan is periodic). A request the plan marks long-lived (offset `LONG_LIVED`: it
+outlives its iteration) goes to the fallback directly. A request that is not matched (a different size, no entry, a
 dynamic entry, or a planned range that is still occupied because the run deviated
 from the plan) is placed best-fit (at a K_MIN_BLOCK_SIZE boundary) in the plan's dynamic reusable
 space for that request, intersected with what is free in the arena now; when nothing
@@ -30,7 +31,13 @@ from memplan.alloc.check import check_replay
 from memplan.alloc.conf import AllocConf, align_up_to_min_block, round_size_plain
 from memplan.alloc.result import AllocReplay, fragmentation_of
 from memplan.errors import UserError
-from memplan.layout.plan import AddressPlan, IterationPlan, load_address_plan, requests_by_group
+from memplan.layout.plan import (
+    LONG_LIVED,
+    AddressPlan,
+    IterationPlan,
+    load_address_plan,
+    requests_by_group,
+)
 from memplan.trace.model import ALLOC, Trace
 
 
@@ -163,11 +170,13 @@ class _PlannedRun:
         entry = self.entry_for(g)
         arena = self.arena
         placed = None
+        long_lived = False
         if entry is not None and j < entry.num_requests and int(entry.nbytes[j]) == size:
             offset = int(entry.offset[j])
+            long_lived = offset == LONG_LIVED
             if offset >= 0 and arena.is_free(offset, offset + slot):
                 placed = ("matched", offset)
-        if placed is None:
+        if placed is None and not long_lived:
             ranges = self.windows[g].get(j) if entry is not None else None
             if ranges:
                 found = arena.best_fit(ranges, slot)

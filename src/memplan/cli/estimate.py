@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
 from memplan.cli import print_json
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.layout_flags import add_layout_flags, layout_from_args
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.table import echo, pairs, paragraph, table
 from memplan.errors import UserError
 from memplan.estimation import Estimate, estimate
 from memplan.estimation.from_trace import estimate_trace
@@ -85,21 +83,19 @@ def list_gpus(profiles: list[DeviceProfile], *, as_json: bool) -> int:
     if as_json:
         print_json({"gpus": rows})
         return 0
-    table = Table(title=f"{len(rows)} GPU profiles (TFLOP/s dense; capacity as PyTorch reports it)")
-    for col in ("gpu", "name", "platform", "memory", "bandwidth", "bf16", "fp16", "fp32", "source"):
-        table.add_column(col, justify="left" if col in ("gpu", "name", "platform", "source") else "right",
-                         overflow="fold")
+    header = ["gpu", "name", "platform", "memory", "bandwidth", "bf16", "fp16", "fp32", "source"]
+    body = []
     for r in rows:
         flops = [("-" if r["tflops"].get(k) is None else f"{r['tflops'][k]:g}") for k in ("bf16", "fp16", "fp32")]
-        table.add_row(r["gpu"], r["name"], r["platform"], format_bytes(r["capacity_bytes"]),
-                      f"{r['memory_bandwidth_gbs'] / 1000:g} TB/s", *flops, r["source"])
-    Console(width=200).print(table)
+        body.append([r["gpu"], r["name"], r["platform"], format_bytes(r["capacity_bytes"]),
+                     f"{r['memory_bandwidth_gbs'] / 1000:g} TB/s", *flops, r["source"]])
+    echo(table(header, body, title=f"{len(rows)} GPU profiles (TFLOP/s dense; capacity as PyTorch reports it)",
+               right=[c not in ("gpu", "name", "platform", "source") for c in header]))
     return 0
 
 
 def render(result: Estimate) -> None:
-    """The estimate as a table of ranks and a verdict, on stdout."""
-    console = Console()
+    """The estimate on stdout: one rank as key/value rows, several as a table; then the verdict."""
     layout = result.layout
     code = f"{IMPL_NAMES.get(result.impl, result.impl)}, " if result.impl is not None else ""
     title = (f"{result.model} ({code}{result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
@@ -109,32 +105,34 @@ def render(result: Estimate) -> None:
              + (f", ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")")
     if result.routing is not None:
         title += f", routing {result.routing}"
-    table = Table(title=title)
     host = result.host_peak_bytes > 0
-    for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
-                "optimizer", "activations", "temporaries", "other", *(("host",) if host else ())):
-        table.add_column(col, justify="right")
+    header = ["rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
+              "optimizer", "activations", "temporaries", "other", *(("host",) if host else ())]
+    body = []
     for r in result.per_rank:
         b = r.breakdown
-        table.add_row(str(r.rank), format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
-                      format_bytes(r.device_used_bytes), r.peak_phase,
-                      *(format_bytes(b[k]) for k in ("parameters", "gradients", "optimizer_state",
-                                                      "activations", "temporaries", "other")),
-                      *((format_bytes(r.host.peak_bytes),) if host else ()))
-    console.print(table)
+        body.append([str(r.rank), format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
+                     format_bytes(r.device_used_bytes), r.peak_phase,
+                     *(format_bytes(b[k]) for k in ("parameters", "gradients", "optimizer_state",
+                                                     "activations", "temporaries", "other")),
+                     *((format_bytes(r.host.peak_bytes),) if host else ())])
+    if len(body) == 1:
+        echo(pairs(list(zip(header[1:], body[0][1:], strict=True)), title=title))
+    else:
+        echo(table(header, body, title=title))
     if host:
         r = max(result.per_rank, key=lambda r: r.host.peak_bytes)
-        console.print(f"host memory (not in the device figures), peak per rank {format_bytes(r.host.peak_bytes)}: "
-                      f"{format_bytes(r.host.pinned_bytes)} pinned, {format_bytes(r.host.pageable_bytes)} pageable, "
-                      f"{format_bytes(r.host.managed_bytes)} CUDA managed (paged optimizer state)")
+        echo(paragraph(f"host memory (not in the device figures), peak per rank {format_bytes(r.host.peak_bytes)}: "
+                       f"{format_bytes(r.host.pinned_bytes)} pinned, {format_bytes(r.host.pageable_bytes)} pageable, "
+                       f"{format_bytes(r.host.managed_bytes)} CUDA managed (paged optimizer state)"))
     if result.routing not in (None, "balanced") and layout.get("ep", 1) > 1:
-        console.print(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
-                      "the other ranks'")
+        echo(paragraph(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
+                       "the other ranks'"))
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
-        console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "
-                      f"{format_bytes(result.capacity_bytes)} ({result.method}, layout {result.parallel}, "
-                      f"{result.elapsed_s:.1f} s)")
+        echo(paragraph(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "
+                       f"{format_bytes(result.capacity_bytes)} ({result.method}, layout {result.parallel}, "
+                       f"{result.elapsed_s:.1f} s)"))
     else:
-        console.print(f"({result.method}, layout {result.parallel}, {result.elapsed_s:.1f} s; "
-                      "give --gpu or --capacity to check the fit)")
+        echo(paragraph(f"({result.method}, layout {result.parallel}, {result.elapsed_s:.1f} s; "
+                       "give --gpu or --capacity to check the fit)"))

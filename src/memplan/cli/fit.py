@@ -20,9 +20,6 @@ import argparse
 import shlex
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from memplan.cli import print_json
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
@@ -33,6 +30,7 @@ from memplan.cli.layout_flags import (
     layout_from_args,
 )
 from memplan.cli.setup_flags import add_setup_flags, setup_argv, setup_from_args
+from memplan.cli.table import command, echo, paragraph, table
 from memplan.errors import UserError
 from memplan.estimation.fit import DEFAULT_TOP, FitResult, fit
 from memplan.estimation.maxshape import DEFAULT_STEP, TARGETS, MaxResult, max_shape
@@ -196,44 +194,36 @@ def _cells(row: Row, what_fits_mode: bool) -> list[str]:
 
 def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> None:
     """A table of `result`'s rows, then each row's `memplan estimate` command."""
-    console = Console()
-    table = Table(title=_title(result, args))
     what_fits_mode = isinstance(result, WhatFitsResult)
     layout = ["dp", "zero", "tp", "pp", "mb", "accum", "ckpt", "allocator"]
-    for col in ["#", *(["changes"] if what_fits_mode else layout), "device used", "step (s)", "ms/token"]:
-        table.add_column(col, justify="left" if col == "changes" else "right")
+    header = ["#", *(["changes"] if what_fits_mode else layout), "device used", "step (s)", "ms/token"]
+    rows = [[str(i), *_cells(row, what_fits_mode)] for i, row in enumerate(result.rows, start=1)]
+    echo(table(header, rows, title=_title(result, args), right=[h != "changes" for h in header]))
     for i, row in enumerate(result.rows, start=1):
-        table.add_row(str(i), *_cells(row, what_fits_mode))
-    console.print(table)
-    for i, row in enumerate(result.rows, start=1):
-        console.print(f"{i}: {estimate_command(row, args)}", soft_wrap=True, highlight=False)
+        echo(command(estimate_command(row, args), prefix=f"{i}: "))
     if result.below is not None:
         b = result.below
-        console.print(f"one step below, {b.candidate.layout.world_size} GPUs: the closest candidate needs "
-                      f"{format_bytes(b.device_used_bytes)} of {format_bytes(b.usable_bytes)} usable", highlight=False)
+        echo(paragraph(f"one step below, {b.candidate.layout.world_size} GPUs: the closest candidate needs "
+                       f"{format_bytes(b.device_used_bytes)} of {format_bytes(b.usable_bytes)} usable"))
     if what_fits_mode and result.unbuilt:
-        console.print("not tried, not yet built: " + ", ".join(result.unbuilt), highlight=False)
+        echo(paragraph("not tried, not yet built: " + ", ".join(result.unbuilt)))
     usable = format_bytes(result.rows[0].usable_bytes) if result.rows else "-"
-    console.print(f"({result.estimates} estimates; every row traced; usable {usable}: {margin:.0%} margin)",
-                  highlight=False)
+    echo(paragraph(f"({result.estimates} estimates; every row traced; usable {usable}: {margin:.0%} margin)"))
 
 
 def render_max(result: MaxResult, args: argparse.Namespace) -> None:
     """The largest shape, the probes that bracket it and its `memplan estimate` command."""
-    console = Console()
-    table = Table(title=f"{result.model} on {args.gpus} x {args.gpu}: the largest {result.target} that fits")
-    for col in (result.target, "device used", "usable", "fits"):
-        table.add_column(col, justify="right")
-    for row in result.probes:
-        table.add_row(str(row.candidate.setup.seq if result.target == "seq" else row.candidate.setup.batch),
-                      format_bytes(row.device_used_bytes), format_bytes(row.usable_bytes), "yes" if row.fits else "no")
-    console.print(table)
+    rows = [[str(row.candidate.setup.seq if result.target == "seq" else row.candidate.setup.batch),
+             format_bytes(row.device_used_bytes), format_bytes(row.usable_bytes), "yes" if row.fits else "no"]
+            for row in result.probes]
+    echo(table([result.target, "device used", "usable", "fits"], rows,
+               title=f"{result.model} on {args.gpus} x {args.gpu}: the largest {result.target} that fits"))
     if result.value is None:
-        console.print(f"not even {result.target} {result.step} fits", highlight=False)
+        echo(f"not even {result.target} {result.step} fits\n")
         return
     above = result.above.candidate.setup if result.above is not None else None
     larger = (above.seq if result.target == "seq" else above.batch) if above is not None else None
     why = {"memory": f"{result.target} {larger} does not fit",
            "positions": "the model's maximum positions", "cap": "the search's upper limit"}[result.limit]
-    console.print(f"largest {result.target}: {result.value} ({why}; {result.estimates} estimates)", highlight=False)
-    console.print(estimate_command(result.at, args), soft_wrap=True, highlight=False)
+    echo(paragraph(f"largest {result.target}: {result.value} ({why}; {result.estimates} estimates)"))
+    echo(command(estimate_command(result.at, args)))

@@ -15,6 +15,7 @@ from memplan.cli import print_json
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
 from memplan.hardware.links import Hardware, make_hardware
 from memplan.models import TrainingSetup, load_config
@@ -171,32 +172,31 @@ def _captured_steps(args: argparse.Namespace) -> _Steps:
 
 
 def _render(report: dict[str, Any], plan: Any, hardware: Hardware, args: argparse.Namespace) -> None:
-    """The report as text on stdout."""
-    out = sys.stdout
-    out.write(
-        f"{args.model} on {hardware.gpu.name} (budget {format_bytes(report['budget_bytes'])}, "
-        f"peak without offload {format_bytes(report['peak_device_bytes_without_offload'])})\n"
-        f"  ideal step      {report['ideal_step_s']:.3f} s\n"
-        f"  memplan         {report['planned_step_s']:.3f} s  {report['throughput_vs_ideal']:.1%} of ideal"
-        f"{' with checkpointing ' + report['checkpointing'] if report['checkpointing'] != 'none' else ''}"
-        f"  (peak {format_bytes(report['peak_device_bytes'])}, {format_bytes(report['offloaded_bytes'])} offloaded, "
-        f"planned in {report['plan_elapsed_s']:.1f} s)\n"
-    )
+    """The report as method/result rows on stdout, then where the plan went."""
+    ckpt = report["checkpointing"]
+    rows = [("ideal step", f"{report['ideal_step_s']:.3f} s"),
+            ("memplan", f"{report['planned_step_s']:.3f} s, {report['throughput_vs_ideal']:.1%} of ideal"
+             f"{' with checkpointing ' + ckpt if ckpt != 'none' else ''} (peak "
+             f"{format_bytes(report['peak_device_bytes'])}, {format_bytes(report['offloaded_bytes'])} offloaded, "
+             f"planned in {report['plan_elapsed_s']:.1f} s)"
+             f"{'' if report['feasible'] else '; over budget: no plan fits it'}")]
     if report["step_lower_bound_s"] is not None and report["step_lower_bound_s"] > report["ideal_step_s"]:
-        out.write(f"  link bound      {report['step_lower_bound_s']:.3f} s  {report['throughput_upper_bound']:.1%} of ideal "
-                  f"at most, for any plan on these links\n")
+        rows.append(("link bound", f"{report['step_lower_bound_s']:.3f} s, {report['throughput_upper_bound']:.1%} "
+                     "of ideal at most, for any plan on these links"))
     for policy, c in report.get("checkpointing_search", {}).items():
-        flag = "" if c["feasible"] else "  (over budget)"
-        out.write(f"    checkpointing {policy:<13}{c['planned_step_s']:.3f} s  {c['throughput_vs_ideal']:.1%} of ideal{flag}\n")
+        rows.append((f"  checkpointing {policy}", f"{c['planned_step_s']:.3f} s, {c['throughput_vs_ideal']:.1%} "
+                     f"of ideal{'' if c['feasible'] else ' (over budget)'}"))
     for name, b in report["baselines"].items():
-        flag = f"  ({b['note']})" if b["feasible"] else f"  infeasible: {b['note']}"
-        out.write(f"  {name:<22}{b['step_s']:.3f} s  {b['throughput_vs_ideal']:.1%} of ideal{flag}\n")
+        note = f" ({b['note']})" if b["feasible"] and b["note"] else "" if b["feasible"] else f"; infeasible: {b['note']}"
+        rows.append((name, f"{b['step_s']:.3f} s, {b['throughput_vs_ideal']:.1%} of ideal{note}"))
+    echo(pairs(rows, title=f"{args.model} on {hardware.gpu.name} (budget {format_bytes(report['budget_bytes'])}, "
+               f"peak without offload {format_bytes(report['peak_device_bytes_without_offload'])})"))
     if args.plan_output and plan.tensors.unnamed:
         what = ", ".join(f"{format_bytes(n)} of {c}s" for c, n in sorted(plan.tensors.unnamed.items()))
-        out.write(f"  plan written to {args.plan_output}: for the simulation only; it moves {what}, which "
-                  "memplan.offload.run does not move (plan with categories=memplan.offload.runtime_categories() "
-                  "for a plan it applies)\n")
+        echo(paragraph(f"plan written to {args.plan_output}: for the simulation only; it moves {what}, which "
+                       "memplan.offload.run does not move (plan with categories=memplan.offload.runtime_categories() "
+                       "for a plan it applies)"))
     elif args.plan_output:
-        out.write(f"  plan written to {args.plan_output}; apply it to this step's training with "
-                  f"memplan.offload.run(model, optimizer, memplan.offload.load_offload_plan({args.plan_output!r}), "
-                  "memplan.offload.RunOptions(directory=...))\n")
+        echo(paragraph(f"plan written to {args.plan_output}; apply it to this step's training with "
+                       f"memplan.offload.run(model, optimizer, memplan.offload.load_offload_plan({args.plan_output!r}), "
+                       "memplan.offload.RunOptions(directory=...))"))

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from memplan.cli import print_json
+from memplan.cli.table import echo, paragraph
 from memplan.errors import UserError
 from memplan.layout import pack
 from memplan.layout.minimalloc_csv import read_csv, write_csv
@@ -63,16 +64,16 @@ def run(args: argparse.Namespace) -> int:
         print_json(doc)
     else:
         if solution.height is not None:
-            sys.stdout.write(
+            echo(paragraph(
                 f"height {format_bytes(solution.height)} ({solution.height} B), lower bound "
                 f"{solution.lower_bound} B, {solution.status}, {solution.elapsed_s:.3f} s"
-                f"{' (' + str(doc['engine']) + ' search)' if doc['engine'] else ''}\n"
-            )
+                f"{' (' + str(doc['engine']) + ' search)' if doc['engine'] else ''}"
+            ))
         else:
-            sys.stdout.write(
+            echo(paragraph(
                 f"{solution.status} at capacity {capacity} B (lower bound {solution.lower_bound} B), "
-                f"{solution.elapsed_s:.3f} s\n"
-            )
+                f"{solution.elapsed_s:.3f} s"
+            ))
         if args.output and solution.offsets is not None:
             sys.stderr.write(f"wrote {args.output}\n")
     if solution.status == "infeasible":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from memplan.cli import print_json
+from memplan.cli.table import echo, paragraph
 from memplan.layout import plan_addresses, save_address_plan
 from memplan.trace import load
 from memplan.units import format_bytes
@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        sys.stdout.write(
+        echo(paragraph(
             f"arena {format_bytes(result.arena_bytes)} for a live peak of "
             f"{format_bytes(result.lower_bound_bytes)} ({doc['overhead']:+.2%}), "
             f"iterations {result.groups} (periodic from {result.periodic_iteration}), "
-            f"{result.stats['elapsed_s']:.2f} s -> {args.output}\n"
-        )
+            f"{result.stats['elapsed_s']:.2f} s -> {args.output}"
+        ))
     return 0

@@ -16,6 +16,7 @@ from memplan.cli import print_json
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.table import echo, pairs
 from memplan.errors import UserError
 from memplan.models.registry import load_config
 from memplan.order import capture_model_step, layout_peak
@@ -87,18 +88,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     base = result.baseline_peak_bytes
-    lines = [
-        f"{args.model}: {result.num_nodes} operators",
-        f"  program order      {format_bytes(base)}",
-        f"  Inductor-style     {format_bytes(result.inductor_peak_bytes)}",
-        f"  memplan order      {format_bytes(result.optimized_peak_bytes)} "
-        f"({100 * (1 - result.optimized_peak_bytes / base):.1f}% below program order; validated)",
-        (f"  lower bound        {format_bytes(result.lower_bound_bytes)}"
-         + (" (memplan's order is optimal)" if result.lower_bound_bytes == result.optimized_peak_bytes else ""))
-        if result.lower_bound_bytes else "",
+    rows = [
+        ("program order", format_bytes(base)),
+        ("Inductor-style", format_bytes(result.inductor_peak_bytes)),
+        ("memplan order", f"{format_bytes(result.optimized_peak_bytes)} "
+         f"({100 * (1 - result.optimized_peak_bytes / base):.1f}% below program order; validated)"),
     ]
+    if result.lower_bound_bytes:
+        rows.append(("lower bound", format_bytes(result.lower_bound_bytes)
+                     + (" (memplan's order is optimal)" if result.lower_bound_bytes == result.optimized_peak_bytes
+                        else "")))
     if args.layout:
-        lines.append(f"  with layout        {format_bytes(out['layout_peak_bytes'])}")
-    lines.append(f"  optimised in {result.elapsed_s:.1f} s (total {out['total_s']:.1f} s)")
-    sys.stdout.write("\n".join(line for line in lines if line) + "\n")
+        rows.append(("with layout", format_bytes(out["layout_peak_bytes"])))
+    rows.append(("optimised in", f"{result.elapsed_s:.1f} s (total {out['total_s']:.1f} s)"))
+    echo(pairs(rows, title=f"{args.model}: {result.num_nodes} operators"))
     return 0

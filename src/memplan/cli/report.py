@@ -13,12 +13,15 @@ from memplan.cli import print_json
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "report",
-        help="write an offline HTML report (index.html + PNGs) from traces, plans and results",
+        help="write an offline HTML report (index.html, PNGs, an interactive timeline) from traces, plans and results",
         description="Inputs: .memtrace files or PyTorch snapshot pickles, plan files from "
         "'memplan plan', and the --json output of estimate, reorder and offload.",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR")
+    p.add_argument("--compare", action="append", default=[], metavar="TRACE",
+                   help="another step of the same job (e.g. measured against estimated): overlaid on each "
+                   "trace's timeline (repeatable)")
     p.add_argument("--json", action="store_true", help="print the page and figure paths as JSON")
     return p
 
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from memplan.report import build_report
 
     with Console(stderr=True).status("drawing the report…"):
-        index = build_report(args.inputs, args.output_dir)
+        index = build_report(args.inputs, args.output_dir, compare=args.compare)
     pngs = sorted(str(p) for p in index.parent.glob("*.png"))
     if args.json:
         print_json({"index": str(index), "figures": pngs})

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
 from memplan.cli import print_json
+from memplan.cli.table import echo, paragraph, table
 from memplan.errors import UserError
 from memplan.trace import load
 from memplan.units import format_bytes
@@ -33,37 +31,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
         return 0
-    console = Console()
     meta = trace.meta
-    title = f"{meta.get('model', args.trace)}"
-    console.print(
-        f"[bold]{title}[/bold]: peak live [bold]{format_bytes(summary['peak_bytes'])}[/bold] "
-        f"({summary['peak_bytes']:,} B) at event {summary['peak_event']} in "
-        f"[bold]{summary['peak_phase']}[/bold]; {summary['num_ops']:,} ops, "
-        f"{summary['num_buffers']:,} buffers"
-    )
-    table = Table(title="at the peak")
-    table.add_column("category")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
+    echo(paragraph(f"{meta.get('model', args.trace)}: peak live {format_bytes(summary['peak_bytes'])} "
+                   f"({summary['peak_bytes']:,} B) at event {summary['peak_event']} in {summary['peak_phase']}; "
+                   f"{summary['num_ops']:,} ops, {summary['num_buffers']:,} buffers"))
     total = max(summary["peak_bytes"], 1)
-    for name, nbytes in sorted(summary["breakdown"].items(), key=lambda kv: -kv[1]):
-        if nbytes:
-            table.add_row(name, format_bytes(nbytes), f"{100 * nbytes / total:.1f}%")
-    console.print(table)
+    echo(table(["category", "bytes", "share"],
+               [[name, format_bytes(nbytes), f"{100 * nbytes / total:.1f}%"]
+                for name, nbytes in sorted(summary["breakdown"].items(), key=lambda kv: -kv[1]) if nbytes],
+               title="at the peak"))
     if summary["largest_buffers"]:
-        big = Table(title=f"{len(summary['largest_buffers'])} largest buffers")
-        for col in ("size", "category", "phase", "module", "op", "lifetime (events)"):
-            big.add_column(col, justify="right" if col == "size" else "left")
-        for b in summary["largest_buffers"]:
-            end = "end" if b["free_event"] < 0 else str(b["free_event"])
-            big.add_row(
-                format_bytes(b["nbytes"]),
-                b["category"],
-                b["phase"],
-                b["module"] or "-",
-                b["op"] or "-",
-                f"{b['alloc_event']}–{end}",
-            )
-        console.print(big)
+        header = ["size", "category", "phase", "module", "op", "lifetime (events)"]
+        echo(table(header, [[format_bytes(b["nbytes"]), b["category"], b["phase"], b["module"] or "-", b["op"] or "-",
+                             f"{b['alloc_event']}–{'end' if b['free_event'] < 0 else b['free_event']}"]
+                            for b in summary["largest_buffers"]],
+                   title=f"{len(summary['largest_buffers'])} largest buffers", right=[c == "size" for c in header]))
     return 0

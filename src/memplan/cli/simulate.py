@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
 from memplan.alloc import ALLOCATORS, AllocReplay, replay
 from memplan.cli import print_json
+from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
 from memplan.layout.plan import load_address_plan
 from memplan.trace import load
@@ -61,24 +59,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _render(result: AllocReplay, args: argparse.Namespace) -> None:
     """The replay's statistics as a table on stdout."""
-    console = Console()
-    table = Table(title=f"{args.trace} through the {result.allocator} allocator"
-                  + (f" ({args.alloc_conf})" if args.alloc_conf else ""))
-    table.add_column("statistic")
-    table.add_column("value", justify="right")
-    for label, nbytes in (("peak requested", result.peak_requested_bytes),
-                          ("peak allocated", result.peak_allocated_bytes),
-                          ("peak reserved", result.peak_reserved_bytes)):
-        table.add_row(label, f"{format_bytes(nbytes)} ({nbytes:,} B)")
-    table.add_row("fragmentation", f"{result.fragmentation:.1%}")
-    table.add_row("segments (max)", f"{result.segments:,}")
-    table.add_row("cudaMalloc / cudaFree", f"{result.num_cuda_malloc:,} / {result.num_cuda_free:,}")
-    table.add_row("events replayed", f"{result.events_replayed:,}")
-    console.print(table)
+    rows = [(label, f"{format_bytes(nbytes)} ({nbytes:,} B)")
+            for label, nbytes in (("peak requested", result.peak_requested_bytes),
+                                  ("peak allocated", result.peak_allocated_bytes),
+                                  ("peak reserved", result.peak_reserved_bytes))]
+    rows += [("fragmentation", f"{result.fragmentation:.1%}"), ("segments (max)", f"{result.segments:,}"),
+             ("cudaMalloc / cudaFree", f"{result.num_cuda_malloc:,} / {result.num_cuda_free:,}"),
+             ("events replayed", f"{result.events_replayed:,}")]
+    echo(pairs(rows, title=f"{args.trace} through the {result.allocator} allocator"
+               + (f" ({args.alloc_conf})" if args.alloc_conf else "")))
     if result.oom is not None:
-        console.print(
-            f"[bold red]out of memory[/bold red] at event {result.oom['event']}: "
-            f"{format_bytes(result.oom['request_bytes'])} requested with "
-            f"{format_bytes(result.oom['reserved_bytes'])} reserved of "
-            f"{format_bytes(result.oom['capacity_bytes'])}"
-        )
+        echo(paragraph(f"out of memory at event {result.oom['event']}: "
+                       f"{format_bytes(result.oom['request_bytes'])} requested with "
+                       f"{format_bytes(result.oom['reserved_bytes'])} reserved of "
+                       f"{format_bytes(result.oom['capacity_bytes'])}"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +12,7 @@ from memplan.cli import print_json
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.table import echo, paragraph
 from memplan.errors import UserError
 from memplan.trace import save
 from memplan.units import format_bytes
@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     else:
-        sys.stdout.write(
+        echo(paragraph(
             f"wrote {out}: {summary['num_ops']} ops, {summary['num_buffers']} buffers, "
             f"peak {format_bytes(summary['peak_bytes'])} in {summary['peak_phase']} "
-            f"(captured in {trace.meta.get('capture_s')} s)\n"
-        )
+            f"(captured in {trace.meta.get('capture_s')} s)"
+        ))
     return 0

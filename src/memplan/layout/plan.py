@@ -16,7 +16,10 @@ Format (JSON, `format: "memplan-plan"`, `version: 1`):
   (buffers that exist before iteration 0, such as weights), then 0, 1, ...;
   `nbytes[i]` and `offset[i]` describe the i-th request of that group (requests are
   numbered in allocation order within their group). `offset` -1 means "not planned"
-  (a dynamic request). **Periodic**: an iteration beyond the last planned one replays
+  (a dynamic request, placed in the dynamic space when it fits); -2 means "outlives its
+  iteration" (a request the recording never saw freed: a kept loss, a logged metric),
+  served by the fallback allocator directly, since placing it in the dynamic space
+  would hold arena bytes that later iterations' planned requests need. **Periodic**: an iteration beyond the last planned one replays
   the last planned iteration's entries (`periodic_iteration`).
 - `dynamic_space`: windows `[begin_request, end_request)` of request indices of an
   iteration, each with the address ranges `[lo, hi)` of the arena that no planned
@@ -42,6 +45,8 @@ from memplan.trace.model import Trace
 PLAN_FORMAT = "memplan-plan"
 PLAN_VERSION = 1
 PROLOGUE = -1
+NOT_PLANNED = -1  # offset of a dynamic request
+LONG_LIVED = -2  # offset of a request that outlives its iteration: the fallback serves it
 
 
 @dataclass
@@ -50,7 +55,7 @@ class IterationPlan:
 
     iteration: int
     nbytes: np.ndarray  # requested bytes of the i-th request
-    offset: np.ndarray  # planned offset, -1: not planned
+    offset: np.ndarray  # planned offset; NOT_PLANNED (-1): dynamic; LONG_LIVED (-2): fallback
 
     @property
     def num_requests(self) -> int:

@@ -211,3 +211,22 @@ def analyse_lifetimes(trace: Trace, op_durations_s: np.ndarray) -> Lifetimes:
         inactive_before_op=np.concatenate(before).astype(np.int64),
         inactive_returns=np.concatenate(returns),
     )
+
+
+def idle_bytes_per_op(trace: Trace, lt: Lifetimes) -> np.ndarray:
+    """Bytes idle during each op: the buffers inside one of their inactive intervals there
+    (strictly between `inactive_after_op` and `inactive_before_op`, wrapping past the step end)."""
+    n = lt.num_ops
+    nbytes = trace.buffers["nbytes"][lt.inactive_buffer].astype(np.int64)
+    delta = np.zeros(2 * n + 1, np.int64)  # two iterations: an interval wraps at most once
+    np.add.at(delta, lt.inactive_after_op + 1, nbytes)
+    np.add.at(delta, np.minimum(lt.inactive_before_op, 2 * n), -nbytes)
+    idle = np.cumsum(delta[:-1])
+    return idle[:n] + idle[n:]
+
+
+def resident_floor_bytes(trace: Trace) -> int:
+    """The least device memory any offload plan of `trace` reaches: at each op, its bytes
+    less the ones idle there (the planner moves only idle buffers), at the busiest op."""
+    lt = analyse_lifetimes(trace, np.zeros(trace.num_ops))  # which bytes are idle does not depend on time
+    return int((lt.op_bytes - idle_bytes_per_op(trace, lt)).max(initial=0))

@@ -3,7 +3,9 @@
 Inputs are files memplan writes: traces (`.memtrace`, or PyTorch snapshot pickles),
 plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder` and
 `memplan offload`. `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
-PNG per figure beside it; the page has no scripts and loads nothing from the network.
+PNG per figure beside it, and each trace's interactive timeline (`report/timeline.py`):
+its data inline, drawn by memplan's own `timeline.js` copied beside the page. The page
+loads nothing from the network.
 
 Each figure has a one-line caption saying what to look at. Inputs that do not belong
 together (a plan made for another trace) are refused with a UserError before anything
@@ -27,8 +29,9 @@ from memplan.alloc.caching import CachingAllocator
 from memplan.alloc.conf import AllocConf
 from memplan.alloc.simulate import record_replay
 from memplan.errors import UserError
-from memplan.layout.plan import AddressPlan, requests_by_group
+from memplan.layout.plan import AddressPlan
 from memplan.report import figures
+from memplan.report.timeline import planned_addresses, timeline_section
 from memplan.trace import load
 from memplan.trace.edit import device_view
 from memplan.trace.model import Trace
@@ -109,26 +112,6 @@ def _belongs(plan: Any, trace: Trace) -> bool:
     return True
 
 
-def planned_addresses(trace: Trace, plan: Any) -> tuple[np.ndarray, np.ndarray, int]:
-    """Per buffer: planned offset and slot bytes (0 where the plan does not place it),
-    and how many allocations it leaves to the dynamic space or the fallback."""
-    addr = np.zeros(trace.num_buffers, np.int64)
-    nbytes = np.zeros(trace.num_buffers, np.int64)
-    unplanned = 0
-    sizes = trace.buffers["nbytes"]
-    for group, ids in requests_by_group(trace).items():
-        entry = plan.for_iteration(group)
-        for j, buf in enumerate(ids.tolist()):
-            if sizes[buf] == 0:
-                continue
-            if entry is None or j >= entry.num_requests or int(entry.nbytes[j]) != int(sizes[buf]) or entry.offset[j] < 0:
-                unplanned += 1
-                continue
-            addr[buf] = int(entry.offset[j])
-            nbytes[buf] = int(sizes[buf])
-    return addr, nbytes, unplanned
-
-
 def caching_addresses(trace: Trace, expandable: bool = False) -> tuple[Trace, np.ndarray, np.ndarray]:
     """Replay through the caching allocator; per buffer its block address (from 0) and size."""
     view = device_view(trace)
@@ -180,16 +163,22 @@ th{background:#f5f5f5}td:first-child,th:first-child{text-align:left}
 """
 
 
-def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike) -> Path:
-    """Write `out_dir/index.html` and its PNGs from `paths`; return the page's path."""
+def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
+                 compare: list[str | os.PathLike] = ()) -> Path:
+    """Write `out_dir/index.html`, its PNGs and `timeline.js` from `paths`; return the page's
+    path. Each trace's timeline overlays the `compare` traces and the other traces of its model."""
     inputs = read_inputs(paths)  # refuses bad input before anything is written
+    overlays = _overlay_traces(inputs, compare)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir)
     for i, (name, trace) in enumerate(inputs.traces):
-        _trace_section(page, i, name, trace, next((p for _, p in inputs.plans if _belongs(p, trace)), None))
+        plan = next((p for _, p in inputs.plans if _belongs(p, trace)), None)
+        _trace_section(page, i, name, trace, plan)
+        others = [(n, t) for n, t in overlays if t is not trace and t.meta.get("model") == trace.meta.get("model")]
+        page.sections.append(timeline_section(out_dir, i, name, trace, plan, others))
     for i, (name, doc) in enumerate(inputs.estimates):
         _estimate_section(page, i, name, doc)
     for i, (name, doc) in enumerate(inputs.reorders):
@@ -197,6 +186,14 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike) -> 
     for i, (name, doc) in enumerate(inputs.offloads):
         _offload_section(page, i, name, doc)
     return _write_page(page, paths)
+
+
+def _overlay_traces(inputs: ReportInputs, compare: list[str | os.PathLike]) -> list[tuple[str, Trace]]:
+    """The report's traces and the `--compare` traces (which get no section of their own)."""
+    extra = read_inputs(compare) if compare else ReportInputs()
+    if len(extra.traces) != len(compare):
+        raise UserError("--compare takes traces (.memtrace or a PyTorch snapshot pickle), not plans or JSON results")
+    return inputs.traces + extra.traces
 
 
 def _trace_section(page: _Page, i: int, name: str, trace: Trace, plan: AddressPlan | None) -> None:

@@ -39,15 +39,29 @@ from memplan.runtime.build import cpu_extension
 from memplan.runtime.recording import CPU_ALIGNMENT_BYTES, plan_steady_state, record_step
 from memplan.trace.model import Trace
 
+# Why a request went to the default allocator (`pa.stats["fallback_reasons"]`), in the
+# order of kFallbackReasonNames in csrc/planned_core.h:
+FALLBACK_REASONS = (
+    "unplanned_size",  # the n-th request's size differs from the plan's, no dynamic room
+    "outlived_iteration",  # the plan marks it long-lived: the recording never saw it freed
+    "beyond_plan",  # more requests in the iteration than the plan has, no dynamic room
+    "conflict",  # its planned bytes were still held by a tensor kept longer than planned
+    "dynamic_no_room",  # a dynamic plan entry the dynamic space had no room for
+    "no_plan",  # an iteration the plan has no entries for
+)
+
 
 class PlannedAllocator:
     """A context manager that serves CPU allocations from `plan` (see the module doc).
 
     `first_iteration`: the plan iteration the block starts in; by default the prologue
-    (-1) when the plan has one, else 0. `pa.stats` is a dict: `served`, `fallbacks`,
-    `arena_bytes`, `peak_bytes` (arena held plus fallback bytes live, at most), and the
-    detail (`served_planned`, `served_dynamic`, `size_mismatches`, `conflicts`,
-    `beyond_plan`, `unplanned`, `peak_live_bytes`, `iterations`: counts per iteration).
+    (-1) when the plan has one, else 0. `pa.stats` is a dict: `requests`, `served`,
+    `fallbacks`, `arena_bytes`, `peak_bytes` (arena held plus fallback bytes live, at
+    most), `fallback_reasons` (fallbacks per reason, summing to `fallbacks`: see
+    `FALLBACK_REASONS`), and the detail (`served_planned`, `served_dynamic`,
+    `size_mismatches`, `conflicts`, `beyond_plan`, `unplanned`, `long_lived`,
+    `peak_live_bytes`, `iterations`: counts per iteration, `conflict_log`: the first
+    conflicts with the request that still held the bytes).
     """
 
     def __init__(self, plan: AddressPlan, *, first_iteration: int | None = None, trace: Trace | None = None) -> None:
@@ -128,7 +142,10 @@ class PlannedAllocator:
     @property
     def stats(self) -> dict[str, Any]:
         if self._session is None:
-            return {"served": 0, "fallbacks": 0, "arena_bytes": int(self.plan.arena_bytes), "peak_bytes": 0}
+            return {
+                "requests": 0, "served": 0, "fallbacks": 0, "arena_bytes": int(self.plan.arena_bytes),
+                "peak_bytes": 0, "fallback_reasons": dict.fromkeys(FALLBACK_REASONS, 0),
+            }  # fmt: skip
         return dict(self._session.stats())
 
     @property

@@ -11,6 +11,7 @@ matching, shared by both glues), `planned_allocator.cpp` (the CPU glue: a
 from __future__ import annotations
 
 import hashlib
+import os
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -42,11 +43,26 @@ def cpu_extension() -> ModuleType:
 
 @cache
 def cuda_extension() -> str:
-    """Path of the compiled CUDA allocator library, for CUDAPluggableAllocator."""
+    """Path of the compiled CUDA allocator library, for CUDAPluggableAllocator.
+
+    Building must not initialise CUDA: the allocator can be swapped only before that.
+    With CUDA on and TORCH_CUDA_ARCH_LIST unset, torch/utils/cpp_extension.py's
+    `_get_cuda_arch_flags` asks every device for its capability
+    (`torch.cuda.get_device_capability`, which runs CUDA's lazy initialisation), even
+    for a build with no .cu file. The glue is plain C++ (no kernel), so the arch list
+    only fills the ninja file: it is set for the build when the caller has not set it.
+    """
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("the CUDA planned allocator needs a CUDA device; none is visible to PyTorch")
-    build_extension(CUDA_EXTENSION, [CSRC / "planned_allocator_cuda.cpp"], purpose=PURPOSE,
-                    include_paths=[CSRC], extra_cflags=[_core_flag()], with_cuda=True)
+    unset = "TORCH_CUDA_ARCH_LIST" not in os.environ
+    if unset:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
+    try:
+        build_extension(CUDA_EXTENSION, [CSRC / "planned_allocator_cuda.cpp"], purpose=PURPOSE,
+                        include_paths=[CSRC], extra_cflags=[_core_flag()], with_cuda=True)
+    finally:
+        if unset:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
     return str(extension_path(CUDA_EXTENSION))

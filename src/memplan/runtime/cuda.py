@@ -19,9 +19,21 @@ import numpy as np
 
 from memplan.errors import UserError
 from memplan.layout.plan import PROLOGUE, AddressPlan
+from memplan.runtime.allocator import FALLBACK_REASONS
 from memplan.runtime.build import cuda_extension
 
-STAT_NAMES = ("served", "fallbacks", "arena_bytes", "arena_held", "arena_live_bytes", "conflicts", "size_mismatches")
+# memplan_cuda_stats's values, in its order (csrc/planned_allocator_cuda.cpp); the names
+# are those of the CPU allocator's `pa.stats`.
+STAT_NAMES = (
+    "served", "fallbacks", "arena_bytes", "arena_held", "arena_live_bytes", "conflicts", "size_mismatches",
+    "requests", "served_planned", "served_dynamic", "beyond_plan", "unplanned", "long_lived", "demoted",
+    "fallback_bytes",
+)  # fmt: skip
+TOO_LATE = (
+    "memplan's CUDA allocator must be set before the first CUDA allocation and CUDA is already in use "
+    "in this process: call memplan.runtime.cuda.install_cuda_allocator() before any tensor goes to the GPU"
+)
+_installed: list[bool] = []  # [True] once this process's CUDA allocator is memplan's
 
 
 @cache
@@ -30,17 +42,24 @@ def _library() -> ctypes.CDLL:
 
 
 def install_cuda_allocator() -> None:
-    """Make memplan's allocator PyTorch's CUDA allocator (before any CUDA allocation)."""
+    """Make memplan's allocator PyTorch's CUDA allocator, once per process.
+
+    `torch.cuda.memory.change_current_allocator` refuses once PyTorch's own CUDA
+    allocator is initialised (at CUDA's lazy initialisation: the first CUDA tensor), so
+    this must run first; later it raises a one-line UserError. A second call is a no-op.
+    """
     import torch
 
+    if _installed:
+        return
+    if torch.cuda.is_initialized():
+        raise UserError(TOO_LATE)
     allocator = torch.cuda.memory.CUDAPluggableAllocator(cuda_extension(), "memplan_cuda_malloc", "memplan_cuda_free")
     try:
         torch.cuda.memory.change_current_allocator(allocator)
-    except RuntimeError as exc:
-        raise UserError(
-            "memplan's CUDA allocator must be installed before the first CUDA tensor is made: "
-            "call memplan.runtime.cuda.install_cuda_allocator() at the start of the program"
-        ) from exc
+    except RuntimeError:
+        raise UserError(TOO_LATE) from None
+    _installed.append(True)
 
 
 def _int64s(values: Any) -> Any:
@@ -56,6 +75,7 @@ class CudaPlannedAllocator:
         self.first_iteration = (PROLOGUE if PROLOGUE in plan.groups else 0) if first_iteration is None else first_iteration
 
     def __enter__(self) -> CudaPlannedAllocator:
+        install_cuda_allocator()  # a no-op once installed; a one-line UserError when too late
         p = self.plan
         keep = [
             _int64s([g.iteration for g in p.iterations]),
@@ -88,7 +108,12 @@ class CudaPlannedAllocator:
         _library().memplan_cuda_next_iteration()
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """The CPU allocator's `pa.stats` keys that the CUDA glue counts, and `fallback_reasons`."""
         out = (ctypes.c_int64 * len(STAT_NAMES))()
         _library().memplan_cuda_stats(out)
-        return dict(zip(STAT_NAMES, (int(v) for v in out), strict=True))
+        stats: dict[str, Any] = dict(zip(STAT_NAMES, (int(v) for v in out), strict=True))
+        reasons = (ctypes.c_int64 * len(FALLBACK_REASONS))()
+        _library().memplan_cuda_fallback_reasons(reasons)
+        stats["fallback_reasons"] = dict(zip(FALLBACK_REASONS, (int(v) for v in reasons), strict=True))
+        return stats

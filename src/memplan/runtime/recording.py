@@ -12,11 +12,14 @@ ones (STAlloc replays iteration 1's plan for every later iteration):
 - a request freed within the iteration lives `[alloc, free)` on the iteration's own
   event axis;
 - a request still live at the end that the previous iteration's same-index,
-  same-size request shows to be freed early in the next iteration wraps around: it
-  lives `[alloc, period) ∪ [0, free')`, so the next iteration's requests are planned
-  around it;
-- a request never freed (state created once) is left unplanned (offset -1), as
-  STAlloc hands never-freed tensors to its fallback allocator;
+  same-size request shows to be freed early in the next iteration (before its own
+  next instance is made) wraps around: it lives `[alloc, period) ∪ [0, free')`, so
+  the next iteration's requests are planned around it; one freed later than that
+  (`self.last_loss = loss`: two instances live at once) is long-lived;
+- a request never freed (state created once, a loss or metric the loop keeps) is
+  marked long-lived (offset `LONG_LIVED`): the runtime serves it from the fallback
+  allocator, as STAlloc hands never-freed tensors to its fallback allocator, and never
+  from the dynamic space, whose ranges are free only during their window;
 - requests made inside an intra-op parallel region (`at::in_parallel_region()`:
   per-thread scratch of a kernel) interleave differently from run to run, so each
   lives, in the plan, over the whole run of consecutive parallel-region events it
@@ -40,6 +43,7 @@ import numpy as np
 
 from memplan.layout.greedy import greedy_by_size
 from memplan.layout.plan import (
+    LONG_LIVED,
     AddressPlan,
     DynamicWindow,
     IterationPlan,
@@ -54,16 +58,24 @@ CPU_ALIGNMENT_BYTES = 64  # c10's gAlignment: what the default CPU allocator ret
 
 
 def record_step(step_fn: Callable[[], object], iterations: int) -> Trace:
-    """Run `step_fn` `iterations` times under the recording allocator; the requests it saw."""
+    """Run `step_fn` `iterations` times under the recording allocator; the requests it saw.
+
+    What `step_fn` returns is held until the recording ends, so its tensors are never
+    freed in the recording and are planned as long-lived: a training loop keeps what
+    its step returns (`loss = step()` holds it into the next iteration,
+    `losses.append(step())` for good), which the recording cannot see otherwise.
+    """
     ext = cpu_extension()
     session = ext.new_recorder()
+    returned = []
     session.install()
     try:
         for _ in range(iterations):
-            step_fn()
+            returned.append(step_fn())
             session.next_iteration()
     finally:
         session.uninstall()
+    del returned  # freed after the recorder is uninstalled: not in the log
     kinds, buffers, nbytes, iteration, parallel = (np.asarray(c) for c in session.events())
     return trace_from_recording(kinds, buffers, nbytes, iteration, parallel)
 
@@ -121,6 +133,9 @@ def plan_steady_state(
     nbytes = trace.buffers["nbytes"][requests]
     wrap_free = _wrap_free_events(trace, by_group.get(last - 1), requests, t0)
     alloc, free = _widen_parallel(trace, alloc, free, t0)
+    # Freed only after its own next instance is made (`self.last_loss = loss`): two
+    # instances live at once, which one periodic offset cannot hold: long-lived.
+    wrap_free[(free < 0) & (wrap_free > alloc)] = -1
 
     piece_lower, piece_upper, piece_buffer = [], [], []
     planned = np.zeros(requests.shape[0], bool)
@@ -141,7 +156,7 @@ def plan_steady_state(
     remap = np.full(requests.shape[0], -1, np.int64)
     remap[index] = np.arange(index.shape[0])
     placed = greedy_by_size(lower, upper, remap[owner], nbytes[index], alignment_bytes)
-    offsets = np.full(requests.shape[0], -1, np.int64)
+    offsets = np.full(requests.shape[0], LONG_LIVED, np.int64)  # the never-freed ones keep it
     offsets[index] = placed
     arena_bytes = check_offsets(lower, upper, nbytes[owner], offsets[owner], alignment=alignment_bytes)
     windows = _dynamic_windows(last, alloc, lower, upper, nbytes[owner], offsets[owner], arena_bytes, window_requests)
@@ -157,6 +172,7 @@ def plan_steady_state(
             "requests": int(requests.shape[0]),
             "planned": int(index.shape[0]),
             "wrapping": int(np.count_nonzero((free < 0) & (wrap_free >= 0))),
+            "long_lived": int(requests.shape[0] - index.shape[0]),
             "plan_s": round(time.perf_counter() - start, 4),
         },
     )

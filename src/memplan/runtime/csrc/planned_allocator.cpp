@@ -303,6 +303,11 @@ py::dict stats(const std::shared_ptr<Session>& s) {
   d["beyond_plan"] = c.beyond_plan;
   d["unplanned"] = c.unplanned;
   d["conflicts"] = c.conflicts;
+  d["long_lived"] = c.long_lived;
+  d["demoted"] = c.demoted;
+  py::dict reasons;
+  for (int k = 0; k < kNumFallbackReasons; ++k) reasons[kFallbackReasonNames[k]] = c.fallback_reasons[k];
+  d["fallback_reasons"] = reasons;
   d["arena_bytes"] = s->arena_bytes;
   d["arena_held"] = s->base != nullptr;
   d["arena_allocations"] = s->arena_allocations;

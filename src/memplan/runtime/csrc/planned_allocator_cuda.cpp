@@ -93,13 +93,24 @@ void memplan_cuda_end() {
   release_arena_if_done();
 }
 
-// served, fallbacks, arena_bytes, arena held (0/1), arena live bytes, conflicts, size mismatches.
+// In the order of STAT_NAMES in memplan/runtime/cuda.py: served, fallbacks, arena_bytes,
+// arena held (0/1), arena live bytes, conflicts, size mismatches, requests, served planned,
+// served dynamic, beyond plan, unplanned, long lived, demoted, fallback bytes.
 void memplan_cuda_stats(int64_t* out) {
   std::lock_guard<std::mutex> lock(g_mutex);
   const memplan::CoreStats s = g_core ? g_core->stats() : memplan::CoreStats{};
-  const int64_t values[7] = {s.served_planned + s.served_dynamic, s.fallbacks, g_arena_bytes,
-                             g_arena != nullptr, s.arena_live_bytes, s.conflicts, s.size_mismatches};
-  for (int i = 0; i < 7; ++i) out[i] = values[i];
+  const int64_t values[15] = {s.served_planned + s.served_dynamic, s.fallbacks, g_arena_bytes,
+                              g_arena != nullptr, s.arena_live_bytes, s.conflicts, s.size_mismatches,
+                              s.requests, s.served_planned, s.served_dynamic, s.beyond_plan,
+                              s.unplanned, s.long_lived, s.demoted, s.fallback_bytes};
+  for (int i = 0; i < 15; ++i) out[i] = values[i];
+}
+
+// Fallbacks per reason, in the order of memplan::kFallbackReasonNames (planned_core.h).
+void memplan_cuda_fallback_reasons(int64_t* out) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const memplan::CoreStats s = g_core ? g_core->stats() : memplan::CoreStats{};
+  for (int k = 0; k < memplan::kNumFallbackReasons; ++k) out[k] = s.fallback_reasons[k];
 }
 
 }  // extern "C"

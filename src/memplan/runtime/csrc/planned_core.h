@@ -17,6 +17,12 @@
 // right now (a sorted map of the live arena ranges is checked). When the run departs
 // from the plan (a tensor kept alive longer than it was when the plan was made), the
 // request falls back instead of overwriting live data; it is counted as a conflict.
+//
+// A plan entry of offset -2 (LONG_LIVED, memplan/layout/plan.py) is a request that
+// outlives its iteration (a kept loss, a logged metric): it goes to the default
+// allocator directly, never into the dynamic space, whose ranges are free only during
+// their window. Every fallback is counted under the reason it happened
+// (CoreStats::fallback_reasons, named by kFallbackReasonNames).
 #pragma once
 
 #include <algorithm>
@@ -39,6 +45,22 @@ struct GroupPlan {
   std::vector<int64_t> offset;  // -1: not planned
   std::vector<DynamicWindow> windows;
 };
+
+constexpr int64_t kNotPlanned = -1;  // a dynamic request: the dynamic space, else the fallback
+constexpr int64_t kLongLived = -2;   // outlives its iteration: the fallback serves it
+
+// Why a request went to the default allocator; the order of kFallbackReasonNames.
+enum FallbackReason : int {
+  kUnplannedSize = 0,     // the n-th request's size differs from the plan's (and no dynamic room)
+  kOutlivedIteration,     // the plan marks it long-lived (kLongLived)
+  kBeyondPlan,            // more requests than the plan has entries (and no dynamic room)
+  kConflict,              // its planned bytes were still held (and no dynamic room)
+  kDynamicNoRoom,         // a dynamic entry (kNotPlanned) the dynamic space had no room for
+  kNoPlan,                // the iteration has no plan (a prologue the plan lacks)
+  kNumFallbackReasons
+};
+constexpr const char* kFallbackReasonNames[kNumFallbackReasons] = {
+    "unplanned_size", "outlived_iteration", "beyond_plan", "conflict", "dynamic_no_room", "no_plan"};
 
 struct IterationCounts {
   int64_t iteration = 0;
@@ -64,6 +86,9 @@ struct CoreStats {
   int64_t beyond_plan = 0;      // more requests than the plan has entries
   int64_t unplanned = 0;        // the plan's entry is dynamic (offset -1)
   int64_t conflicts = 0;        // the planned bytes were still in use
+  int64_t long_lived = 0;       // the plan's entry is long-lived (offset kLongLived)
+  int64_t demoted = 0;          // planned entries made long-lived: the run kept their tensor longer
+  int64_t fallback_reasons[kNumFallbackReasons] = {};
   int64_t arena_live_bytes = 0;
   int64_t arena_live_allocations = 0;
   int64_t arena_peak_live_bytes = 0;
@@ -93,35 +118,40 @@ class PlannedCore {
     const int64_t index = request_++;
     stats_.requests++;
     counts_.back().requests++;
-    if (group_ != nullptr) {
-      const auto n = static_cast<int64_t>(group_->nbytes.size());
-      if (index >= n) {
-        stats_.beyond_plan++;
-      } else if (group_->nbytes[index] != nbytes) {
-        stats_.size_mismatches++;
-      } else if (group_->offset[index] < 0) {
-        stats_.unplanned++;
-      } else if (is_free(group_->offset[index], nbytes)) {
-        take(group_->offset[index], nbytes, index);
-        stats_.served_planned++;
-        counts_.back().served_planned++;
-        return group_->offset[index];
-      } else {
-        stats_.conflicts++;
-        log_conflict(index, nbytes, group_->offset[index]);
-      }
-      const int64_t offset = best_fit_dynamic(index, nbytes);
-      if (offset >= 0) {
-        take(offset, nbytes, index);
-        stats_.served_dynamic++;
-        counts_.back().served_dynamic++;
-        return offset;
-      }
+    if (group_ == nullptr) return fall_back(nbytes, kNoPlan);
+    FallbackReason reason;
+    const auto n = static_cast<int64_t>(group_->nbytes.size());
+    if (index >= n) {
+      stats_.beyond_plan++;
+      reason = kBeyondPlan;
+    } else if (group_->nbytes[index] != nbytes) {
+      stats_.size_mismatches++;
+      reason = kUnplannedSize;
+    } else if (group_->offset[index] == kLongLived) {
+      stats_.long_lived++;
+      return fall_back(nbytes, kOutlivedIteration);
+    } else if (group_->offset[index] < 0) {
+      stats_.unplanned++;
+      reason = kDynamicNoRoom;
+    } else if (is_free(group_->offset[index], nbytes)) {
+      take(group_->offset[index], nbytes, index, group_);
+      stats_.served_planned++;
+      counts_.back().served_planned++;
+      return group_->offset[index];
+    } else {
+      stats_.conflicts++;
+      log_conflict(index, nbytes, group_->offset[index]);
+      demote_outlived_holder(group_->offset[index], nbytes);
+      reason = kConflict;
     }
-    stats_.fallbacks++;
-    stats_.fallback_bytes += nbytes;
-    counts_.back().fallbacks++;
-    return -1;
+    const int64_t offset = best_fit_dynamic(index, nbytes);
+    if (offset >= 0) {
+      take(offset, nbytes, index, nullptr);
+      stats_.served_dynamic++;
+      counts_.back().served_dynamic++;
+      return offset;
+    }
+    return fall_back(nbytes, reason);
   }
 
   // Give back the arena bytes at `offset` (served by place()); returns their count, or -1.
@@ -143,9 +173,17 @@ class PlannedCore {
   }
 
  private:
+  int64_t fall_back(int64_t nbytes, FallbackReason reason) {
+    stats_.fallbacks++;
+    stats_.fallback_bytes += nbytes;
+    stats_.fallback_reasons[reason]++;
+    counts_.back().fallbacks++;
+    return -1;
+  }
+
   void select_group() {
     group_ = nullptr;
-    for (const auto& g : groups_) {
+    for (auto& g : groups_) {
       if (g.iteration == iteration_) group_ = &g;
     }
     // Periodic: beyond the last planned iteration, replay it.
@@ -157,6 +195,7 @@ class PlannedCore {
 
   struct LiveRange {
     int64_t end, iteration, request;
+    GroupPlan* planned_by;  // the group whose planned offset it took; null: dynamic space
   };
 
   // The live range that overlaps [lo, lo + nbytes), or live_.end().
@@ -185,9 +224,23 @@ class PlannedCore {
     conflict_log_.push_back(c);
   }
 
+  // The planned tensor that holds [lo, lo + nbytes) was made in an earlier iteration of
+  // the group now replayed: it outlived the lifetime the plan gave it (the loop kept it).
+  // Its entry becomes long-lived, so the next iterations serve it from the fallback
+  // instead of leaving it where their planned requests will conflict with it again.
+  void demote_outlived_holder(int64_t lo, int64_t nbytes) {
+    auto it = overlapping(lo, nbytes);
+    if (it == live_.end()) return;
+    const LiveRange& holder = it->second;
+    if (holder.planned_by != group_ || holder.iteration >= iteration_) return;
+    if (group_->offset[holder.request] < 0) return;
+    group_->offset[holder.request] = kLongLived;
+    stats_.demoted++;
+  }
+
   // nbytes > 0: the glue never asks the core about zero-byte requests.
-  void take(int64_t lo, int64_t nbytes, int64_t index) {
-    live_.emplace(lo, LiveRange{lo + nbytes, iteration_, index});
+  void take(int64_t lo, int64_t nbytes, int64_t index, GroupPlan* planned_by) {
+    live_.emplace(lo, LiveRange{lo + nbytes, iteration_, index, planned_by});
     stats_.arena_live_bytes += nbytes;
     stats_.arena_live_allocations++;
     stats_.arena_peak_live_bytes = std::max(stats_.arena_peak_live_bytes, stats_.arena_live_bytes);
@@ -231,7 +284,7 @@ class PlannedCore {
   int64_t alignment_bytes_;
   int64_t iteration_;
   int64_t request_ = 0;
-  const GroupPlan* group_ = nullptr;
+  GroupPlan* group_ = nullptr;
   std::map<int64_t, LiveRange> live_;  // start -> (end, who took it)
   CoreStats stats_;
   std::vector<IterationCounts> counts_;

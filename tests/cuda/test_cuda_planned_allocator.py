@@ -1,0 +1,74 @@
+"""The planned allocator behind `torch.cuda.memory.CUDAPluggableAllocator`, on a GPU.
+
+PyTorch lets a process change its CUDA allocator only before CUDA is initialised, so
+each case runs in a fresh interpreter.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from memplan.native import missing_build_tools
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or bool(missing_build_tools()), reason="needs a CUDA device and a C++ compiler"
+)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+
+
+def test_installing_after_the_first_cuda_tensor_is_refused_in_one_line():
+    done = run_python("""
+        import torch
+        from memplan.errors import UserError
+        from memplan.runtime.cuda import install_cuda_allocator
+        torch.zeros(1, device="cuda")
+        try:
+            install_cuda_allocator()
+        except UserError as exc:
+            print(str(exc))
+    """)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1
+    assert "before the first CUDA allocation" in lines[0]
+
+
+def test_a_plan_serves_cuda_allocations_at_its_offsets():
+    done = run_python("""
+        import json
+        import numpy as np
+        import torch
+        from memplan.layout.plan import LONG_LIVED, AddressPlan, IterationPlan
+        from memplan.runtime.cuda import CudaPlannedAllocator, install_cuda_allocator
+
+        install_cuda_allocator()
+        install_cuda_allocator()  # a second call is a no-op
+        plan = AddressPlan("test", 1024, 512, [IterationPlan(0, np.array([512, 512, 512], np.int64),
+                                                             np.array([0, 512, LONG_LIVED], np.int64))])
+        with CudaPlannedAllocator(plan) as pa:
+            a = torch.empty(512, dtype=torch.uint8, device="cuda").fill_(1)
+            b = torch.empty(512, dtype=torch.uint8, device="cuda").fill_(2)
+            kept = torch.empty(512, dtype=torch.uint8, device="cuda").fill_(3)
+            stats = pa.stats  # before the sums below make requests beyond the plan
+            offsets = [a.data_ptr() - a.data_ptr(), b.data_ptr() - a.data_ptr()]
+            sums = [int(a.sum()), int(b.sum()), int(kept.sum())]
+            del a, b
+        print(json.dumps({"offsets": offsets, "sums": sums, "stats": stats}))
+    """)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["offsets"] == [0, 512]
+    assert out["sums"] == [512, 1024, 1536]
+    stats = out["stats"]
+    assert (stats["served_planned"], stats["fallbacks"], stats["long_lived"]) == (2, 1, 1)
+    assert stats["fallback_reasons"]["outlived_iteration"] == 1
