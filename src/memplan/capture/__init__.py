@@ -11,7 +11,7 @@ setup, device)` captures the same step as a `StepTrace`: the trace plus the mode
 facts (blocks, heads, sequence) the estimate's later stages need. See docs/capture.md.
 """
 
-from memplan.capture.api import capture
+from memplan.capture.api import LiveCapture, capture
 from memplan.capture.recorder import Recorder, set_microbatch
 from memplan.capture.step import (
     StepTrace,
@@ -22,6 +22,7 @@ from memplan.capture.step import (
 )
 
 __all__ = [
+    "LiveCapture",
     "Recorder",
     "StepTrace",
     "TrainingStep",

@@ -18,13 +18,23 @@ import torch
 
 def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> int:
     """Peak bytes of the profiler's memory timeline over one call of `step_fn`."""
+    with memory_profiler() as prof:
+        step_fn(*args, **kwargs)
+    return timeline_peak_bytes(prof, device)
+
+
+def memory_profiler() -> Any:
+    """The profiler the ground truth runs under (not started): a context manager, or
+    `start()` / `stop()` for a step that begins and ends in two different calls."""
     from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+
+
+def timeline_peak_bytes(prof: Any, device: str = "cpu") -> int:
+    """Peak of the total of the memory timeline of a stopped `memory_profiler()`."""
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        step_fn(*args, **kwargs)
     timeline = MemoryProfileTimeline(prof._memory_profile())
     _times, sizes = timeline._coalesce_timeline(torch.device(device))
     totals = np.asarray(sizes, dtype=np.int64).sum(axis=1)
