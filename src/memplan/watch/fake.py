@@ -134,7 +134,7 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, calls: list[ForwardCall], *,
+def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, calls: list[ForwardCall], *,
                   scale_loss: bool, clip_norm: float | None,
                   autocast: tuple[str, torch.dtype] | None) -> Callable[[], None]:
     """The step a Hugging Face-style loop runs, over the forward calls seen in the measured
@@ -142,7 +142,7 @@ def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, call
     `Trainer.compute_loss` returns the loss alone), divided by the number of calls when
     `scale_loss`, `loss.backward()`; then `clip_grad_norm_` when `clip_norm` is given
     (`Trainer._clip_grad_norm`, or `float("inf")` for the norm it logs), `optimizer.step()`
-    and `zero_grad(set_to_none=True)`."""
+    and `zero_grad(set_to_none=True)` (the model's `zero_grad` alone without an optimizer)."""
 
     def step() -> None:
         for args, kwargs in calls:
@@ -154,7 +154,10 @@ def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, call
             del loss
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
 
     return step

@@ -45,7 +45,7 @@ class StepFiles:
 
 def step_meta(watch: Any) -> dict[str, Any]:
     """What every trace the watch writes says about the job."""
-    return {"device": watch.device, "torch_version": torch.__version__, "watched_model": watch.identity,
+    return {"device": watch.device, "torch_version": str(torch.__version__), "watched_model": watch.identity,
             "model": watch.identity["name"], "parameters": watch.identity["parameters"], "step": watch.target}
 
 
@@ -59,7 +59,7 @@ class Measurement:
         recorder = guard.recorder(record_flops=measured) if guard is not None and hasattr(guard, "recorder") \
             else Recorder(record_flops=measured)
         self.live = LiveCapture([watch.model], optimizers, recorder=recorder)
-        self.profiler = memory_profiler() if measured else None
+        self.profiler = memory_profiler() if measured and watch.profile else None
         self.oom_trace: Trace | None = None
         if self.profiler is not None:
             self.profiler.start()
@@ -79,7 +79,8 @@ class Measurement:
             return None
         trace = self.live.end(meta=step_meta(watch))
         peak = self.stop_profiler()
-        trace.meta["profiler_peak_bytes"] = peak
+        if peak is not None:
+            trace.meta["profiler_peak_bytes"] = peak
         return write_step(watch, trace)
 
     def abandon(self) -> None:
@@ -121,7 +122,7 @@ def analyse(watch: Any, files: StepFiles, setup: TrainingSetup, unseen: list[str
                               "compare": None}
     inputs = [files.memtrace]
     try:
-        step = watch.step_fn or standard_step(watch.model, watch.optimizer, watch._calls, scale_loss=True,
+        step = watch.step_fn or standard_step(watch.model, watch.optimizer, watch._measured_calls, scale_loss=True,
                                               clip_norm=watch.clip_norm, autocast=watch._autocast)
         start = time.perf_counter()
         fake = trace_fake_step(watch.model, watch.optimizer, watch.fake_mode, step,
@@ -134,7 +135,7 @@ def analyse(watch: Any, files: StepFiles, setup: TrainingSetup, unseen: list[str
         result["estimate_refused"] = str(exc)
     else:
         save(fake, out / "estimate.memtrace")
-        doc = {**est.to_json(), "watched_model": watch.identity, "torch_version": torch.__version__,
+        doc = {**est.to_json(), "watched_model": watch.identity, "torch_version": str(torch.__version__),
                "buffers_at_peak": buffers_at_peak(fake)}
         (out / "estimate.json").write_text(json.dumps(doc, indent=2) + "\n")
         cmp = compare(side_of_trace(files.trace, files.memtrace.name, "memtrace"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import traceback
 from dataclasses import replace
 from typing import Any
@@ -93,7 +94,7 @@ class CpuGuard:
         measurement = watch._open
         if measurement is not None:
             measurement.stop_profiler()
-        trace = recorder.finish(meta={"device": "cpu", "torch_version": torch.__version__,
+        trace = recorder.finish(meta={"device": "cpu", "torch_version": str(torch.__version__),
                                       "watched_model": watch.identity, "oom": str(error)})
         if measurement is not None:
             measurement.oom_trace = trace
@@ -151,7 +152,7 @@ def handle_oom(watch: Any, message: str, trace: Trace, raw_snapshot: dict | None
 
     if _stage("the snapshot", failures, dump) is None and "snapshot" not in files:
         return files
-    changes = _stage("the suggestions", failures, lambda: suggest_changes(watch))
+    changes = _stage("the suggestions", failures, lambda: _in_clean_state(lambda: suggest_changes(watch)))
     files["suggestions"] = changes
     doc = {"format": OOM_FORMAT, "message": message, "suggestions": changes or [], "handler_failures": failures}
     (out / "oom.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -163,8 +164,30 @@ def handle_oom(watch: Any, message: str, trace: Trace, raw_snapshot: dict | None
     return files
 
 
+def _in_clean_state(work: Any) -> Any:
+    """`work()` on a new thread, and its result (or its error, raised here). The error that
+    called the handler may be raised inside a dispatch mode (below autograd, where no op
+    records a gradient), inside `optimizer.step()` (`no_grad`) or an autocast region: all
+    thread-local state, which a new thread starts without, so the search's own steps run as
+    they would in a fresh process."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="memplan-watch-oom")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
 def _print_answer(watch: Any, message: str, files: dict[str, Any]) -> None:
-    lines = [f"memplan.watch: {message.splitlines()[0] if message else 'out of memory'}",
+    lines = [message.splitlines()[0] if message else "memplan.watch: out of memory",
              f"memplan.watch: snapshot {files.get('snapshot')}, report {files.get('report')}"]
     changes = files.get("suggestions")
     if isinstance(changes, dict) and changes.get("refused"):
@@ -201,9 +224,10 @@ def suggest_changes(watch: Any) -> dict[str, Any]:
 def fitting_changes(config: Any, setup: TrainingSetup, target: dict[str, Any]) -> list[dict[str, Any]]:
     """The changes of `setup` that fit `target`, cheapest first: `memplan.fit`'s search on a GPU
     profile (`{"gpu": name, "gpus": n}`, ranked by its roofline seconds per token), or on a cpu
-    capacity (`{"capacity_bytes": n}`) the same candidates (`memplan.estimation.fit.candidates`)
-    estimated for cpu with the tokens per optimizer step kept, ranked by FLOPs per token (what
-    recomputation costs). The one place the watch calls the search."""
+    capacity (`{"capacity_bytes": n}`) the same candidates (`memplan.estimation.fit.candidates`,
+    micro-batches up to the job's) estimated for cpu with the tokens per optimizer step kept,
+    ranked by FLOPs per token (what recomputation costs), then by fewer micro-batches. The one
+    place the watch calls the search."""
     if "gpu" in target:
         rows = fit(config, target["gpu"], target["gpus"], setup, progress=False, top=SUGGESTIONS)
         out = []
@@ -227,15 +251,15 @@ def _cpu_changes(config: Any, setup: TrainingSetup, capacity: int) -> list[dict[
     for cand in candidates(config, 1):
         accum = max(1, math.ceil(tokens / cand.micro_batch))
         trial = replace(setup, batch=cand.micro_batch, checkpointing=cand.checkpointing, grad_accum=accum)
-        if trial == setup or (cand.micro_batch, cand.checkpointing) in seen:
-            continue
+        if trial == setup or cand.micro_batch > setup.batch or (cand.micro_batch, cand.checkpointing) in seen:
+            continue  # a larger micro-batch holds more activations: never the change that fits
         seen.add((cand.micro_batch, cand.checkpointing))
         est = estimate(config, trial, device="cpu", allocator="none", capacity=capacity, cache=cache)
         if not est.fits:
             continue
         per_token = est.flops / max(1, cand.micro_batch * accum * (trial.seq or 1))
         out.append({"setup": trial.to_dict(), "peak_bytes": est.peak_allocated_bytes, "capacity_bytes": capacity,
-                    "cost": per_token, "flags": [*setup_flags(trial), "--device", "cpu", "--allocator", "none",
+                    "cost": per_token, "micro_batch": cand.micro_batch, "flags": [*setup_flags(trial), "--device", "cpu", "--allocator", "none",
                                                  "--capacity", str(capacity)]})
-    out.sort(key=lambda c: (c["cost"], c["peak_bytes"]))
+    out.sort(key=lambda c: (c["cost"], -c.pop("micro_batch")))  # equal FLOPs: fewer micro-batches first
     return out

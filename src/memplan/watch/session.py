@@ -41,7 +41,8 @@ class Watch:
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, step: int = 2,
                  out_dir: str | Path = "memplan-watch", on_oom: bool = True, capacity: int | str | None = None,
                  setup: TrainingSetup | None = None, *, step_fn: Callable[[], Any] | None = None,
-                 gpu: str | None = None, clip_norm: float | None = None, driver: str = "hooks") -> None:
+                 gpu: str | None = None, clip_norm: float | None = None, profile: bool = True,
+                 driver: str = "hooks") -> None:
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"memplan.watch watches a torch.nn.Module, not {type(model).__name__}")
         if not any(True for _ in model.parameters()):
@@ -63,6 +64,7 @@ class Watch:
         self.step_fn = step_fn
         self.gpu = gpu
         self.clip_norm = clip_norm
+        self.profile = profile
         self.driver = driver
         self.device = next(model.parameters()).device.type
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -74,7 +76,8 @@ class Watch:
         self._open: Measurement | None = None  # the iteration being recorded, if any
         self._open_index = 0
         self._stepped_since_open = False
-        self._calls: list[ForwardCall] = []
+        self._calls: list[ForwardCall] = []  # the forward calls of the open iteration (fake copies)
+        self._measured_calls: list[ForwardCall] = []  # those of the measured one
         self._autocast: tuple[str, torch.dtype] | None = None
         self._measured: StepFiles | None = None
         self._hooks: list[Any] = []
@@ -96,7 +99,7 @@ class Watch:
             self.end_iteration()
         if self._open is None and self.driver == "hooks" and self._wants(self.steps_done + 1):
             self.begin_iteration(inputs=(args, kwargs))
-        if self._open is not None and self._open_index == self.target:
+        if self._open is not None:
             self._observe_call(args, kwargs)
 
     def _wants(self, index: int) -> bool:
@@ -143,6 +146,7 @@ class Watch:
             return
         self._open_index = index
         self._stepped_since_open = False
+        self._calls = []
         measured = index == self.target
         self._open = start_measurement(self, inputs, measured=measured)
 
@@ -156,6 +160,7 @@ class Watch:
         files = open_.finish(self)
         if files is not None:
             self._measured = files
+            self._measured_calls = self._calls
 
     def close(self, exc: BaseException | None = None) -> dict[str, Any] | None:
         """Stop watching; analyse the measured step (unless the run raised); report a
@@ -186,7 +191,7 @@ class Watch:
     def analyse(self) -> dict[str, Any]:
         """Estimate the measured step on fake tensors, compare, write the report."""
         setup, unseen = (self.user_setup, []) if self.user_setup is not None else infer_setup(
-            self.model, self.optimizer, self._calls, self._autocast)
+            self.model, self.optimizer, self._measured_calls, self._autocast)
         self.result = analyse(self, self._measured, setup, unseen)
         (self.out_dir / "watch.json").write_text(json.dumps(self.result, indent=2, default=str) + "\n")
         return self.result
@@ -194,7 +199,7 @@ class Watch:
     def setup_for_suggestions(self) -> tuple[TrainingSetup, list[str]]:
         if self.user_setup is not None:
             return self.user_setup, []
-        return infer_setup(self.model, self.optimizer, self._calls, self._autocast)
+        return infer_setup(self.model, self.optimizer, self._calls or self._measured_calls, self._autocast)
 
 
 def watch(model: torch.nn.Module, optimizer: Any = None, step: int = 2, out_dir: str | Path = "memplan-watch",

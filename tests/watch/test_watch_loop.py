@@ -1,0 +1,117 @@
+"""`memplan.watch` around a plain training loop on cpu: the measured step against torch.profiler
+and against memplan's own estimate of the same step, an injected out-of-memory error, bad input."""
+
+import json
+
+import pytest
+import torch
+
+import memplan
+from memplan import models
+from memplan.errors import UserError
+from memplan.trace import load, load_snapshot
+
+SETUP = models.TrainingSetup(batch=2, seq=32)
+
+
+def _job(seed=0, batch=2, seq=32):
+    setup = models.TrainingSetup(batch=batch, seq=seq)
+    torch.manual_seed(seed)
+    model = models.build_model(models.tiny_config("llama-3.2-1b"), setup, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    batches = [models.make_batch(model, setup, device="cpu", seed=i) for i in range(3)]
+    return model, optimizer, batches
+
+
+def _loop(model, optimizer, batches):
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_measured_step_matches_the_profiler_and_the_estimate_of_the_same_step(tmp_path):
+    model, optimizer, batches = _job()
+    with memplan.watch(model, optimizer, step=2, out_dir=tmp_path) as w:
+        _loop(model, optimizer, batches)
+    measured = load(tmp_path / "step2.memtrace")
+    peak = measured.peak()[0]
+    profiler = measured.meta["profiler_peak_bytes"]
+    assert abs(peak - profiler) / profiler <= 1e-4, (peak, profiler)
+    cmp = json.loads((tmp_path / "compare.json").read_text())
+    assert cmp == w.result["compare"]
+    for name, entry in {**cmp["breakdown"], "peak_allocated_bytes": cmp["figures"]["peak_allocated_bytes"]}.items():
+        assert abs(entry["difference_bytes"]) <= 0.01 * max(entry["measured"], 1), (name, entry)
+    assert cmp["peak_phase"]["measured"] == cmp["peak_phase"]["estimated"]
+    assert load_snapshot(tmp_path / "step2.pickle").peak()[0] == peak  # memory_viz's file, same step
+    assert (tmp_path / "report" / "index.html").is_file()
+    # the live model is untouched by the fake step: real parameters, the optimizer's own state
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(type(v) is torch.Tensor for s in optimizer.state.values() for v in s.values())
+
+
+def test_manual_steps_count_iterations_where_there_is_no_optimizer_hook(tmp_path):
+    model, optimizer, batches = _job()
+    with memplan.watch(model, None, step=2, out_dir=tmp_path, profile=False) as w:
+        for batch in batches:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w.step()
+    assert load(tmp_path / "step2.memtrace").meta["step"] == 2
+    assert w.steps_done == 3
+    # the optimizer was not given to the watch: its step runs in the measured iteration, not in the estimate
+    assert w.result["compare"]["figures"]["peak_allocated_bytes"]["difference_bytes"] < 0
+
+
+def test_injected_out_of_memory_writes_the_snapshot_report_and_three_changes_that_fit(tmp_path, capsys):
+    model, optimizer, batches = _job(batch=2, seq=64)
+    # the step holds 4.41 MB; with micro-batches of 1 or checkpointing, 3.22 to 3.77 MB
+    capacity = 3_500_000
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, capacity=capacity) as w:
+            _loop(model, optimizer, batches)
+    assert "over the capacity" in str(raised.value)
+    assert load(tmp_path / "oom.memtrace").peak()[0] > capacity
+    assert load_snapshot(tmp_path / "oom.pickle").num_buffers > 0
+    assert (tmp_path / "oom-report" / "index.html").is_file()
+    fits = w.oom_files["suggestions"]["fits"]
+    assert len(fits) == 3
+    for change in fits:
+        assert change["peak_bytes"] <= capacity
+        assert change["command"].startswith("memplan estimate ")
+    err = capsys.readouterr().err
+    assert err.count("  memplan estimate ") == 3
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_a_second_out_of_memory_error_in_the_handler_does_not_mask_the_first(tmp_path, monkeypatch, capsys):
+    from memplan.watch import oom
+
+    def second(_watch):
+        raise torch.OutOfMemoryError("second error, inside the handler")
+
+    monkeypatch.setattr(oom, "suggest_changes", second)
+    model, optimizer, batches = _job()
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, capacity=2_000_000):
+            _loop(model, optimizer, batches)
+    assert "over the capacity" in str(raised.value)
+    assert (tmp_path / "oom.memtrace").is_file() and (tmp_path / "oom.pickle").is_file()
+    assert (tmp_path / "oom-report" / "index.html").is_file()
+    assert "stopped at the suggestions: OutOfMemoryError: second error" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    with pytest.raises(UserError, match="has no parameters"):
+        memplan.watch(torch.nn.ReLU(), None, out_dir=tmp_path)
+    model, optimizer, batches = _job()
+    with pytest.raises(UserError, match="step must be a whole number"):
+        memplan.watch(model, optimizer, step=0)
+    with memplan.watch(model, optimizer, step=9, out_dir=tmp_path) as w:
+        _loop(model, optimizer, batches[:1])
+    assert w.result is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("memplan.watch: step 9 was never reached (the run made 1 steps): nothing was measured; "
+                       "watch an earlier step")
