@@ -115,3 +115,11 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("memplan.watch: step 9 was never reached (the run made 1 steps): nothing was measured; "
                        "watch an earlier step")
+
+
+def test_the_cuda_device_name_finds_its_profile():
+    from memplan.hardware.devices import profile_of_name
+
+    assert profile_of_name("NVIDIA H100 80GB HBM3").key in ("h100-80gb", "h100-pcie-80gb")
+    assert profile_of_name("NVIDIA A100-SXM4-80GB").key == "a100-80gb"
+    assert profile_of_name("Some Other Accelerator") is None

@@ -5,7 +5,7 @@ real tensors: categories, phases, ops) and, for the measured step, under torch.p
 memory timeline too (`memplan.capture.groundtruth`), whose peak goes into the trace's metadata
 (`profiler_peak_bytes`) as the independent figure. On cuda it is PyTorch's own record:
 `torch.cuda.memory._record_memory_history` and `_snapshot()`, with `memory_stats()` and
-`mem_get_info()` (`memplan.watch.cuda`, imported only where CUDA is present).
+`mem_get_info()` (`memplan.watch.cuda.CudaMeasurement`, imported only where CUDA is present).
 
 Files (under the watch's `out_dir`): `stepN.memtrace` (the measured trace), `stepN.pickle`
 (its PyTorch memory snapshot, for pytorch.org/memory_viz), then from `analyse`:
@@ -59,11 +59,17 @@ class Measurement:
         recorder = guard.recorder(record_flops=measured) if guard is not None and hasattr(guard, "recorder") \
             else Recorder(record_flops=measured)
         self.live = LiveCapture([watch.model], optimizers, recorder=recorder)
-        self.profiler = memory_profiler() if measured and watch.profile else None
+        self.profiler: Any = None
         self.oom_trace: Trace | None = None
-        if self.profiler is not None:
-            self.profiler.start()
+        if measured:
+            self.start_profiler(watch)
         self.live.begin(inputs=inputs)
+
+    def start_profiler(self, watch: Any) -> None:
+        """torch.profiler's memory timeline over the measured step (unless `profile=False`)."""
+        if watch.profile:
+            self.profiler = memory_profiler()
+            self.profiler.start()
 
     def stop_profiler(self) -> int | None:
         """Stop the profiler (once); its peak."""
@@ -86,17 +92,6 @@ class Measurement:
     def abandon(self) -> None:
         self.stop_profiler()
         self.live.abandon()
-
-
-def start_measurement(watch: Any, inputs: Any, *, measured: bool) -> Any:
-    """The recording of one iteration on the watched job's device."""
-    if watch.device == "cuda":
-        from memplan.watch.cuda import CudaMeasurement
-
-        return CudaMeasurement(watch, measured)
-    if watch.device != "cpu":
-        raise UserError(f"memplan.watch measures cpu and cuda jobs, not {watch.device}")
-    return Measurement(watch, inputs, measured)
 
 
 def write_step(watch: Any, trace: Trace, raw_snapshot: dict | None = None) -> StepFiles:
@@ -127,7 +122,7 @@ def analyse(watch: Any, files: StepFiles, setup: TrainingSetup, unseen: list[str
         start = time.perf_counter()
         fake = trace_fake_step(watch.model, watch.optimizer, watch.fake_mode, step,
                                {**step_meta(watch), "setup": setup.to_dict()})
-        profile, context = _device_terms(watch)
+        profile, context = watch.device_terms()
         est = estimate_of_trace(fake, device=watch.device, setup=setup.to_dict(), model=watch.identity,
                                 capacity_bytes=watch.capacity_bytes, profile=profile, context_bytes=context,
                                 elapsed_s=time.perf_counter() - start)
@@ -145,12 +140,3 @@ def analyse(watch: Any, files: StepFiles, setup: TrainingSetup, unseen: list[str
         inputs += [out / "estimate.json", out / "compare.json"]
     result["report"] = str(build_report(inputs, out / "report"))
     return result
-
-
-def _device_terms(watch: Any) -> tuple[Any, int | None]:
-    """The device profile and measured CUDA context the cuda estimate uses (none on cpu)."""
-    if watch.device != "cuda":
-        return None, None
-    from memplan.watch.cuda import device_terms
-
-    return device_terms(watch)

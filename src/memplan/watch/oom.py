@@ -104,17 +104,6 @@ class CpuGuard:
         pass
 
 
-def install_guard(watch: Any) -> Any:
-    """The out-of-memory guard of the watch's device, or None (cpu without a capacity)."""
-    if watch.device == "cuda":
-        from memplan.watch.cuda import CudaGuard
-
-        return CudaGuard(watch)
-    if watch.capacity_bytes is not None:
-        return CpuGuard(watch)
-    return None
-
-
 def _stage(name: str, failures: list[str], work: Any) -> Any:
     """Run one stage of the handler; an error in it is kept as one line, never raised."""
     try:
@@ -210,9 +199,7 @@ def suggest_changes(watch: Any) -> dict[str, Any]:
     config_path = watch.out_dir / "model-config.json"
     config.to_json_file(str(config_path))
     if watch.device == "cuda":
-        from memplan.watch.cuda import target_gpu
-
-        target = {"gpu": target_gpu(watch), "gpus": 1}
+        target = {"gpu": watch.target_gpu(), "gpus": 1}
     else:
         target = {"capacity_bytes": watch.capacity_bytes}
     fits = fitting_changes(config, setup, target)[:SUGGESTIONS]

@@ -32,7 +32,7 @@ from memplan.units import parse_size
 from memplan.watch import oom
 from memplan.watch.fake import ForwardCall, fake_inputs, innermost_optimizer
 from memplan.watch.job import infer_setup, model_identity
-from memplan.watch.measure import Measurement, StepFiles, analyse, start_measurement
+from memplan.watch.measure import Measurement, StepFiles, analyse
 
 
 class Watch:
@@ -67,6 +67,9 @@ class Watch:
         self.profile = profile
         self.driver = driver
         self.device = next(model.parameters()).device.type
+        if self.device not in ("cpu", "cuda"):
+            raise UserError(f"memplan.watch measures cpu and cuda jobs, not {self.device}")
+        self.context_bytes: int | None = None  # cuda: device memory outside PyTorch's at the start
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.identity = model_identity(model)
         self.result: dict[str, Any] | None = None
@@ -127,7 +130,40 @@ class Watch:
         self._hooks.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
-        self._oom_guard = oom.install_guard(self) if self.on_oom else None
+        if self.device == "cuda":
+            from memplan.watch.cuda import outside_reserved_bytes
+
+            self.context_bytes = outside_reserved_bytes()
+        self._oom_guard = self._install_guard() if self.on_oom else None
+
+    def _install_guard(self) -> Any:
+        """The out-of-memory guard of the device, or None (cpu without a capacity)."""
+        if self.device == "cuda":
+            from memplan.watch.cuda import CudaGuard
+
+            return CudaGuard(self)
+        return oom.CpuGuard(self) if self.capacity_bytes is not None else None
+
+    def _start_measurement(self, inputs: Any, measured: bool) -> Measurement:
+        if self.device == "cuda":
+            from memplan.watch.cuda import CudaMeasurement
+
+            return CudaMeasurement(self, inputs, measured)
+        return Measurement(self, inputs, measured)
+
+    def device_terms(self) -> tuple[Any, int | None]:
+        """The device profile and measured context the estimate uses (none on cpu)."""
+        if self.device != "cuda":
+            return None, None
+        from memplan.watch.cuda import device_terms
+
+        return device_terms(self)
+
+    def target_gpu(self) -> str:
+        """The device profile name fit searches after a CUDA out-of-memory error."""
+        from memplan.watch.cuda import target_gpu
+
+        return target_gpu(self)
 
     def step(self) -> None:
         """Mark the end of an iteration (loops without a `torch.optim` step; see the module docstring)."""
@@ -148,7 +184,7 @@ class Watch:
         self._stepped_since_open = False
         self._calls = []
         measured = index == self.target
-        self._open = start_measurement(self, inputs, measured=measured)
+        self._open = self._start_measurement(inputs, measured)
 
     def end_iteration(self, steps_done: int | None = None) -> None:
         """The open iteration ends now; `steps_done` sets the count (a framework's global step)."""
