@@ -136,20 +136,28 @@ def loss_of(output: Any) -> torch.Tensor:
 
 def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, calls: list[ForwardCall], *,
                   scale_loss: bool, clip_norm: float | None,
-                  autocast: tuple[str, torch.dtype] | None) -> Callable[[], None]:
+                  autocast: tuple[str, torch.dtype] | None, closure: bool = False) -> Callable[[], None]:
     """The step a Hugging Face-style loop runs, over the forward calls seen in the measured
     step: per call `loss = model(...).loss` (the output object dropped at once, as
     `Trainer.compute_loss` returns the loss alone), divided by the number of calls when
     `scale_loss`, `loss.backward()`; then `clip_grad_norm_` when `clip_norm` is given
     (`Trainer._clip_grad_norm`, or `float("inf")` for the norm it logs), `optimizer.step()`
-    and `zero_grad(set_to_none=True)` (the model's `zero_grad` alone without an optimizer)."""
+    and `zero_grad(set_to_none=True)` (the model's `zero_grad` alone without an optimizer).
+
+    `closure=True` is Lightning's automatic optimization instead
+    (`lightning/pytorch/loops/optimization/automatic.py`: `Closure.closure` runs the training
+    step, then the zero-grad function, which only the first batch of an accumulation has, then
+    backward; the last batch's closure runs inside `optimizer.step(closure)`, with clipping
+    after it in `Precision._wrap_closure`); the gradients stay live after the step."""
+
+    def loss_of_call(args: tuple, kwargs: dict) -> torch.Tensor:
+        with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
+            loss = loss_of(model(*args, **kwargs))
+        return loss / len(calls) if scale_loss and len(calls) > 1 else loss
 
     def step() -> None:
         for args, kwargs in calls:
-            with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
-                loss = loss_of(model(*args, **kwargs))
-            if scale_loss and len(calls) > 1:
-                loss = loss / len(calls)
+            loss = loss_of_call(args, kwargs)
             loss.backward()
             del loss
         if clip_norm is not None:
@@ -160,4 +168,23 @@ def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         else:
             model.zero_grad(set_to_none=True)
 
-    return step
+    def closure_step() -> None:
+        last = len(calls) - 1
+        for i, (args, kwargs) in enumerate(calls):
+            def body(i: int = i, args: tuple = args, kwargs: dict = kwargs) -> None:
+                loss = loss_of_call(args, kwargs)
+                if i == 0:
+                    optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                del loss
+                if i == last and clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+
+            if i == last:
+                optimizer.step(body)
+            else:
+                body()
+
+    if closure and optimizer is None:
+        raise UserError("memplan.watch: a closure step needs the optimizer")
+    return closure_step if closure else step

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from memplan.capture import LiveCapture, Recorder
 from memplan.capture.groundtruth import memory_profiler, timeline_peak_bytes
@@ -71,6 +72,11 @@ class Measurement:
             self.profiler = memory_profiler()
             self.profiler.start()
 
+    def mark_inputs(self, inputs: Any) -> None:
+        """The tensors of a forward call made before the recording began are the step's inputs."""
+        for t in (x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)):
+            self.live.recorder.mark(t, "input")
+
     def stop_profiler(self) -> int | None:
         """Stop the profiler (once); its peak."""
         prof, self.profiler = self.profiler, None
@@ -118,7 +124,8 @@ def analyse(watch: Any, files: StepFiles, setup: TrainingSetup, unseen: list[str
     inputs = [files.memtrace]
     try:
         step = watch.step_fn or standard_step(watch.model, watch.optimizer, watch._measured_calls, scale_loss=True,
-                                              clip_norm=watch.clip_norm, autocast=watch._autocast)
+                                              clip_norm=watch.clip_norm, autocast=watch._autocast,
+                                              closure=watch.closure)
         start = time.perf_counter()
         fake = trace_fake_step(watch.model, watch.optimizer, watch.fake_mode, step,
                                {**step_meta(watch), "setup": setup.to_dict()})

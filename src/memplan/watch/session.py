@@ -42,7 +42,7 @@ class Watch:
                  out_dir: str | Path = "memplan-watch", on_oom: bool = True, capacity: int | str | None = None,
                  setup: TrainingSetup | None = None, *, step_fn: Callable[[], Any] | None = None,
                  gpu: str | None = None, clip_norm: float | None = None, profile: bool = True,
-                 driver: str = "hooks") -> None:
+                 closure: bool = False, driver: str = "hooks") -> None:
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"memplan.watch watches a torch.nn.Module, not {type(model).__name__}")
         if not any(True for _ in model.parameters()):
@@ -65,6 +65,7 @@ class Watch:
         self.gpu = gpu
         self.clip_norm = clip_norm
         self.profile = profile
+        self.closure = closure
         self.driver = driver
         self.device = next(model.parameters()).device.type
         if self.device not in ("cpu", "cuda"):
@@ -110,6 +111,8 @@ class Watch:
         return index == self.target or bool(getattr(self._oom_guard, "records_every_step", False))
 
     def _observe_call(self, args: tuple, kwargs: dict) -> None:
+        if self.driver != "hooks":  # a callback opened the iteration before the batch reached the model
+            self._open.mark_inputs((args, kwargs))
         with _disable_current_modes():
             self._calls.append(fake_inputs(self.fake_mode, (args, kwargs)))
         device = self.device if self.device in ("cpu", "cuda") else "cpu"
@@ -257,6 +260,8 @@ def watch(model: torch.nn.Module, optimizer: Any = None, step: int = 2, out_dir:
     infers of the job (used for the suggestions after an out-of-memory error). Options:
     `step_fn` (the step as a function of no arguments, run on fake tensors for the estimate
     instead of the standard one), `gpu` (a device profile name, for cuda), `clip_norm` (the
-    standard step clips gradients to it). See docs/watch.md.
+    standard step clips gradients to it), `profile` (False: no torch.profiler timeline beside the
+    cpu measurement), `closure` (the standard step runs as `optimizer.step(closure)`, Lightning's
+    automatic optimization). See docs/watch.md.
     """
     return Watch(model, optimizer, step, out_dir, on_oom, capacity, setup, **options)
