@@ -19,8 +19,9 @@ the reported metric with the matching figure:
 
 Error is (memplan - published) / published. A case marked `setup_reproducible: false`
 (its activation-checkpointing policy or mixed-precision scheme has no memplan flag) stays
-in the table and the overall mean, and is left out of the second mean. Some published runs use their own model code
-(LitGPT, torchtune, torchtitan), which memplan does not trace; the HF Trainer runs (the
+in the table and the overall mean, and is left out of the second mean. The LitGPT runs are
+traced with LitGPT's own model and loop (`impl: litgpt`); torchtune and torchtitan use
+their own model code, which memplan does not trace; the HF Trainer runs (the
 Transformers docs' bert-large series, a sequence-classification fine-tune: `head: seq-cls`)
 and PEFT's MetaMathQA runs use the Hugging Face modules memplan traces. The `notes` column
 says where the setup is guessed or the step differs from the step memplan traces.
@@ -109,7 +110,8 @@ def setup_label(case: dict[str, Any]) -> str:
     for flag, label in (("loss", "{} loss"), ("compile", "compile {}"), ("activation_offload", "{} activation offload")):
         if s.get(flag, "none") not in ("none", "full"):
             parallel += ", " + label.format(s[flag])
-    return f"{method}, {precision}, b{s['batch']}{accum} x s{s['seq']}, {optimizer}, {ac}, {parallel}"
+    code = ", LitGPT's GPT" if s.get("impl", "hf") == "litgpt" else ""
+    return f"{method}{code}, {precision}, b{s['batch']}{accum} x s{s['seq']}, {optimizer}, {ac}, {parallel}"
 
 
 def loss_op_peak_bytes(op: dict[str, Any]) -> int:
@@ -201,7 +203,8 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         "Published peak-memory figures of real GPU fine-tuning runs (sources, quotes and every",
         "guessed setup detail in `benchmarks/published_gpu.json`), against `memplan estimate` on the",
         "same model, setup and GPU profile. Error = (memplan - published) / published. The",
-        "LitGPT, torchtune and torchtitan runs use their own model code, not the Hugging Face",
+        "LitGPT runs are traced with LitGPT's own GPT and fine-tuning loop (--impl litgpt); the",
+        "torchtune and torchtitan runs use their own model code, not the Hugging Face",
         "modules memplan traces; the HF Trainer (bert-large classification, V100) and PEFT",
         "MetaMathQA (Llama-3.2-3B, L40S) runs use the Hugging Face modules. For nvidia-smi",
         "figures whose source also measured its CUDA context, `notes` gives memplan's reserved",

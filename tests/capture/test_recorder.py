@@ -92,6 +92,22 @@ def test_tensors_saved_for_backward_are_activations():
     assert int(trace.buffers["nbytes"][acts].sum()) >= 32 * 16 * 4 + 32 * 4 * 4
 
 
+def test_an_output_saved_for_backward_is_freed_with_a_retained_graph():
+    # exp saves its own output; with the graph retained (`retain_graph=True`, as the
+    # pipeline's zero-bubble input backward keeps it), the output lives as long as the graph
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def step():
+        y = (x * 2).exp()
+        torch.autograd.grad(y.sum(), x, retain_graph=True)
+        del y
+
+    trace = capture(step, inputs=x)
+    out = int(np.flatnonzero(trace.buffers["category"] == CATEGORY["activation"])[0])
+    assert trace.buffers["nbytes"][out] == 64 * 64 * 4
+    assert trace.buffers["free_event"][out] >= 0  # freed within the step, not kept by the recorder
+
+
 def test_ops_get_forward_backward_and_optimizer_phases_in_that_order():
     model, opt, x, step = mlp_step()
     trace = capture(step, x, model=model, optimizer=opt)

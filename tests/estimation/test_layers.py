@@ -17,6 +17,10 @@ CASES = [
     ("llama-2-7b", {"dtype": "bf16"}, Layout(tp=2)),
     ("llama-2-7b", {"checkpointing": "selective-op"}, Layout(world_size=4, zero=3, fsdp_param_dtype="bf16")),
 ]
+# FSDP2 x EP 2 under worst routing: allocated and breakdown within 0.1%; reserved is
+# 30 MiB extrapolated vs 24 MiB traced in full (three 2 MiB small-pool segments: nearly
+# every request of this tiny step is below 1 MiB), outside the reserved test's two segments
+EXPERT_PARALLEL = ("qwen3-30b-a3b", {"dtype": "bf16", "routing": "worst"}, Layout(world_size=2, zero=3, ep=2))
 
 
 def _pair(family, options, layout, blocks=7):
@@ -27,7 +31,7 @@ def _pair(family, options, layout, blocks=7):
     return fast, full
 
 
-@pytest.mark.parametrize(("family", "options", "layout"), CASES)
+@pytest.mark.parametrize(("family", "options", "layout"), [*CASES, EXPERT_PARALLEL])
 def test_extrapolated_peak_allocated_and_breakdown_match_the_full_depth_trace_within_a_tenth_of_a_percent(
         family, options, layout):
     fast, full = _pair(family, options, layout)

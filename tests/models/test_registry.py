@@ -27,6 +27,27 @@ ISSUE_MODELS = [
 ]
 
 
+MOE_MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-20b", "gpt-oss-120b", "deepseek-v2-lite", "deepseek-v3",
+              "olmoe-1b-7b", "mixtral-8x22b"]
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_moe_registry_config_builds_on_meta_with_its_published_parameter_count(name):
+    entry = provenance(name)
+    assert count_parameters(name) == pytest.approx(entry["parameters"], rel=0.01)
+    assert all(hasattr(transformers, arch) for arch in load_config(name).architectures)
+    assert "/" in entry["hf_id"] and entry["source"].startswith("https://huggingface.co/")
+
+
+def test_tiny_moe_configs_keep_experts_groups_and_latent_attention_at_toy_size():
+    qwen = tiny_config("qwen3-30b-a3b")
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (4, 2, 24)
+    v3 = tiny_config("deepseek-v3")
+    assert (v3.n_routed_experts, v3.n_group, v3.topk_group, v3.first_k_dense_replace) == (4, 2, 1, 1)
+    assert (v3.kv_lora_rank, v3.q_lora_rank, v3.qk_rope_head_dim, v3.head_dim) == (32, 48, 8, 8)
+    assert tiny_config("deepseek-v2-lite").q_lora_rank is None
+
+
 def test_registry_holds_every_model_the_issue_names():
     assert set(ISSUE_MODELS) <= set(list_models())
 

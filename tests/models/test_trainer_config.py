@@ -119,6 +119,19 @@ def test_torchtitan_degrees_give_the_layout(tmp_path):
     assert config.unresolved == {}
 
 
+def test_torchtitan_context_parallelism_and_zero_bubble_schedules(tmp_path):
+    path = tmp_path / "cp.toml"
+    path.write_text("[model]\nname = 'llama3'\nflavor = '8B'\n[training]\nlocal_batch_size = 2\nseq_len = 8192\n"
+                    "[parallelism]\ndata_parallel_shard_degree = 2\ncontext_parallel_degree = 4\n")
+    config = read_trainer_config(path)
+    # FSDP2 shards over dp_shard x cp (torchtitan's ParallelDims.fsdp_enabled); world = 2 x 4
+    assert config.layout == {"cp": 4, "zero": 3, "fsdp_param_dtype": "bf16", "world_size": 8}
+    path.write_text("[model]\nname = 'llama3'\nflavor = '8B'\n[training]\nlocal_batch_size = 4\n"
+                    "[parallelism]\ndata_parallel_shard_degree = 1\npipeline_parallel_degree = 4\n"
+                    "pipeline_parallel_schedule = 'ZBVZeroBubble'\n")
+    assert read_trainer_config(path).layout["schedule"] == "zbv"
+
+
 def test_accelerate_fsdp_and_deepspeed_templates():
     fsdp = read_trainer_config(DATA / "accelerate_fsdp.yaml")
     assert fsdp.format == "accelerate" and fsdp.model is None
@@ -144,7 +157,8 @@ def test_training_arguments_json_with_trl_lora():
     ("a.yml", "base_model: x/y\noptimizer: adafactor\n", "transformers' Adafactor"),
     ("t.yaml", "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\noptimizer:\n"
                "  _component_: torch.optim.RAdam\n", "optimizer._component_: 'torch.optim.RAdam'"),
-    ("j.toml", "[parallelism]\ncontext_parallel_degree = 2\n", "context_parallel_degree: 2"),
+    ("j.toml", "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = 'DualPipeV'\n",
+     "pipeline_parallel_schedule: 'DualPipeV'"),
     ("j.toml", "[activation_checkpoint]\nmode = 'selective'\nselective_ac_option = '2'\n", "selective_ac_option 2"),
     ("c.yaml", "distributed_type: MEGATRON_LM\n", "distributed_type: 'MEGATRON_LM'"),
     ("c.yaml", "distributed_type: NO\nmixed_precision: fp8\n", "mixed_precision: 'fp8'"),

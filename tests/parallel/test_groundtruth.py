@@ -1,6 +1,8 @@
 """CPU ground truth for parallel layouts: real gloo runs on 2 and 4 processes, every rank
 measured with torch.profiler's memory timeline, against
-`estimate(..., device="cpu", allocator="none")` per rank: within 1% on every rank.
+`estimate(..., device="cpu", allocator="none")` per rank: within 1% on every rank. Among
+them PyTorch's `context_parallel` (CP 2, and FSDP2 2 x CP 2) and PyTorch's interleaved 1F1B
+pipeline schedule (`torch.distributed.pipelining`, 2 ranks x 2 chunks, 4 micro-batches).
 
 One profiled step per rank. It depends a little on scheduling: gloo stages each
 all-gather in a buffer on its own thread, and on a heavily loaded machine one rank has
@@ -38,6 +40,9 @@ CKPT = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", checkpoin
 LORA = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", lora_rank=4,
                             lora_targets=("q_proj", "o_proj", "down_proj"))
 
+# PyTorch's interleaved 1F1B over 2 x 2 chunks of one block: 4 blocks
+LLAMA4 = models.tiny_config("llama-2-7b", num_hidden_layers=4)
+
 CASES = {
     2: [
         ("ddp", PLAIN, Layout(world_size=2)),
@@ -45,13 +50,22 @@ CASES = {
         ("fsdp2-checkpointing", CKPT, Layout(world_size=2, zero=3)),
         ("tp", PLAIN, Layout(tp=2)),
         ("fsdp2-bf16-params", PLAIN, Layout(world_size=2, zero=3, fsdp_param_dtype="bf16")),
+        # FSDP1 as HF Trainer / accelerate set it up (a flat parameter per block and the root)
+        ("fsdp1", PLAIN, Layout(world_size=2, zero=3, engine="fsdp1")),
+        ("cp", PLAIN, Layout(cp=2, zero=3)),
+        ("pp-interleaved-1f1b", PLAIN, Layout(pp=2, microbatches=4, schedule="interleaved")),
     ],
     4: [
         ("fsdp2+tp", PLAIN, Layout(world_size=4, zero=3, tp=2)),
         ("ddp+tp-checkpointing", CKPT, Layout(world_size=4, tp=2)),
         ("fsdp2+tp+lora", LORA, Layout(world_size=4, zero=3, tp=2)),
+        ("fsdp2+cp", PLAIN, Layout(world_size=4, cp=2, zero=3)),
     ],
 }
+
+
+def _config(layout):
+    return LLAMA4 if layout.pp > 1 else LLAMA
 
 
 def _measure(setup, layout):
@@ -61,7 +75,7 @@ def _measure(setup, layout):
     error: Exception | None = None
     for _ in range(2):
         try:
-            return measure_rank_peaks([(LLAMA, setup, layout)])[0]
+            return measure_rank_peaks([(_config(layout), setup, layout)])[0]
         except Exception as exc:  # noqa: BLE001 - re-raised by the case's test
             error = exc
     return error
@@ -80,7 +94,7 @@ def test_estimate_matches_the_profiler_peak_of_every_rank_of_a_real_gloo_run_wit
     truth = measured[world_size][index]
     if isinstance(truth, Exception):
         raise truth
-    result = estimate(LLAMA, setup, layout, device="cpu", allocator="none")
+    result = estimate(_config(layout), setup, layout, device="cpu", allocator="none")
     ranks = {r: est for est in result.per_rank for r in (est.ranks or [est.rank])}
     assert sorted(ranks) == list(range(world_size))
 
@@ -90,7 +104,7 @@ def test_estimate_matches_the_profiler_peak_of_every_rank_of_a_real_gloo_run_wit
     for _ in range(2):  # gloo's staging buffers can be alive at a rank's peak (groundtruth.py): measure afresh
         if not misses(truth):
             break
-        again = measure_rank_peaks([(LLAMA, setup, layout)])[0]
+        again = measure_rank_peaks([(_config(layout), setup, layout)])[0]
         truth = [min(first, second) for first, second in zip(truth, again)]
     for rank, real in enumerate(truth):
         predicted = ranks[rank].peak_allocated_bytes

@@ -8,10 +8,12 @@ model, its optimizer and a batch (inside `FakeTensorMode` when `fake`), and capt
 its training step: forward, loss, backward for each gradient-accumulation micro-batch,
 then the optimizer step and `zero_grad(set_to_none=True)`. `capture_step(config,
 setup, device)` captures the same step as a `StepTrace`: the trace plus the model
-facts (blocks, heads, sequence) the estimate's later stages need. See docs/capture.md.
+facts (blocks, heads, sequence) the estimate's later stages need. A torch.compile'd step
+is captured inside `inductor_runs` (`memplan.capture.compiled`). See docs/capture.md.
 """
 
 from memplan.capture.api import LiveCapture, capture
+from memplan.capture.compiled import inductor_runs
 from memplan.capture.recorder import Recorder, set_microbatch
 from memplan.capture.step import (
     StepTrace,
@@ -30,5 +32,6 @@ __all__ = [
     "capture",
     "capture_model",
     "capture_step",
+    "inductor_runs",
     "set_microbatch",
 ]

@@ -20,7 +20,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 
+from memplan.capture import grouped_mm
 from memplan.capture.hf_masks import masks_as_on_real_tensors
 from memplan.capture.recorder import Recorder, _tensors
 from memplan.models.quant import quantisation_constants
@@ -106,7 +108,17 @@ def _recording_hooks(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.note_saved(t)
-        return t
+        if t.grad_fn is None:
+            return t
+        # Returned as is, a tensor an op saves of its own output would hold that op's
+        # autograd node, which holds the packed tensor: a cycle through C++ that no garbage
+        # collection frees, so a graph kept with `retain_graph=True` (the pipeline's
+        # zero-bubble input backward, `stage_backward_input`) would never free it.
+        # PyTorch's SavedVariable keeps a saved output without its node for the same
+        # reason (`SavedVariable::save_metadata`); a detached alias of the same storage
+        # does the same here (its node is the saving op's own, restored on unpack).
+        with _disable_current_modes():  # the alias is no op of the step: unrecorded
+            return t.detach()
 
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
@@ -150,8 +162,11 @@ def capture(
     Tensors in `args`/`kwargs`, and in `inputs` (for a step that closes over its
     batch), are the step's inputs. `recorder` records with a `Recorder` subclass
     (e.g. the DTensor-aware one of `memplan.parallel.traced`) instead of a plain one. Works on real tensors and on
-    fake ones (call it inside the `FakeTensorMode` that made them).
+    fake ones (call it inside the `FakeTensorMode` that made them); on fake tensors a
+    mixture-of-experts step's `grouped_mm` runs in every dtype, as on CUDA
+    (`memplan.capture.grouped_mm`).
     """
+    grouped_mm.register()
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
     models = [model] if isinstance(model, torch.nn.Module) else list(model or [])

@@ -10,9 +10,9 @@ attention draws its dropout from a Philox seed; no mask is stored).
 
 `sdpa_as_on_cuda()` sends each SDPA call to the kernel
 PyTorch's CUDA dispatcher would pick (`sdp_utils.cpp`, `select_sdp_backend`): flash
-attention for fp16/bf16 without an explicit mask and head dim ≤ 256 (a multiple of 8),
-the memory-efficient kernel otherwise (fp32, or an attention mask, as an additive
-bias). Both ATen ops have meta kernels and autograd formulas, so they run on fake
+attention for fp16/bf16 without an explicit mask, with one head dim for query, key and
+value (DeepSeek's latent attention has a narrower value) ≤ 256 and a multiple of 8, the
+memory-efficient kernel otherwise (fp32, or an attention mask, as an additive bias). Both ATen ops have meta kernels and autograd formulas, so they run on fake
 tensors of any device and their backward ops (`_scaled_dot_product_flash_attention_backward`,
 `_scaled_dot_product_efficient_attention_backward`) appear in the trace with their real
 output sizes (the efficient kernel's logsumexp is padded to a multiple of 32, as on GPU).
@@ -55,7 +55,9 @@ def cuda_sdpa(
         key = key.repeat_interleave(groups, dim=-3)
         value = value.repeat_interleave(groups, dim=-3)
     head_dim = query.shape[-1]
-    if query.dim() == 4 and attn_mask is None and query.dtype in _FLASH_DTYPES and head_dim <= 256 and head_dim % 8 == 0:
+    same_head_dims = key.shape[-1] == head_dim and value.shape[-1] == head_dim  # flash's check_head_dim_size_flash
+    if query.dim() == 4 and attn_mask is None and query.dtype in _FLASH_DTYPES and same_head_dims and \
+            head_dim <= 256 and head_dim % 8 == 0:
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale
         )

@@ -16,9 +16,22 @@ import numpy as np
 import torch
 
 
-def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> int:
-    """Peak bytes of the profiler's memory timeline over one call of `step_fn`."""
+def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "cpu", carried: Any = None,
+                        **kwargs: Any) -> int:
+    """Peak bytes of the profiler's memory timeline over one call of `step_fn`.
+
+    `carried`: tensors (any nesting) alive before the call that no op of the step reads,
+    such as the previous step's logits a training loop still holds until its next forward
+    returns (`memplan.models.build.carried_between_steps`). The profiler learns a
+    pre-existing storage's size only from an op that takes it ("Memory block of unknown
+    size was allocated before the profiling started"), so each gets one view, which
+    allocates nothing, at the start of the profile."""
+    from torch.utils._pytree import tree_flatten
+
     with memory_profiler() as prof:
+        for tensor in tree_flatten(carried)[0]:
+            if isinstance(tensor, torch.Tensor):
+                tensor.view_as(tensor)
         step_fn(*args, **kwargs)
     return timeline_peak_bytes(prof, device)
 

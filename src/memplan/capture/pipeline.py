@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan import models
 from memplan.capture.api import capture
+from memplan.capture.compiled import refuse_compiled_step
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.capture.recorder import set_microbatch
 from memplan.errors import UserError
@@ -76,6 +77,65 @@ def stage_modules(model: torch.nn.Module, stages: int, stage: int) -> tuple[list
     if last:
         owned += [inner.norm, model.lm_head]
     return mine, owned
+
+
+class PipelineChunk(torch.nn.Module):
+    """Chunk `index` of `count` of a Llama-style decoder as one module, the unit a
+    `torch.distributed.pipelining.PipelineStage` wraps (torchtitan's
+    `pipeline_module_split`, for a Hugging Face model): its share of the blocks
+    (`stage_modules`), the token embedding on chunk 0, the final norm and LM head on the
+    last. `forward` takes the tokens (chunk 0) or the hidden states received from the
+    previous chunk, and returns the hidden states, or the logits on the last chunk (the
+    schedule's `loss_fn`, `chunk_loss`, takes them). Its modules are the model's own."""
+
+    def __init__(self, model: torch.nn.Module, count: int, index: int, *, batch: int, seq: int) -> None:
+        super().__init__()
+        blocks, _ = stage_modules(model, count, index)
+        inner = model.model
+        self.index, self.first, self.last = index, index == 0, index == count - 1
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.embed = inner.embed_tokens if self.first else None
+        self.norm = inner.norm if self.last else None
+        self.head = model.lm_head if self.last else None
+        self._rotary = [inner.rotary_emb]  # shared by every chunk, not one of this chunk's modules
+        self._shape = (batch, seq)
+        self._hidden = model.config.hidden_size
+        self._vocab = model.config.vocab_size
+        self._dtype = next(model.parameters()).dtype
+
+    def owned(self) -> list[torch.nn.Module]:
+        """The modules whose parameters this chunk trains."""
+        return [m for m in (self.embed, *self.blocks, self.norm, self.head) if m is not None]
+
+    def example_input(self) -> torch.Tensor:
+        """A meta tensor of the chunk's input (PipelineStage's static metadata: shape,
+        dtype, and whether a gradient flows back through it)."""
+        if self.first:
+            return torch.empty(self._shape, dtype=torch.long, device="meta")
+        return torch.empty(*self._shape, self._hidden, dtype=self._dtype, device="meta", requires_grad=True)
+
+    def example_output(self) -> torch.Tensor:
+        """A meta tensor of the chunk's output."""
+        width = self._vocab if self.last else self._hidden
+        return torch.empty(*self._shape, width, dtype=self._dtype, device="meta", requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        batch, seq = h.shape[:2]
+        positions = torch.arange(seq, device=h.device).unsqueeze(0).expand(batch, -1)
+        rope = self._rotary[0](h, positions)
+        for block in self.blocks:
+            out = block(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.head is None:
+            return h
+        return self.head(self.norm(h))
+
+
+def chunk_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The pipeline's loss on the last chunk's logits: cross-entropy in fp32, as the
+    1F1B step (`pipeline_stage_step`) computes it."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten(0, 1))
 
 
 def pipeline_stage_step(
@@ -157,6 +217,7 @@ def capture_pipeline_stage(
 ) -> Trace:
     """Capture one 1F1B pipeline stage of `model_spec` (batch and seq from `setup`) as it
     runs on `device` (a fake "cuda" capture runs CUDA's kernels and autocast lists)."""
+    refuse_compiled_step(setup, "on pipeline stages")
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:

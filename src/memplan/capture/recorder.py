@@ -151,8 +151,13 @@ class Recorder(TorchDispatchMode):
     whatever runs inside the `with` block.
     """
 
-    def __init__(self, *, record_flops: bool = True) -> None:
+    def __init__(self, *, record_flops: bool = True, compiled_regions: bool = False) -> None:
         super().__init__()
+        self.compiled_regions = compiled_regions
+        # compiled code calls higher-order ops at run time (`run_and_save_rng_state` /
+        # `run_with_rng_state` around the random ops of a checkpointed region,
+        # torch/_prims/rng_prims.py): each is recorded as one op with what it returns
+        self.supports_higher_order_operators = compiled_regions
         self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref] = {}
         self._b = _Buffers()
@@ -339,10 +344,16 @@ class Recorder(TorchDispatchMode):
 
     # --- module tracking hooks -----------------------------------------------------------
     def _fwd_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # traced into a compiled region: its ops run as one region, charged to the
+            # module that calls it (which Dynamo does not trace)
+            return
         self._fwd_depth += 1
         self._module_stack.append(self.module_names.get(id(module), type(module).__name__))
 
     def _fwd_post(self, module: torch.nn.Module, _args: Any, out: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         self._fwd_depth = max(0, self._fwd_depth - 1)
         path = self._module_stack.pop() if self._module_stack else ""
         seqs = [t.grad_fn._sequence_nr() for t in _tensors(out) if t.grad_fn is not None]
@@ -371,6 +382,13 @@ class Recorder(TorchDispatchMode):
             post.remove()
 
     # --- the dispatch mode -------------------------------------------------------------
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """With `compiled_regions`, torch.compile compiles with this mode off and runs the
+        compiled code with it on (`torch/utils/_python_dispatch.py`), so the recorder sees
+        what the compiled code allocates (`memplan.capture.compiled`); without it, Dynamo
+        runs compiled functions eagerly while the recorder is active."""
+        return self.compiled_regions
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not self.active:
@@ -429,7 +447,8 @@ class Recorder(TorchDispatchMode):
         self._op_bytes.append(float(moved))
         flops = float("nan")
         if self.record_flops:
-            counter = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
+            packet = getattr(func, "_overloadpacket", None)
+            counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
             if counter is not None:
                 try:
                     flops = float(counter(*args, **kwargs, out_val=out))

@@ -38,10 +38,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memplan import models
 from memplan.capture.activation_offload import activation_offload_context
 from memplan.capture.api import capture
+from memplan.capture.compiled import inductor_runs
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
+from memplan.capture.recorder import Recorder
 from memplan.errors import UserError
-from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.losses import step_loss
+from memplan.models.moe import experts_of
 from memplan.models.quant import weight_count
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
@@ -169,6 +172,8 @@ def build_training_step(
         "trainable_parameters": int(sum(weight_count(p) for p in model.parameters() if p.requires_grad)),
         "build_s": round(time.perf_counter() - start, 3),
     }
+    if not isinstance(config, FactorySpec) and experts_of(config):
+        meta["routing"] = setup.routing  # the assignment the experts were given (memplan.models.moe)
     # A CUDA job traced on fake tensors runs CUDA's attention kernels, not the CPU's
     cuda_kernels = (target_device or device) == "cuda" and models.is_fake_mode_active()
     step = make_step(model, optimizer, batches, setup, device, cuda_kernels=cuda_kernels)
@@ -233,7 +238,10 @@ def _captured_training_step(
     if device not in ("cpu", "cuda"):
         raise UserError(f"unknown device {device!r}: use cpu or cuda")
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with mode:
+    compiled = setup is not None and setup.compile != "none"
+    # a compiled step: compiled afresh at the warm-up, its generated code recorded as it runs
+    # (memplan.capture.compiled)
+    with mode, inductor_runs(fake=fake, gpu=device == "cuda") if compiled else contextlib.nullcontext():
         step = build_training_step(model_spec, setup, device="cpu", target_device=device)
         trace = capture(
             step.run,
@@ -243,7 +251,8 @@ def _captured_training_step(
             warmup=warmup,
             meta={**step.meta, "fake": fake},
             record_flops=record_flops,
-            inputs=step.batches,
+            inputs=[step.batches, carried_between_steps(step.model)],
+            recorder=Recorder(record_flops=record_flops, compiled_regions=True) if compiled else None,
         )
     if device == "cuda":
         trace.devices = ["cuda:0" if name == "cpu" else name for name in trace.devices]

@@ -19,6 +19,8 @@ from memplan.hardware.devices import DeviceProfile, all_profiles
 from memplan.trace import load
 from memplan.units import format_bytes, parse_size
 
+IMPL_NAMES = {"hf": "Hugging Face transformers", "litgpt": "LitGPT"}  # whose model code was traced
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -100,8 +102,14 @@ def render(result: Estimate) -> None:
     """The estimate as a table of ranks and a verdict, on stdout."""
     console = Console()
     layout = result.layout
-    title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
-             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}, tp {layout['tp']}, pp {layout['pp']})")
+    code = f"{IMPL_NAMES.get(result.impl, result.impl)}, " if result.impl is not None else ""
+    title = (f"{result.model} ({code}{result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
+             f"world {layout['world_size']} (dp {layout['dp']}, zero {layout['zero']}"
+             f"{' ' + layout['engine'] if layout.get('engine') else ''}, tp {layout['tp']}, pp {layout['pp']}"
+             + (f", cp {layout['cp']}" if layout.get("cp", 1) > 1 else "")
+             + (f", ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")")
+    if result.routing is not None:
+        title += f", routing {result.routing}"
     table = Table(title=title)
     host = result.host_peak_bytes > 0
     for col in ("rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
@@ -120,6 +128,9 @@ def render(result: Estimate) -> None:
         console.print(f"host memory (not in the device figures), peak per rank {format_bytes(r.host.peak_bytes)}: "
                       f"{format_bytes(r.host.pinned_bytes)} pinned, {format_bytes(r.host.pageable_bytes)} pageable, "
                       f"{format_bytes(r.host.managed_bytes)} CUDA managed (paged optimizer state)")
+    if result.routing not in (None, "balanced") and layout.get("ep", 1) > 1:
+        console.print(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
+                      "the other ranks'")
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         console.print(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "

@@ -74,4 +74,4 @@ def refuse_retracing(spec: str, trace: Trace, args: argparse.Namespace, *, layou
                         f"{value}; {had}): pass the model instead of the trace")
     if layout_flags and layout_from_args(args).to_dict() != Layout().to_dict():
         raise UserError(f"{spec} is a trace of one device: it cannot be re-traced under another parallel layout "
-                        "(--world-size, --zero, --tp, --pp): pass the model instead of the trace")
+                        "(--world-size, --zero, --tp, --pp, --cp): pass the model instead of the trace")

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from memplan.cli.from_file import add_model_input_flags
+from memplan.errors import UserError
+from memplan.models.moe import experts_of
+from memplan.models.registry import load_config
 from memplan.models.setup import (
     ACTIVATION_OFFLOADS,
     ALL_LINEAR,
@@ -53,6 +57,10 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-grad", choices=ZERO_GRADS, default="none",
                        help="what optimizer.zero_grad() leaves between steps: none (set_to_none=True, "
                             "PyTorch >= 2.0, default) or zeros (set_to_none=False: gradients stay allocated)")
+    group.add_argument("--routing", default=None, metavar="balanced|worst|capacity:F|router",
+                       help="mixture-of-experts models: the token-to-expert assignment the step runs with "
+                            "(default balanced; worst: every token to the same top-k experts; capacity:F: "
+                            "experts filled to F x tokens x k / experts; router: the model's own, real tensors)")
     _add_technique_flags(parser)
     add_model_input_flags(parser)
 
@@ -83,8 +91,8 @@ def _add_technique_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"LM loss: the model's own (full), head + cross-entropy in N chunks (chunked, "
                             f"N={DEFAULT_LOSS_CHUNKS}), or fused linear cross-entropy (no [B, S, V] logits)")
     group.add_argument("--compile", choices=COMPILES, default="none", nargs="?", const="blocks",
-                       help="torch.compile: blocks (each transformer block, as torchtitan; the bare flag) or "
-                            "the whole model")
+                       help="torch.compile: blocks (each transformer block and the loss, as torchtitan; the "
+                            "bare flag) or model (the whole model)")
     group.add_argument("--activation-offload", choices=ACTIVATION_OFFLOADS, default="none", nargs="?",
                        const="torchtune",
                        help="saved activations to pinned host memory: torchtune (OffloadActivations, the bare "
@@ -115,8 +123,23 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         num_labels=getattr(args, "num_labels", 2),
         zero_grad=getattr(args, "zero_grad", "none"),
         allow_long_seq=getattr(args, "allow_long_seq", False),  # set by --from, not a flag
+        routing=_routing(args),
         **_technique_fields(args),
     )
+
+
+def _routing(args: argparse.Namespace) -> str:
+    """`--routing`, refused (one line) when given for a dense model; "balanced" when not given."""
+    routing = getattr(args, "routing", None)
+    if routing is None:
+        return "balanced"
+    spec = getattr(args, "model", None)
+    is_trace = spec is not None and Path(spec).is_file() and Path(spec).suffix != ".json"
+    if spec is not None and not is_trace:
+        if experts_of(load_config(spec)) is None:
+            raise UserError(f"--routing describes how a mixture-of-experts model routes its tokens; {spec} has no "
+                            "experts: leave --routing out")
+    return routing
 
 
 def _technique_fields(args: argparse.Namespace) -> dict:

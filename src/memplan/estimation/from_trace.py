@@ -92,7 +92,7 @@ def estimate_trace(
         model=str(meta.get("model") or name or "trace"), parameters=int(meta.get("parameters", 0)),
         setup=dict(meta.get("setup") or {}), layout=Layout().to_dict(), per_rank=per_device,
         capacity_bytes=capacity, device="cuda", allocator=allocator, gpu=gpu, method="trace",
-        elapsed_s=time.perf_counter() - start,
+        elapsed_s=time.perf_counter() - start, routing=meta.get("routing"),
     )
 
 

@@ -63,6 +63,7 @@ def regions(trace: Trace, pattern: re.Pattern[str]) -> Regions:
     ev_phase = np.where(op >= 0, phase_class[trace.ops["phase"][np.maximum(op, 0)]], 3)
     ev_mb = np.where(op >= 0, trace.ops["microbatch"][np.maximum(op, 0)], -1)
     ev_block = np.where(op >= 0, in_block_module[trace.ops["module"][np.maximum(op, 0)]], False)
+    ev_block = _module_less_ops_stay_in_their_region(trace, op, ev_block)
     # Optimizer ops have no module; they are one region per optimizer step.
     ev_block = ev_block & (ev_phase != 2)
     code = (ev_phase * 1_000_003 + (ev_mb + 1)) * 2 + ev_block.astype(np.int64)
@@ -71,6 +72,22 @@ def regions(trace: Trace, pattern: re.Pattern[str]) -> Regions:
     ends = np.concatenate([change, [n]]).astype(np.int64) if n else np.zeros(0, np.int64)
     keys = [(int(ev_phase[s]), int(ev_mb[s]), bool(ev_block[s])) for s in starts.tolist()]
     return Regions(keys, starts, ends)
+
+
+def _module_less_ops_stay_in_their_region(trace: Trace, op: np.ndarray, ev_block: np.ndarray) -> np.ndarray:
+    """An op run in no module's forward or backward (module "") takes the in-a-block flag
+    of the event before it: FSDP2's post-backward of a submodule sharded on its own (the
+    experts of an EP layout) detaches and frees its gradients from autograd's hooks,
+    between two blocks' backward, once per block; counted outside the blocks, each would
+    open a region of its own, one more per block."""
+    if not trace.modules or "" not in trace.modules:
+        return ev_block
+    no_module = np.where(op >= 0, trace.ops["module"][np.maximum(op, 0)] == trace.modules.index(""), False)
+    if not no_module.any():
+        return ev_block
+    index = np.where(no_module, 0, np.arange(ev_block.shape[0]))
+    np.maximum.accumulate(index, out=index)
+    return np.where(no_module & (index > 0), ev_block[index], ev_block)
 
 
 def check_regions(a: Regions, b: Regions) -> bool:

@@ -11,11 +11,13 @@ function each:
    device's code paths (`memplan.capture.step.capture_step`), at full depth or, for deep
    models, at 3 and 4 blocks (`memplan.estimation.layers`); where the layout can be
    traced, the rank's own step with FSDP2 / DTensor TP applied on a fake process group
-   (`memplan.parallel.traced.capture_rank_step`; PP x TP:
+   (`memplan.parallel.traced.capture_rank_step`, CP ranks included; PP x TP:
    `memplan.parallel.traced.capture_stage_step`, the first rank of each distinct
    pipeline stage, its 1F1B step with the stage's modules under the TP plan, at 3 and 4
-   blocks per stage for deep models). TP that cannot be traced is refused (`UserError`)
-   unless `parallel_tracing=False`;
+   blocks per stage for deep models; under PyTorch's multi-stage schedules, every
+   pipeline rank's row of the schedule, at full depth). TP that cannot be traced is
+   refused (`UserError`) unless `parallel_tracing=False`; CP and the multi-stage
+   schedules are refused wherever they are not traced;
 3. **rank view** (`rank_views`): the rank's trace, modelled from the single-device trace
    by the layout rules (`memplan.parallel.transform.rank_trace`: DDP, ZeRO-1/2, PP
    without TP, or `parallel_tracing=False`), or the traced rank with the modelled rest
@@ -56,11 +58,12 @@ from memplan.hardware.roofline import matmul_dtype, step_seconds
 from memplan.layout import plan_addresses
 from memplan.models.build import count_parameters
 from memplan.models.depth import num_layers, with_layers
+from memplan.models.moe import experts_of
 from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
-from memplan.parallel.layout import Layout
+from memplan.parallel.apply import traceable, traced_part, untraceable_tensor_parallel
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 from memplan.parallel.plans import RankPlan, rank_plans
 from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
 from memplan.parallel.transform import block_spans
@@ -147,6 +150,7 @@ class Estimate:
     flops: float = 0.0
     bytes_moved: float = 0.0
     roofline_s: float = 0.0  # rank 0's compute time, per-op roofline over the device profile
+    routing: str | None = None  # a mixture-of-experts model's routing assumption (None: dense)
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -165,6 +169,12 @@ class Estimate:
         return max(r.host.peak_bytes for r in self.per_rank)
 
     @property
+    def impl(self) -> str | None:
+        """Whose model code was traced (`TrainingSetup.impl`: hf, litgpt); None for a
+        snapshot of a step memplan did not build."""
+        return self.setup.get("impl")
+
+    @property
     def fits(self) -> bool | None:
         if self.capacity_bytes is None:
             return None
@@ -173,6 +183,7 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            "impl": self.impl,
             "parameters": self.parameters,
             "setup": self.setup,
             "layout": self.layout,
@@ -188,6 +199,7 @@ class Estimate:
             "fits": self.fits,
             "method": self.method,
             "parallel": self.parallel,
+            "routing": self.routing,
             "elapsed_s": round(self.elapsed_s, 3),
         }
 
@@ -291,6 +303,7 @@ def estimate(
         parallel=results[-1].parallel if layout.world_size > 1 else "single device",
         elapsed_s=time.perf_counter() - start, flops=totals.flops, bytes_moved=totals.bytes_moved,
         roofline_s=totals.roofline_s,
+        routing=setup.routing if not isinstance(config, FactorySpec) and experts_of(config) else None,
     )
 
 
@@ -309,8 +322,11 @@ def check_options(device: str, allocator: str, alloc_conf: str | None, cuda_cont
 
 def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
                             parallel_tracing: bool) -> None:
-    """`UserError` for TP that cannot be traced, and for an FSDP2 mixed-precision or CPU
-    offload policy where FSDP2 is not traced (docs/estimation.md)."""
+    """`UserError` for TP that cannot be traced, for an FSDP2 mixed-precision or CPU
+    offload policy where FSDP2 is not traced, and for EP without tracing
+    (docs/estimation.md)."""
+    if layout.ep > 1 and not parallel_tracing:
+        raise UserError("--ep is estimated by tracing it on a fake process group: leave out --modelled-layout")
     if parallel_tracing and setup.quant != "none" and (layout.zero == 3 or layout.tp > 1):
         raise UserError("--quant with --zero 3 or --tp: FSDP2 and DTensor TP are not traced over bitsandbytes' "
                         "quantised weights by this version of memplan: estimate one GPU, DDP or ZeRO-1/2")
@@ -323,11 +339,19 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
             raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
     if setup.cpu_offload == "params" and not parallel_tracing:
         raise UserError("--cpu-offload params is estimated where FSDP2 itself is traced: leave out --modelled-layout")
+    if layout.cp > 1 and (not parallel_tracing or traced_part(layout, config, setup) != layout):
+        raise UserError(f"--cp is estimated only where it is traced: {traceable(layout, config, setup)}")
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and \
+            (not parallel_tracing or traced_part(layout, config, setup) is None):
+        raise UserError(f"--schedule {layout.schedule} is estimated only where PyTorch's schedule is traced: "
+                        f"{traceable(layout, config, setup) or 'tracing is off'}")
 
 
 def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
     """One rank's figures: capture, rank view, replay, extrapolate (module docstring)."""
-    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE
+    # PyTorch's multi-stage schedules interleave the rank's two chunks: traced at full depth
+    scheduled = job.layout.pp > 1 and job.layout.schedule in MULTI_STAGE_SCHEDULES
+    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE and not scheduled
     traced = job.parallel_tracing and plan.traceable
     steps = capture_rank_steps(job, plan, [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [plan.layers], traced)
     transform = _traced_view(job.device, plan.traced_transform) if traced else plan.transform
@@ -557,8 +581,10 @@ def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: TrainingSetup) 
     op-level policy), from the block's forward to the end of its backward. It is made by
     `torch.get_rng_state()` outside the dispatcher, so the recorder does not see it; on a
     GPU it is host memory (and the CUDA generator's state a host tensor too), so only a
-    cpu job's memory holds it."""
-    if setup.checkpointing not in ("full", "selective"):
+    cpu job's memory holds it. A compiled step checkpoints inside its compiled graphs, where
+    the state is saved by `run_and_save_rng_state` (torch/_prims/rng_prims.py), an op the
+    recorder sees (`memplan.capture.compiled`): nothing to add."""
+    if setup.checkpointing not in ("full", "selective") or setup.compile != "none":
         return []
     device = trace.main_device()
     return [trace_edit.ExtraBuffer(CPU_RNG_STATE_BYTES, spans["forward"][0], spans["backward"][1], "other", "forward",

@@ -28,6 +28,12 @@ torchtitan, where parallelism and checkpointing are applied from outside the net
   projections inside the attention module are recomputed too;
 - LoRA through peft when `lora_rank > 0`, on peft's default targets for the family
   (the attention projections; `query_key_value` for BLOOM, `c_attn` for GPT-2);
+- torch.compile last, after checkpointing and LoRA, as torchtitan applies it after
+  activation checkpointing (`compile_model`): `model` compiles the whole model in place,
+  `blocks` each transformer block and the loss on its own (Inductor's default backend;
+  what the compiled step allocates is recorded by `memplan.capture.compiled`);
+- a mixture-of-experts model routes by `setup.routing` (`memplan.models.moe`: the stated
+  assignment replaces the router's expert ids as they enter the experts);
 - weights: under `FakeTensorMode` (or on the meta device) weight init is skipped
   (`transformers.initialization.no_init_weights`), so a 70B model builds in about a second
   with no memory; on real tensors init is seeded by `setup.seed` without touching the
@@ -46,8 +52,9 @@ import torch
 from torch import nn
 
 from memplan.errors import UserError
-from memplan.models import quant
+from memplan.models import litgpt, quant
 from memplan.models.dtypes import TORCH_DTYPES
+from memplan.models.moe import apply_routing, check_routing
 from memplan.models.registry import FactorySpec, as_config, load_config, uses_remote_code
 from memplan.models.setup import ALL_LINEAR, DEFAULT_MAX_SEQ, TrainingSetup
 
@@ -195,27 +202,36 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
                         "estimated for: use --quant nf4 or fp4")
     if isinstance(spec, str):
         spec = load_config(spec)
+    check_routing(spec, setup.routing, fake=is_fake_mode_active())
     skip_init = is_fake_mode_active() or torch.device(device).type == "meta"
     init = contextlib.nullcontext() if skip_init else _seeded(setup.seed)
     with init:
         if isinstance(spec, FactorySpec):
-            if setup.head != "lm":
-                raise UserError(f"--head {setup.head} builds a Hugging Face head from a config; the factory "
-                                f"'{spec.spec}' builds its own model: leave the head at lm")
+            if setup.head != "lm" or setup.impl != "hf":
+                flag = f"--head {setup.head}" if setup.head != "lm" else f"--impl {setup.impl}"
+                raise UserError(f"{flag} builds a model from a Hugging Face config; the factory "
+                                f"'{spec.spec}' builds its own model: leave it out")
             model = _build_from_factory(spec, setup, device)
+        elif setup.impl == "litgpt":
+            model = _build_litgpt(copy.deepcopy(spec), setup, device)
         else:
             model = _build_from_config(copy.deepcopy(spec), setup, device, skip_init)
         _check_sequence(model, setup)
+        apply_routing(model, getattr(model, "config", None), setup.routing)
         model.train()
-        if setup.lora_rank > 0:
+        if setup.lora_rank > 0 and setup.impl == "hf":
             _check_lora_targets(model, setup)
         if setup.quant != "none":
             _apply_quant(model, setup, spec, fake=skip_init)
-        _apply_checkpointing(model, setup)
-        if setup.lora_rank > 0:
+        if setup.impl == "litgpt" and setup.checkpointing == "full":
+            litgpt.checkpoint_blocks(model)
+        else:
+            _apply_checkpointing(model, setup)
+        if setup.lora_rank > 0 and setup.impl == "hf":
             model = _apply_lora(model, setup)
         elif setup.frozen_base:
             quant.train_unquantised(model)
+        compile_model(model, setup)
     model.memplan_attention = setup.attn
     return model
 
@@ -233,9 +249,32 @@ def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig 
         quant.prepare_for_kbit_training(model)
 
 
+def _build_litgpt(config: PretrainedConfig, setup: TrainingSetup, device: str) -> nn.Module:
+    """LitGPT's `GPT` for `config` and the loss of its fine-tuning loop (`memplan.models.litgpt`)."""
+    if setup.head != "lm":
+        raise UserError(f"--impl litgpt builds LitGPT's language model; --head {setup.head} is a Hugging Face head: "
+                        "use --impl hf")
+    if setup.attn == "eager":
+        raise UserError("LitGPT's attention always calls scaled_dot_product_attention: use --attn sdpa with "
+                        "--impl litgpt")
+    if getattr(config, "num_local_experts", None) and is_fake_mode_active():
+        raise UserError("LitGPT's LLaMAMoE routes tokens with torch.where (data-dependent shapes), which fake "
+                        "tensors cannot trace: use --impl hf for a mixture-of-experts model")
+    model = litgpt.build_litgpt_model(config, setup, sequence_length(setup, config), TORCH_DTYPES[setup.dtype],
+                                      device)
+    model.memplan_attn_implementation = "sdpa"
+    return model
+
+
+def carried_between_steps(model: nn.Module) -> dict[str, Any]:
+    """What the model's training loop keeps alive from one micro-batch (and step) to the
+    next, for the capture to count from the start (LitGPT's loop keeps the previous
+    logits: `memplan.models.litgpt`); empty for the other models."""
+    return getattr(model, "carried", {})
+
+
 # Setup fields whose techniques no builder applies yet, with the value that turns each off.
 UNBUILT_TECHNIQUES = {
-    "compile": "none", "impl": "hf",
 }
 UNBUILT_OPTIMIZERS: tuple[str, ...] = ()
 
@@ -267,13 +306,6 @@ def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: s
     dtype = TORCH_DTYPES[setup.dtype]
     wanted = "eager" if setup.attn == "eager" else "sdpa"
     no_init = no_init_weights() if skip_init else contextlib.nullcontext()
-    if skip_init and getattr(config, "num_local_experts", None) and setup.dtype == "fp32" and setup.autocast == "none":
-        # transformers' MoE kernel, torch._grouped_mm, has bf16-only meta (and CUDA)
-        # kernels, and the per-expert loop routes tokens with data-dependent shapes
-        raise UserError(
-            "an fp32 mixture-of-experts step cannot be traced on fake tensors (grouped_mm "
-            "is bf16-only on GPUs and in PyTorch's meta kernels): use --dtype bf16, or --real"
-        )
     with torch.device(device), no_init:
         try:
             model = instantiate(cls, config, dtype=dtype, attn_implementation=wanted)
@@ -421,6 +453,40 @@ def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
         attention.extend(found)
     for module in attention:
         _checkpoint_forward(module)
+
+
+def compile_model(model: nn.Module, setup: TrainingSetup) -> None:
+    """Apply `setup.compile` to `model` (in place; compilation itself happens at the first call):
+
+    - `model`: the whole model, `nn.Module.compile()` (`torch.compile` of its call); Hugging
+      Face computes the loss inside `forward`, so the loss is compiled with it;
+    - `blocks`: each transformer block replaced in its `ModuleList` by
+      `torch.compile(block, fullgraph=True)`, as torchtitan's `apply_compile` does
+      (torchtitan/models/llama3/infra/parallelize.py: after activation checkpointing, so a
+      checkpointed block is recomputed inside its compiled graph), and the loss compiled on
+      its own as torchtitan's `build_cross_entropy_loss` does (torchtitan/components/loss.py,
+      `torch.compile(loss_fn)`): here the model's `loss_function` (transformers'
+      `ForCausalLMLoss`, ...). A model whose `forward` computes its loss inline (BERT, the
+      GPT-2 classifier) has no loss to compile apart and is refused (`UserError`).
+    """
+    if setup.compile == "none":
+        return
+    if setup.compile == "model":
+        model.compile()
+        return
+    base = _base_model(model)
+    forward = type(base).forward
+    try:
+        calls_loss_function = "self.loss_function" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        calls_loss_function = False
+    if not hasattr(base, "loss_function") or not calls_loss_function:
+        raise UserError(f"--compile blocks compiles the loss apart through the model's loss_function, which "
+                        f"{type(base).__name__}.forward does not call: use --compile model")
+    blocks = transformer_blocks(model)
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, torch.compile(block, fullgraph=True))
+    base.loss_function = torch.compile(base.loss_function)
 
 
 def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str] | str:

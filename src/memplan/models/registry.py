@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
+from memplan.models.moe import EXPERT_COUNT_KEYS
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
@@ -118,7 +119,8 @@ def registry_entry(name: str) -> dict[str, Any]:
 
 
 def provenance(name: str) -> dict[str, Any]:
-    """`{"hf_id", "parameters", "parameters_source"}` of a registry model."""
+    """`{"hf_id", "parameters", "parameters_source"}` of a registry model (and `source`, the URL of the
+    published config.json, where the entry names it)."""
     return dict(registry_entry(name)[PROVENANCE_KEY])
 
 
@@ -276,8 +278,8 @@ def tiny_config(spec: str | PretrainedConfig, **overrides: Any) -> PretrainedCon
 
     2 layers, hidden 64, 4 heads (head dim 16), 2 KV heads when the model has grouped-query
     attention (1 when it has multi-query attention), vocab 512, 256 positions, the
-    feed-forward width keeping the model's ratio to hidden, 4 experts top-2 for MoE, a
-    128-token sliding window where the model has one. `overrides` are set last (config
+    feed-forward width keeping the model's ratio to hidden, 4 experts top-2 for MoE
+    (`_tiny_experts`), a 128-token sliding window where the model has one. `overrides` are set last (config
     attribute names, e.g. `num_hidden_layers=4`).
     """
     config = as_config(spec)
@@ -322,9 +324,7 @@ def tiny_config(spec: str | PretrainedConfig, **overrides: Any) -> PretrainedCon
         new["max_window_layers"] = TINY_LAYERS
     if isinstance(data.get("layer_types"), list):  # per-layer attention kinds, in order
         new["layer_types"] = data["layer_types"][:TINY_LAYERS]
-    if data.get("num_local_experts"):
-        new["num_local_experts"] = TINY_EXPERTS
-        new["num_experts_per_tok"] = min(TINY_EXPERTS_PER_TOKEN, data.get("num_experts_per_tok") or 2)
+    new.update(_tiny_experts(data))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         value = data.get(key)
         if isinstance(value, int) and value >= TINY_VOCAB:
@@ -335,6 +335,35 @@ def tiny_config(spec: str | PretrainedConfig, **overrides: Any) -> PretrainedCon
     for key, value in overrides.items():
         setattr(tiny, key, value)
     return tiny
+
+
+# DeepSeek's multi-head latent attention widths, at toy size (q_lora_rank stays None where the model has none)
+TINY_LATENT = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
+
+
+def _tiny_experts(data: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `tiny_config`: 4 routed experts, top-2, the expert
+    width keeping its ratio to hidden, DeepSeek's groups (2 of 2 experts, 1 group chosen,
+    where the model routes in groups), its dense first block and its latent attention."""
+    new: dict[str, Any] = {}
+    key = next((k for k in EXPERT_COUNT_KEYS if data.get(k)), None)
+    if key is None:
+        return new
+    new[key] = TINY_EXPERTS
+    new["num_experts_per_tok"] = min(TINY_EXPERTS_PER_TOKEN, data.get("num_experts_per_tok") or 2)
+    if data.get("moe_intermediate_size"):
+        ratio = data["moe_intermediate_size"] / data["hidden_size"]
+        new["moe_intermediate_size"] = max(8, int(round(ratio * TINY_HIDDEN / 8)) * 8)
+    if (data.get("n_group") or 1) > 1:
+        new["n_group"], new["topk_group"] = 2, 1
+    if data.get("first_k_dense_replace"):
+        new["first_k_dense_replace"] = 1  # one dense block, then one MoE block
+    for name, value in TINY_LATENT.items():
+        if data.get(name):
+            new[name] = value
+    if data.get("qk_rope_head_dim"):  # DeepSeek's rotary embedding is as wide as the rope part of a head
+        new["head_dim"] = TINY_LATENT["qk_rope_head_dim"]
+    return new
 
 
 def _canonical_keys(config: PretrainedConfig, values: dict[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,10 @@ The techniques people turn on to make a job fit, each off by default:
 - LoRA variants: `lora_targets` (module-name suffixes, or `("all-linear",)` as peft
   spells it), `lora_alpha` (default 2 x rank), `dora` (weight-decomposed LoRA);
 - `impl`: whose code defines the model: `hf` (transformers) or `litgpt` (LitGPT's `GPT`).
+
+A mixture-of-experts model routes its tokens by data that fake tensors do not have, so a
+traced step states its `routing` (default `balanced`; `worst`, `capacity:F`, or `router`
+for the model's own router on real tensors): `memplan.models.moe`.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from memplan.errors import UserError
+from memplan.models.moe import parse_routing
 
 DTYPES = ("fp32", "bf16", "fp16")
 AUTOCASTS = ("none", "bf16", "fp16")
@@ -94,7 +99,7 @@ class TrainingSetup:
     `grad_accum` micro-batches. `allow_long_seq` permits `seq` beyond the model's
     maximum positions (for models whose position encoding extrapolates, e.g. RoPE).
     `lora_targets` overrides the family's default LoRA target modules.
-    The memory techniques (`quant` ... `impl`) are described in the module docstring. `seed` makes
+    The memory techniques (`quant` ... `impl`) and `routing` are described in the module docstring. `seed` makes
     real-tensor weights and batches deterministic. `head` picks the task head (see the
     module docstring); `num_labels` is the classifier's width for `head="seq-cls"`.
     """
@@ -129,6 +134,7 @@ class TrainingSetup:
     lora_alpha: float | None = None
     dora: bool = False
     impl: str = "hf"
+    routing: str = "balanced"
 
     def __post_init__(self) -> None:
         self.check()
@@ -171,6 +177,7 @@ class TrainingSetup:
         if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
             raise UserError(f"compute_dtype must be one of {', '.join(DTYPES)}, not '{self.compute_dtype}'")
         self.loss_chunks()  # a loss that does not parse is an error here
+        parse_routing(self.routing)  # so is a routing
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -198,6 +205,8 @@ class TrainingSetup:
         if self.lora_targets is not None and ALL_LINEAR in self.lora_targets and len(self.lora_targets) > 1:
             raise UserError(f"--lora-targets {ALL_LINEAR} is peft's name for every linear layer but the output head "
                             f"and stands alone: drop the other names, or list every module without {ALL_LINEAR}")
+        if self.impl == "litgpt":
+            self._check_litgpt()
         if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not self.lora_alpha > 0):
             raise UserError(f"lora_alpha must be a number > 0, not {self.lora_alpha!r}")
 
@@ -214,6 +223,17 @@ class TrainingSetup:
         if self.cpu_offload == "optimizer" and self.zero_grad != "none":
             raise UserError("--cpu-offload optimizer (torchao's CPUOffloadOptimizer) frees the GPU gradients in "
                             "zero_grad(): use --zero-grad none")
+
+    def _check_litgpt(self) -> None:
+        """`UserError` for what LitGPT's own fine-tuning scripts do differently (memplan.models.litgpt)."""
+        if self.loss != "full":
+            raise UserError("LitGPT's fine-tuning loop computes its head and loss in 128-position chunks itself: "
+                            "use --loss full with --impl litgpt")
+        if self.quant != "none":
+            raise UserError("LitGPT quantises through Lightning Fabric's BitsandbytesPrecision, which memplan does "
+                            "not trace: use --impl hf with --quant")
+        if self.activation_offload != "none" or self.dora:
+            raise UserError("--activation-offload and --dora are applied to Hugging Face models: use --impl hf")
 
     def loss_chunks(self) -> int:
         """The number of chunks of a `chunked` loss (1 for `full` and `fused-linear`)."""

@@ -433,7 +433,8 @@ def _torchtune_checkpoint_config(m: Mapper, checkpointer: Any) -> None:
 TORCHTITAN_NOT_MEMORY = ("job", "profiling", "metrics", "lr_scheduler", "checkpoint", "validation", "comm",
                          "fault_tolerance", "experimental", "memory_estimation", "debug", "float8", "mx",
                          "quantize", "dataloader")
-TORCHTITAN_SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved"}
+TORCHTITAN_SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "InterleavedZeroBubble": "interleaved-zb",
+                        "ZBVZeroBubble": "zbv"}
 
 
 def read_torchtitan(m: Mapper, data: dict[str, Any]) -> None:
@@ -542,8 +543,6 @@ def _titan_checkpointing(m: Mapper, table: dict[str, Any]) -> None:
 def _titan_parallelism(m: Mapper, table: dict[str, Any]) -> None:
     """Read with the batch keys in `_titan_batches`; here the keys that need no other."""
     for key, value in table.items():
-        if key == "parallelism.context_parallel_degree" and value != 1:
-            raise m.refuse(key, value, "1: memplan has no context parallelism")
         if key == "parallelism.fsdp_reshard_after_forward" and value not in ("default", "always"):
             raise m.refuse(key, value, "default or always: memplan's FSDP2 reshards after forward")
         if key == "parallelism.pipeline_parallel_schedule" and value not in TORCHTITAN_SCHEDULES:
@@ -554,12 +553,14 @@ def _titan_parallelism(m: Mapper, table: dict[str, Any]) -> None:
 
 def _titan_batches(m: Mapper, training: dict[str, Any], par: dict[str, Any]) -> None:
     """Batch, micro-batches, gradient accumulation and the layout from the degrees
-    (world = replicate x shard x tp x pp; FSDP2 where shard > 1, HSDP where replicate > 1;
+    (world = replicate x shard x cp x tp x pp; FSDP2 where shard > 1 or cp > 1, HSDP where replicate > 1;
     a pipeline splits the local batch into micro-batches of `pipeline_parallel_microbatch_size`)."""
     g = {k: par.get(f"{k}_degree", d) for k, d in (("data_parallel_replicate", 1), ("data_parallel_shard", -1),
-                                                   ("tensor_parallel", 1), ("pipeline_parallel", 1))}
+                                                   ("tensor_parallel", 1), ("pipeline_parallel", 1),
+                                                   ("context_parallel", 1))}
     replicate, shard, tp, pp = g["data_parallel_replicate"], g["data_parallel_shard"], \
         g["tensor_parallel"], g["pipeline_parallel"]
+    cp = m.whole("parallelism.context_parallel_degree", g["context_parallel"])
     key = "parallelism.data_parallel_shard_degree"
     local_key = "training.local_batch_size" if "local_batch_size" in training else "training.batch_size"
     local = m.whole(local_key, training.get(local_key.split(".")[1], 8))
@@ -569,7 +570,9 @@ def _titan_batches(m: Mapper, training: dict[str, Any], par: dict[str, Any]) -> 
         _titan_pipeline(m, par, local, m.whole("parallelism.pipeline_parallel_degree", pp))
     else:
         m.set(local_key, "batch", local)
-    if shard == -1 or shard > 1:
+    if cp != 1:
+        m.set("parallelism.context_parallel_degree", "cp", cp)
+    if shard == -1 or shard > 1 or cp > 1:  # with CP, FSDP2 shards over dp_shard x cp (ParallelDims.fsdp_enabled)
         m.set(key, "zero", 3, "torchtitan shards with FSDP2")
         mixed = training.get("mixed_precision_param", "bfloat16")
         if mixed != "float32":
@@ -579,7 +582,7 @@ def _titan_batches(m: Mapper, training: dict[str, Any], par: dict[str, Any]) -> 
         m.unresolved("world_size", f"{m.path}: data_parallel_shard_degree = -1 takes every GPU the launcher "
                                    "starts: give --world-size N")
     else:
-        m.set(key, "world_size", m.whole(key, shard) * m.whole(key, replicate) * tp * pp)
+        m.set(key, "world_size", m.whole(key, shard) * m.whole(key, replicate) * tp * pp * cp)
     if replicate > 1 and shard > 1:
         m.set("parallelism.data_parallel_replicate_degree", "shard_size", shard, "HSDP")
     if "global_batch_size" in training and training["global_batch_size"] not in (-1, None) and shard != -1:

@@ -16,7 +16,7 @@ from memplan.errors import UserError
 from memplan.models.setup import TrainingSetup
 
 SETUP_FIELDS = tuple(f.name for f in fields(TrainingSetup))
-LAYOUT_FIELDS = ("world_size", "zero", "shard_size", "tp", "pp", "microbatches", "schedule", "fsdp_param_dtype")
+LAYOUT_FIELDS = ("world_size", "zero", "shard_size", "tp", "pp", "cp", "microbatches", "schedule", "fsdp_param_dtype")
 
 # Reasons a key is left out, shared by the formats.
 NOT_MEMORY = "does not change the memory of one training step"

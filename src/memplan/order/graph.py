@@ -57,6 +57,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan import models
+from memplan.capture.compiled import refuse_compiled_step
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.capture.step import build_training_step
 from memplan.errors import UserError
@@ -611,6 +612,7 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
     if setup.loss != "full" or setup.activation_offload != "none":
         raise UserError("reorder traces the model's own loss without activation offloading: drop --loss and "
                         "--activation-offload")
+    refuse_compiled_step(setup, "in the eager step graph that reorder orders (a compiled step's order is Inductor's)")
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:

@@ -26,12 +26,35 @@ the layout is applied from outside):
   `reshard_after_forward=True`, over the "dp" dimension (HSDP: a ("replicate", "shard")
   mesh of the data-parallel ranks); `layout.fsdp_param_dtype`: torchtitan's
   `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`.
+- **FSDP1** (`--engine fsdp1`, ZeRO-3 `FULL_SHARD`):
+  `FullyShardedDataParallel` with the options HF Trainer hands accelerate
+  (transformers' `TrainingArguments._process_fsdp_args` for FSDP1: `use_orig_params=True`,
+  `backward_prefetch` "NO_PREFETCH", `forward_prefetch=False`; accelerate's
+  `FullyShardedDataParallelPlugin`: `limit_all_gathers=True`, the transformer-based auto-wrap
+  policy over the model's block class, `MixedPrecision(param_dtype=d, reduce_dtype=d,
+  buffer_dtype=d)` for mixed precision `d`), one flat parameter per block and one for the
+  root's remaining parameters. On a CPU process group FSDP1 needs `device_id=cpu` (without
+  it, `_init_device_handle` asks for an accelerator) and `sync_module_states=False` (its
+  broadcast refuses CPU tensors; every rank builds the same seeded weights anyway, what
+  the broadcast is for).
 - **PP x TP** (traced only): one pipeline stage's modules (`memplan.capture.pipeline`)
   get the TP plan above, cut to those modules (`apply_stage_layout`), over the "tp"
   dimension of a ("pp", "pp_dp", "pp_tp") mesh (`pipeline_mesh`); one data-parallel rank per
-  stage, 1F1B schedule (more data-parallel ranks, and the interleaved schedule, are
-  modelled on that trace: `traced_part`). PP without TP stays modelled
+  stage (more data-parallel ranks are modelled on that trace: `traced_part`). Under
+  PyTorch's multi-stage schedules (`memplan.parallel.schedules`) the rank's two chunks run
+  PyTorch's schedule, with or without TP; 1F1B PP without TP stays modelled
   (`memplan.parallel.transform`).
+- **CP** (`memplan.parallel.context`): FSDP2 over the data-parallel x CP ranks
+  ("dp_shard_cp", flattened from ("dp", "cp")), and the step runs inside PyTorch's
+  `context_parallel` per micro-batch.
+- **EP** (`layout.ep`, with FSDP2): the routed experts split over EP groups by
+  transformers' own EP plan and all-to-all (`memplan.parallel.expert`), before TP; FSDP2
+  then shards each experts module over the ranks holding the same experts ("efsdp" of
+  the expert mesh, with transformers' gradient divide factor) before the blocks and the
+  root over "dp" (`transformers/distributed/fsdp.py`, `apply_fully_sharded_data_parallelism`;
+  torchtitan's `apply_fsdp` likewise shards `moe.experts` over its edp mesh first). With
+  TP, the attention of Mixtral and Qwen3-MoE takes the Llama plan, the router and the
+  norms are replicated, and each TP rank dispatches its slice of the tokens.
 - **DDP** (ZeRO-0 with more than one data-parallel rank): `DistributedDataParallel`
   with its defaults (25 MiB buckets, `gradient_as_bucket_view=False`); with TP, over the
   "dp" dimension of the mesh (`device_mesh=mesh["dp"]`: PyTorch's DDP + TP composition,
@@ -56,65 +79,87 @@ from memplan.capture.step import TrainingStep, make_step
 from memplan.errors import UserError
 from memplan.models import tracing
 from memplan.models.build import TORCH_DTYPES, transformer_blocks, transformer_blocks_path
+from memplan.models.moe import experts_of
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.layout import Layout
+from memplan.parallel.context import attach_attention_hooks, context_parallel_step
+from memplan.parallel.expert import apply_expert_parallel, expert_mesh
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# MoE families whose attention is Llama's (per-head q/k norms at most): TP there, EP for the experts.
+# OLMoE's q/k norms span all heads and gpt-oss's attention sinks are per head, which the plan does not split.
+MOE_LLAMA_ATTENTION = ("mixtral", "qwen3_moe")
 ROWWISE = ("o_proj", "down_proj")
 STAGE_TP = "pp_tp"  # the TP dimension of a pipelined job's mesh (`pipeline_mesh`)
+CP_SHARD = "dp_shard_cp"  # torchtitan's name of the data-parallel x CP ranks FSDP2 shards over
 
 
 def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: TrainingSetup | None = None) -> str | None:
     """Why `layout` cannot be traced on a fake process group (None: it can)."""
     if layout.world_size == 1:
         return "one device: nothing to apply"
-    if layout.pp > 1 and layout.tp == 1:
-        return "pipeline parallelism without TP is modelled, not traced"
-    if layout.pp > 1 and layout.schedule != "1f1b":
-        return "only the 1F1B pipeline schedule is traced (the interleaved one is modelled)"
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and config is not None and not _llama_like(config):
+        return (f"PyTorch's {layout.schedule} schedule is traced over Llama-style decoder chunks, not model type "
+                f"{getattr(config, 'model_type', '?')!r}")
+    if layout.pp > 1 and layout.tp == 1 and layout.schedule == "1f1b":
+        return "1F1B pipeline parallelism without TP is modelled, not traced"
     if layout.pp > 1 and layout.dp > 1:
-        return "PP x TP is traced with one data-parallel rank per stage; with more it is modelled"
-    if layout.zero in (1, 2) and layout.dp > 1:
-        return "ZeRO-1/2 (DeepSpeed semantics) are modelled, not traced"
+        return "PP is traced with one data-parallel rank per stage; with more it is modelled"
+    if layout.zero_engine == "deepspeed" and layout.dp > 1:
+        return "DeepSpeed's ZeRO optimizers are modelled, not traced"
     if layout.zero == 0 and layout.dp > 1:
         return "DDP's reducer cannot run on a fake process group (its hook gets no tensor back): modelled"
+    if layout.cp > 1 and config is not None and not _llama_like(config):
+        return (f"context parallelism is applied to Llama-style decoders (rotary embeddings from position ids, "
+                f"`self_attn` modules), not model type {getattr(config, 'model_type', '?')!r}")
     if layout.tp > 1:
-        return _tensor_parallel_refusal(config)
+        return _tensor_parallel_refusal(config, layout)
     return None
 
 
 def traced_part(layout: Layout, config: PretrainedConfig | None = None,
                 setup: TrainingSetup | None = None) -> Layout | None:
     """The part of `layout` that is traced on a fake process group: the whole layout
-    where `traceable` accepts it; else, with TP, its TP (x PP, 1F1B) part alone, one
-    data-parallel rank, whose trace the data-parallel rules and the interleaved
-    schedule's factor then reshape (`memplan.parallel.transform.data_parallel_trace`);
-    None where nothing is traced (no TP, or TP this plan cannot apply)."""
+    where `traceable` accepts it; else its TP (x PP) or multi-stage PP part alone, one
+    data-parallel rank per stage, whose trace the data-parallel rules then reshape
+    (`memplan.parallel.transform.data_parallel_trace`); None where nothing is traced (no
+    TP and no multi-stage schedule, or a model this plan cannot apply to)."""
     if traceable(layout, config, setup) is None:
         return layout
-    if layout.tp == 1 or _tensor_parallel_refusal(config) is not None:
+    scheduled = layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES
+    if (layout.tp == 1 and not scheduled) or _tensor_parallel_refusal(config, layout) is not None:
         return None
     if layout.pp == 1 and layout.zero == 0:
         return layout  # DDP + TP: traced with DDP's parameter transform, without its reducer
-    return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None, schedule="1f1b")
+    return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None)
 
 
 def modelled_rest(layout: Layout, part: Layout | None) -> bool:
     """Whether tracing `part` (`traced_part(layout)`) leaves some of `layout` to the
     modelled rules: what a smaller traced layout left out (DDP, ZeRO-1/2, data
-    parallelism across pipeline stages, the interleaved schedule), or DDP's buckets when
-    DDP + TP is traced whole."""
+    parallelism across pipeline stages), or DDP's buckets when DDP + TP is traced whole."""
     return part is not None and (part != layout or (layout.dp > 1 and layout.zero == 0))
 
 
-def _tensor_parallel_refusal(config: PretrainedConfig | None) -> str | None:
-    if config is not None and not _llama_like(config):
+def _tensor_parallel_refusal(config: PretrainedConfig | None, layout: Layout | None = None) -> str | None:
+    if config is None:
+        return None
+    model_type = getattr(config, "model_type", "?")
+    if experts_of(config) is not None:
+        if layout is None or layout.ep == 1:
+            return (f"the routed experts of {model_type!r} are split by expert parallelism, not by the Llama TP "
+                    "plan: add --ep")
+        if model_type not in MOE_LLAMA_ATTENTION:
+            return (f"the Llama TP plan fits the attention of {', '.join(MOE_LLAMA_ATTENTION)} only, not "
+                    f"{model_type!r}'s")
+        return None
+    if not _llama_like(config):
         return (f"the Llama TP plan needs separate q/k/v and gate/up nn.Linear projections, which "
-                f"model type {getattr(config, 'model_type', '?')!r} does not have")
+                f"model type {model_type!r} does not have")
     return None
 
 
@@ -129,7 +174,7 @@ def untraceable_tensor_parallel(layout: Layout, config: PretrainedConfig | None 
     (`parallel_tracing=False`)."""
     if layout.tp == 1:
         return None
-    refusal = _tensor_parallel_refusal(config)
+    refusal = _tensor_parallel_refusal(config, layout)
     if refusal is None and layout.dp > 1 and layout.zero == 0 and setup is not None and \
             getattr(setup, "lora_rank", 0):
         refusal = ("PyTorch's DDP + TP composition makes frozen parameters trainable again (it re-wraps every "
@@ -148,13 +193,25 @@ def _llama_like(config: PretrainedConfig) -> bool:
 
 
 def device_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:
-    """The job's device mesh: ("dp", "tp"), or ("replicate", "shard", "tp") for HSDP."""
+    """The job's device mesh: ("dp", "tp"), or ("replicate", "shard", "tp") for HSDP; with
+    CP, ("dp", "cp", "tp") (torchtitan's order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if layout.shard_size is not None:
         return init_device_mesh(device, (layout.dp // layout.shard_size, layout.shard_size, layout.tp),
                                 mesh_dim_names=("replicate", "shard", "tp"))
+    if layout.cp > 1:
+        return init_device_mesh(device, (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp"))
     return init_device_mesh(device, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+
+
+def fsdp_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the data-parallel dimension ("dp", or HSDP's
+    ("replicate", "shard")); with CP the data-parallel x CP ranks, ("dp", "cp") flattened
+    into torchtitan's "dp_shard_cp"."""
+    if layout.cp > 1:
+        return mesh["dp", "cp"]._flatten(CP_SHARD)
+    return mesh["replicate", "shard"] if layout.shard_size is not None else mesh["dp"]
 
 
 def tensor_parallel_plan(model: nn.Module, blocks_path: str) -> dict[str, Any]:
@@ -224,7 +281,10 @@ class ReplicateParallel:
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
         def to_local(_mod: nn.Module, outputs: Any, _device_mesh: Any) -> Any:
-            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+            # every output, tuples included (a MoE router returns logits, weights and expert ids)
+            from torch.utils._pytree import tree_map
+
+            return tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, outputs)
 
         distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
 
@@ -247,9 +307,15 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
     under DDP), and DDP alone nothing; the caller models the reducer's buckets.
     `offload_params`: FSDP2 with `CPUOffloadPolicy()` (pinned host shards; call it inside
     `memplan.models.tracing.host_placement`, which serves the pinning on a CPU-only host)."""
-    if layout.pp > 1 or (layout.zero in (1, 2) and layout.dp > 1):
-        raise UserError("only DDP, FSDP2 (zero 3), TP, DDP + TP and FSDP2 + TP can be applied to a model")
+    if layout.pp > 1 or (layout.zero_engine == "deepspeed" and layout.dp > 1):
+        raise UserError("only DDP, FSDP2 (zero 3), FSDP1, TP, DDP + TP and FSDP2 + TP can be applied to a model")
     mesh = mesh if mesh is not None else device_mesh(layout)
+    if layout.dp > 1 and layout.zero_engine == "fsdp1":
+        return apply_fsdp1(model, layout, mesh["dp"])
+    experts = []
+    if layout.ep > 1:  # before TP, whose replication of the rest then leaves the (sharded) experts alone
+        efsdp_ep = expert_mesh(layout.dp, layout.tp, layout.ep)
+        experts = apply_expert_parallel(model, efsdp_ep["ep"], mesh["tp"])
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -258,10 +324,10 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
         if tied:
             _retie_embeddings(model)
         _replicate_the_rest(model, mesh["tp"])
-    if layout.dp > 1 and layout.zero == 3:
+    if layout.shard_degree > 1 and layout.zero == 3:
         from torch.distributed.fsdp import fully_shard
 
-        dp_mesh = mesh["replicate", "shard"] if layout.shard_size is not None else mesh["dp"]
+        dp_mesh = fsdp_mesh(layout, mesh)
         options: dict[str, Any] = {}
         if getattr(layout, "fsdp_param_dtype", None) is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -272,6 +338,8 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy()
+        for module in experts:
+            _shard_experts(module, efsdp_ep["efsdp"], layout, options)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, **options)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, **options)
@@ -292,6 +360,38 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
             return DistributedDataParallel(model, device_mesh=mesh["dp"])
         return DistributedDataParallel(model)
     return model
+
+
+def apply_fsdp1(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
+    """`model` under `FullyShardedDataParallel` as HF Trainer and accelerate set it up
+    (module docstring): a flat parameter per transformer block and one for the root."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    mixed = None
+    if layout.fsdp_param_dtype is not None:
+        dtype = TORCH_DTYPES[layout.fsdp_param_dtype]
+        mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+    strategy = ShardingStrategy.FULL_SHARD
+    device = next(model.parameters()).device
+    return FullyShardedDataParallel(
+        model, process_group=mesh.get_group(), sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({type(transformer_blocks(model)[0])}), backward_prefetch=None,
+        forward_prefetch=False, limit_all_gathers=True, use_orig_params=True, sync_module_states=False,
+        mixed_precision=mixed, device_id=torch.device(device.type))
+
+
+def _shard_experts(module: nn.Module, efsdp_mesh: DeviceMesh, layout: Layout, options: dict[str, Any]) -> None:
+    """FSDP2 on one experts module over the ranks that hold the same experts, as
+    transformers' `apply_fully_sharded_data_parallelism` does: its gradients cover the
+    batches of all dp ranks, so they are divided by dp, summed over efsdp and divided
+    locally where efsdp > 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=efsdp_mesh, reshard_after_forward=True, **options)
+    module.set_gradient_divide_factor(float(layout.dp))
+    if layout.efsdp > 1:
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def pipeline_mesh(layout: Layout, device: str = "cpu") -> DeviceMesh:
@@ -339,10 +439,14 @@ def build_parallel_step(config: PretrainedConfig, setup: TrainingSetup, layout: 
     process group (`memplan.parallel.traced`)."""
     if not models.is_fake_mode_active():
         torch.manual_seed(setup.seed)  # identical weights on every rank, as a checkpoint load gives
+        if mesh is None:
+            mesh = device_mesh(layout)
     model = models.build_model(config, setup, device="cpu")
     layers, blocks_path = len(transformer_blocks(model)), transformer_blocks_path(model)
     offload = setup.cpu_offload == "params"
     placement = tracing.host_placement() if offload else contextlib.nullcontext()
+    if layout.cp > 1:
+        attach_attention_hooks(model)
     if models.is_fake_mode_active():
         # the wrappers' set-up computes device-mesh coordinates and checks parameter
         # shapes with small real tensors; everything made from the (fake) parameters
@@ -359,5 +463,8 @@ def build_parallel_step(config: PretrainedConfig, setup: TrainingSetup, layout: 
             "layers": layers}
     cuda_kernels = target_device == "cuda" and models.is_fake_mode_active()
     meta["attention_kernels"] = "cuda" if cuda_kernels else "cpu"
-    return TrainingStep(trained, optimizer, batches,
-                        make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels), meta)
+    if layout.cp > 1:
+        run = context_parallel_step(trained, optimizer, batches, setup, mesh["cp"], cuda_kernels=cuda_kernels)
+    else:
+        run = make_step(trained, optimizer, batches, setup, "cpu", cuda_kernels=cuda_kernels)
+    return TrainingStep(trained, optimizer, batches, run, meta)

@@ -17,6 +17,11 @@ alive at the main thread's peak depends on how the ranks' processes run (a loade
 can show one root all-gather staging buffer more on a rank; docs/estimation.md). Repeat
 the measurement in fresh processes and take medians where that matters.
 
+Under a multi-stage pipeline schedule (`memplan.parallel.schedules`), each rank runs its
+pipeline rank of PyTorch's schedule with real sends and receives on gloo
+(`schedule_rank_step`, the step the estimate traces on the fake group); with CP, the step
+runs inside PyTorch's `context_parallel` (`memplan.parallel.context`).
+
 Assumes a small model (every rank holds its shard in the host's memory) and a layout
 that `memplan.parallel.apply.traceable` accepts.
 """
@@ -28,6 +33,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +42,9 @@ import torch
 from memplan.capture.groundtruth import profiler_peak_bytes
 from memplan.capture.step import TrainingStep
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.apply import build_parallel_step
-from memplan.parallel.layout import Layout
+from memplan.parallel.apply import build_parallel_step, pipeline_mesh
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from memplan.parallel.schedules import schedule_rank_step
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
@@ -97,7 +104,8 @@ def _measured_step(step: TrainingStep, dist: Any) -> int:
     raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times")
 
 
-def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> None:
+def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str,
+               prepare: Callable[[TrainingStep], None] | None = None) -> None:
     import gc
 
     import torch.distributed as dist
@@ -107,7 +115,9 @@ def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> N
     try:
         peaks = []
         for config, setup, layout in cases:
-            step = build_parallel_step(config, setup, layout)
+            step = _rank_step(config, setup, layout, rank)
+            if prepare is not None:
+                prepare(step)
             step.run()  # warm-up: the optimizer state exists
             dist.barrier()
             peaks.append(_measured_step(step, dist))
@@ -118,10 +128,20 @@ def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str) -> N
         dist.destroy_process_group()
 
 
-def measure_rank_peaks(cases: list[Case]) -> list[list[int]]:
+def _rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, rank: int) -> TrainingStep:
+    """`rank`'s step of `layout`: its pipeline rank under PyTorch's multi-stage schedule
+    (`memplan.parallel.schedules`), else the parallel step (`build_parallel_step`)."""
+    if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES:
+        return schedule_rank_step(config, setup, layout, rank // (layout.dp * layout.tp), pipeline_mesh(layout))
+    return build_parallel_step(config, setup, layout)
+
+
+def measure_rank_peaks(cases: list[Case], prepare: Callable[[TrainingStep], None] | None = None) -> list[list[int]]:
     """Per case `(config, setup, layout)`, the profiler peak bytes of one real training
     step on every rank (rank order). All cases share one world size and run, one after
-    the other, in the same set of processes."""
+    the other, in the same set of processes. `prepare` (a module-level function, so that
+    the processes can import it) is run on every rank's built step before its warm-up,
+    e.g. to give the model trained weights."""
     import torch.multiprocessing as mp
 
     sizes = {layout.world_size for _, _, layout in cases}
@@ -135,7 +155,7 @@ def measure_rank_peaks(cases: list[Case]) -> list[list[int]]:
     for attempt in range(PROFILER_ATTEMPTS):
         with tempfile.TemporaryDirectory(prefix="memplan-gt-") as workdir:
             try:
-                mp.spawn(_rank_main, args=(cases, world_size, workdir), nprocs=world_size, join=True)
+                mp.spawn(_rank_main, args=(cases, world_size, workdir, prepare), nprocs=world_size, join=True)
             except mp.ProcessRaisedException as exc:
                 if "memory analysis failed" not in str(exc) or attempt == PROFILER_ATTEMPTS - 1:
                     raise

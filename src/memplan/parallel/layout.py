@@ -1,9 +1,16 @@
-"""Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP.
+"""Parallel layouts: DP / ZeRO 0-3 (FSDP2 for stage 3, HSDP), TP (+ sequence parallel), PP, CP, EP.
 
 `Layout` holds the degrees and checks them against a model. Which ranks differ, and how
 each is estimated, is `memplan.parallel.plans`.
 
-Rank numbering follows torchtitan's device mesh: pp outermost, then dp, then tp.
+`engine` is the library that shards (ZeRO stages 1-3): `fsdp2` (`fully_shard`, the
+default for stage 3), `fsdp1` (`FullyShardedDataParallel` `FULL_SHARD`, stage 3) or `deepspeed` (DeepSpeed's ZeRO optimizers, the default
+for stages 1 and 2, which only DeepSpeed implements as such). None: the stage's default.
+
+Rank numbering follows torchtitan's device mesh (`torchtitan/distributed/parallel_dims.py`,
+`ParallelDims.build_mesh`: pp, dp_replicate, dp_shard, cp, tp): pp outermost, then dp,
+then cp, then tp; world size = dp x cp x tp x pp. Expert
+parallelism (`ep`) borrows its ranks from dp x tp (`memplan.parallel.expert`).
 """
 
 from __future__ import annotations
@@ -12,47 +19,69 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
+from memplan.models.build import sequence_length
 from memplan.models.depth import num_layers
+from memplan.models.moe import experts_of
 from memplan.models.registry import FactorySpec
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.deepspeed import DeepSpeedConfig
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
 
-SCHEDULES = ("1f1b", "interleaved")
+SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv")
+# PyTorch's multi-stage schedules (`memplan.parallel.schedules`): interleaved 1F1B, interleaved
+# zero bubble (ZB1P) and ZB-V, each with INTERLEAVED_CHUNKS model chunks ("stages") per rank
+MULTI_STAGE_SCHEDULES = ("interleaved", "interleaved-zb", "zbv")
 FSDP_PARAM_DTYPES = ("bf16", "fp16", "fp32")
-INTERLEAVED_CHUNKS = 2  # model chunks per rank with the interleaved schedule
+INTERLEAVED_CHUNKS = 2  # model chunks per rank with a multi-stage schedule (ZB-V requires exactly 2)
+ENGINES = ("fsdp2", "fsdp1", "deepspeed")
+DS_KNOBS = ("ds_reduce_bucket_size", "ds_prefetch_bucket_size", "ds_param_persistence_threshold",
+            "ds_max_live_parameters", "ds_overlap_comm")
+# FSDP1's ZeRO-2 (`SHARD_GRAD_OP`) is left out: with `use_orig_params=True` on a CPU group it
+# fails in torch 2.13 ("If skipped using sharded views, the unsharded flat parameter should be
+# allocated", `FlatParamHandle`), so it cannot be checked against a real run here
+ENGINE_STAGES = {"fsdp2": (3,), "fsdp1": (3,), "deepspeed": (1, 2, 3)}  # the ZeRO stages each implements
 
 
 @dataclass
 class Layout:
-    """Degrees of parallelism. `world_size` None: tp x pp (x 1 data-parallel rank)."""
+    """Degrees of parallelism. `world_size` None: tp x pp x cp (x 1 data-parallel rank)."""
 
     world_size: int | None = None
     zero: int = 0
     shard_size: int | None = None
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: the sequence split over cp ranks (`memplan.parallel.context`)
     microbatches: int = 1
     schedule: str = "1f1b"
     fsdp_param_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)
+    engine: str | None = None  # who shards: fsdp2, fsdp1, deepspeed (module docstring); None: the stage's default
+    # DeepSpeed's ZeRO knobs (elements; None: DeepSpeed's default, `memplan.parallel.deepspeed`)
+    ds_reduce_bucket_size: int | None = None
+    ds_prefetch_bucket_size: int | None = None
+    ds_param_persistence_threshold: int | None = None
+    ds_max_live_parameters: int | None = None
+    ds_overlap_comm: bool = False
+    ep: int = 1  # expert parallelism: routed experts split over ep ranks taken from dp x tp
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "microbatches"):
+        for name in ("tp", "pp", "cp", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a whole number >= 1, not {value!r}")
         if self.world_size is None:
-            self.world_size = self.tp * self.pp
+            self.world_size = self.tp * self.pp * self.cp
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise UserError(f"world size must be a whole number >= 1, not {self.world_size!r}")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero stage must be 0, 1, 2 or 3, not {self.zero!r}")
         if self.schedule not in SCHEDULES:
             raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}")
-        if self.world_size % (self.tp * self.pp):
-            raise UserError(f"world size {self.world_size} is not divisible by tp x pp = {self.tp} x {self.pp}:"
-                            f" use a world size that is a multiple of {self.tp * self.pp}")
+        if self.world_size % (self.tp * self.pp * self.cp):
+            raise UserError(f"world size {self.world_size} is not divisible by tp x pp x cp = {self.tp} x {self.pp}"
+                            f" x {self.cp}: use a world size that is a multiple of {self.tp * self.pp * self.cp}")
         if self.shard_size is not None:
             if self.zero != 3:
                 raise UserError("--shard-size (HSDP) needs --zero 3")
@@ -64,26 +93,109 @@ class Layout:
                                 f"not {self.fsdp_param_dtype!r}")
             if self.zero != 3:
                 raise UserError("--fsdp-param-dtype (FSDP2's mixed-precision policy) needs --zero 3")
+        self._check_engine()
         if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < 1:
             raise UserError("pipeline parallelism needs --microbatches >= 1")
+        if self.ep > 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """UserError (one line) for an EP degree the ranks cannot hold: EP takes its ranks
+        from dp x tp, a multiple of the TP group (transformers' `DistributedConfig`:
+        "ep_size must be a multiple of tp_size and divide fsdp_size * tp_size"; torchtitan's
+        `ParallelDims` with expert TP 1), and runs with FSDP2, as torchtitan applies it
+        whenever EP is on."""
+        if self.tp == 1 and self.dp % self.ep:
+            raise UserError(f"--ep {self.ep} does not divide the data-parallel degree {self.dp} (EP takes its ranks "
+                            f"from data parallelism): pick a divisor of {self.dp}")
+        if self.ep % self.tp or (self.dp * self.tp) % self.ep:
+            raise UserError(f"--ep {self.ep} must be a multiple of --tp {self.tp} and divide dp x tp = "
+                            f"{self.dp * self.tp} (EP takes its ranks from the data- and tensor-parallel ones)")
+        if self.zero != 3:
+            raise UserError("--ep shards the dense parts and the experts with FSDP2: add --zero 3")
+        if self.pp > 1 or self.cp > 1 or self.shard_size is not None:
+            raise UserError("--ep is estimated with FSDP2 and TP only: leave out --pp, --cp and --shard-size")
+
+    def _check_engine(self) -> None:
+        knobs = {name: getattr(self, name) for name in DS_KNOBS}
+        given = [name for name, value in knobs.items() if value not in (None, False)]
+        if given and self.zero_engine != "deepspeed":
+            raise UserError(f"--{given[0].replace('_', '-')} configures DeepSpeed's ZeRO: add --zero 1-3 "
+                            "--engine deepspeed")
+        for name, value in knobs.items():
+            if name != "ds_overlap_comm" and value is not None and (isinstance(value, bool) or
+                                                                    not isinstance(value, int) or value < 0):
+                raise UserError(f"--{name.replace('_', '-')} must be a whole number of elements >= 0, not {value!r}")
+        if self.engine is None:
+            return
+        if self.engine not in ENGINES:
+            raise UserError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.zero == 0:
+            raise UserError(f"--engine {self.engine} picks who shards with ZeRO; --zero 0 (DDP) shards nothing: "
+                            "add --zero 1-3 or leave --engine out")
+        stages = ENGINE_STAGES[self.engine]
+        if self.zero not in stages:
+            raise UserError(f"--engine {self.engine} implements ZeRO stage {' and '.join(map(str, stages))}, "
+                            f"not {self.zero}: use --engine deepspeed for stage {self.zero}")
+        if self.engine != "fsdp2" and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
+                                       or self.shard_size is not None):
+            raise UserError(f"--engine {self.engine} is estimated alone (data parallel only): leave out --tp, "
+                            "--pp, --cp, --ep and --shard-size, or use --engine fsdp2")
+        if self.engine == "deepspeed" and self.fsdp_param_dtype is not None:
+            raise UserError("--fsdp-param-dtype is FSDP's mixed precision: DeepSpeed trains in the setup's "
+                            "--dtype; leave it out")
+
+    @property
+    def deepspeed_config(self) -> DeepSpeedConfig:
+        """DeepSpeed's ZeRO knobs, DeepSpeed's defaults where not given."""
+        given = {name.removeprefix("ds_"): getattr(self, name) for name in DS_KNOBS}
+        return DeepSpeedConfig(**{k: v for k, v in given.items() if v is not None})
+
+    @property
+    def zero_engine(self) -> str | None:
+        """Who shards: the `engine` given, else the stage's default (fsdp2 for 3,
+        deepspeed for 1 and 2); None without ZeRO."""
+        if self.zero == 0:
+            return None
+        return self.engine or ("fsdp2" if self.zero == 3 else "deepspeed")
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)  # type: ignore[operator]
+        return self.world_size // (self.tp * self.pp * self.cp)  # type: ignore[operator]
 
     @property
     def shard_degree(self) -> int:
-        """Ranks that share one copy of the sharded state (ZeRO / FSDP group)."""
+        """Ranks that share one copy of the sharded state (ZeRO / FSDP group; with CP, FSDP2
+        shards over the data-parallel x CP ranks, torchtitan's "dp_shard_cp")."""
         if self.zero == 0:
             return 1
-        return self.shard_size if self.shard_size is not None else self.dp
+        return (self.shard_size if self.shard_size is not None else self.dp) * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP2-shard them (dp x tp / ep)."""
+        return self.dp * self.tp // self.ep
 
     def check(self, config: PretrainedConfig, setup: TrainingSetup) -> None:
         """Raise `UserError` when the model cannot take this layout."""
+        if self.ep > 1:
+            experts = None if isinstance(config, FactorySpec) else experts_of(config)
+            if experts is None:
+                name = getattr(config, "spec", None) or repr(getattr(config, "model_type", "?"))
+                raise UserError(f"--ep splits the routed experts of a mixture-of-experts model; {name} has none: "
+                                "leave --ep out")
+            if experts[0] % self.ep:
+                raise UserError(f"--ep {self.ep} does not divide the {experts[0]} experts: pick a divisor of "
+                                f"{experts[0]}")
+            if setup.lora_rank:
+                raise UserError("--ep with --lora-rank is not supported by this version of memplan")
         if isinstance(config, FactorySpec) and (self.tp > 1 or self.pp > 1):
             raise UserError(f"--tp and --pp split the heads and blocks of a Hugging Face config; the factory "
                             f"{config.spec} builds its own model: estimate it on one GPU, or data-parallel "
                             "with --world-size")
+        if setup.impl != "hf" and (self.tp > 1 or self.pp > 1):
+            raise UserError(f"--tp and --pp split Hugging Face modules; --impl {setup.impl} builds LitGPT's GPT: "
+                            "use data parallelism (--world-size, --zero) with it")
         heads = getattr(config, "num_attention_heads", None)
         kv = getattr(config, "num_key_value_heads", None) or heads
         if self.tp > 1:
@@ -93,10 +205,10 @@ class Layout:
                 raise UserError(f"tp {self.tp} does not divide the {kv} key/value heads: pick a divisor of {kv}")
         if self.pp > 1:
             blocks = num_layers(config) or 0
-            chunks = self.pp * (INTERLEAVED_CHUNKS if self.schedule == "interleaved" else 1)
+            chunks = self.pp * (INTERLEAVED_CHUNKS if self.schedule in MULTI_STAGE_SCHEDULES else 1)
             if blocks % chunks:
                 raise UserError(f"{blocks} blocks do not split evenly over {chunks} pipeline chunks"
-                                f" (pp {self.pp}{', interleaved x2' if chunks != self.pp else ''})")
+                                f" (pp {self.pp}{f', {self.schedule} x2' if chunks != self.pp else ''})")
             if setup.grad_accum != 1:
                 raise UserError("with --pp, give micro-batches with --microbatches, not --grad-accum")
             if setup.loss != "full" or setup.activation_offload != "none":
@@ -105,21 +217,45 @@ class Layout:
         if self.tp > 1 and setup.loss == "fused-linear":
             raise UserError("--loss fused-linear takes the whole output weight, which --tp shards over the "
                             "vocabulary: use --loss chunked with --tp")
+        if self.cp > 1:
+            self._check_context_parallel(config, setup)
         self._check_offload(setup)
 
     def _check_offload(self, setup: TrainingSetup) -> None:
         """`UserError` for CPU offloading this layout cannot take (docs/estimation.md)."""
         if setup.cpu_offload == "none":
             return
-        if self.tp > 1 or self.pp > 1:
-            raise UserError("--cpu-offload is estimated for data parallelism only: leave out --tp and --pp")
+        if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1:
+            raise UserError("--cpu-offload is estimated for data parallelism only: leave out --tp, --pp, --cp "
+                            "and --ep")
         if setup.cpu_offload == "params" and (self.zero != 3 or self.dp < 2):
             raise UserError("--cpu-offload params is FSDP2's CPUOffloadPolicy: add --zero 3 and --world-size 2 or more")
         if setup.cpu_offload == "optimizer" and self.dp > 1 and self.zero < 2:
             raise UserError("--cpu-offload optimizer over several GPUs is DeepSpeed's ZeRO-Offload, which "
                             "partitions gradients to the host as ZeRO-2 does: add --zero 2 or 3")
 
+    def _check_context_parallel(self, config: PretrainedConfig, setup: TrainingSetup) -> None:
+        """What PyTorch's `context_parallel` (and memplan's application of it) needs."""
+        if self.pp > 1 or self.tp > 1 or self.shard_size is not None:
+            raise UserError("--cp is applied with FSDP2 alone here, not composed with --pp, --tp or --shard-size: "
+                            "drop one of them")
+        if self.zero != 3:
+            raise UserError("--cp runs with FSDP2 over the data-parallel x CP ranks (as torchtitan and accelerate "
+                            "apply it): add --zero 3")
+        if setup.attn == "eager":
+            raise UserError("--cp needs --attn sdpa or flash: context_parallel shards SDPA's fused kernels, and "
+                            "eager attention is plain matmuls it does not split")
+        if isinstance(config, FactorySpec) or not hasattr(config, "vocab_size"):
+            raise UserError("--cp splits the sequence of a Hugging Face causal LM; a factory model builds its own")
+        if setup.head != "lm":
+            raise UserError("--cp splits a causal LM's tokens and labels: use --head lm")
+        seq = sequence_length(setup, config)
+        if seq % (2 * self.cp):
+            raise UserError(f"--cp {self.cp} splits the sequence into 2 x {self.cp} equal chunks (PyTorch's "
+                            f"load balancer): sequence {seq} is not divisible by {2 * self.cp}")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["dp"] = self.dp
+        data["engine"] = self.zero_engine
         return data

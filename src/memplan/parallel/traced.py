@@ -31,8 +31,9 @@ the calling thread, then one on its own worker thread, freed when the collective
 completes (measured with torch.profiler on gloo runs; none for reduce-scatter). They
 normally follow each other, so one buffer stands for both; on a loaded machine they
 sometimes overlap on one rank, or the worker's outlives the op, which no trace can know.
-`gloo_staging_buffers` adds one such buffer per all-gather to a cpu trace, live while the
-all-gather op runs:
+A reduce-scatter on gloo is an all-reduce of a clone of its input, one input-sized buffer
+while the op runs (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`). `gloo_staging_buffers`
+adds both to a cpu trace; one buffer per all-gather, live while the all-gather op runs:
 every rank issues the same collective at the same point of the step, so it completes
 before the next op starts, and before FSDP2's copy-out allocates the unsharded
 parameters (the profiler timeline of a real run shows the staging buffer freed before
@@ -45,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,11 +57,12 @@ from torch.distributed.tensor import DTensor
 
 from memplan import models
 from memplan.capture.api import capture
+from memplan.capture.compiled import refuse_compiled_step
 from memplan.capture.pipeline import build_pipeline_stage
 from memplan.capture.recorder import Recorder
 from memplan.capture.step import StepTrace, TrainingStep
 from memplan.errors import UserError
-from memplan.models.build import transformer_blocks, transformer_blocks_path
+from memplan.models.build import carried_between_steps, transformer_blocks, transformer_blocks_path
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import (
     apply_stage_layout,
@@ -67,14 +70,19 @@ from memplan.parallel.apply import (
     device_mesh,
     pipeline_mesh,
 )
-from memplan.parallel.layout import Layout
+from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from memplan.parallel.schedules import schedule_rank_step
 from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, FREE, Trace
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
 
-GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default")
+# FSDP2's all-gathers, and FSDP1's on CPU (`FlatParamHandle._all_gather_flat_param` gathers
+# into the chunks of the unsharded flat parameter with the list form, `dist.all_gather`)
+GLOO_STAGED_OPS = ("c10d._allgather_base_.default", "c10d.allgather_into_tensor_coalesced_.default",
+                   "c10d.allgather_.default")
+GLOO_CLONED_OPS = ("c10d._reduce_scatter_base_.default", "c10d.reduce_scatter_tensor_coalesced_.default")
 
 
 class DistributedRecorder(Recorder):
@@ -155,8 +163,11 @@ class DistributedRecorder(Recorder):
 
     @contextlib.contextmanager
     def fsdp_storage_hooks(self) -> Iterator[None]:
-        """Report FSDP2's in-place storage frees and re-allocations (module docstring)."""
-        from torch.distributed.fsdp._fully_shard import _fsdp_param
+        """Report FSDP2's in-place storage frees and re-allocations (module docstring).
+        `_fsdp_param_group` holds its own name for `alloc_storage`: a group on a one-rank
+        mesh (the experts of an EP layout whose EP group spans dp x tp) skips the
+        all-gather and allocates its unsharded parameters there (`wait_for_unshard`)."""
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
         alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
 
@@ -173,10 +184,41 @@ class DistributedRecorder(Recorder):
                 self.storage_freed(tensor)
 
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+        _fsdp_param_group.alloc_storage = alloc_storage
+        try:
+            with self.flat_param_storage_hooks():
+                yield
+        finally:
+            _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+            _fsdp_param_group.alloc_storage = alloc
+
+    @contextlib.contextmanager
+    def flat_param_storage_hooks(self) -> Iterator[None]:
+        """FSDP1's in-place storage frees and re-allocations of its flat parameters (the
+        unsharded, padded flat parameter and the low-precision shard: `FlatParamHandle`
+        calls `torch.distributed.utils._alloc_storage` / `_free_storage`, which resize the
+        storage), reported as for FSDP2."""
+        from torch.distributed.fsdp import _flat_param
+
+        alloc, free = _flat_param._alloc_storage, _flat_param._free_storage
+
+        def alloc_storage(tensor: torch.Tensor, size: torch.Size) -> None:
+            before = tensor.untyped_storage().nbytes()
+            alloc(tensor, size)
+            if before == 0 and tensor.untyped_storage().nbytes() > 0:
+                self.storage_allocated(tensor)
+
+        def free_storage(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            free(tensor)
+            if before > 0:
+                self.storage_freed(tensor)
+
+        _flat_param._alloc_storage, _flat_param._free_storage = alloc_storage, free_storage
         try:
             yield
         finally:
-            _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+            _flat_param._alloc_storage, _flat_param._free_storage = alloc, free
 
 
 @contextlib.contextmanager
@@ -205,7 +247,8 @@ def parallel_step_trace(step: TrainingStep, *, warmup: int = 1, meta: dict[str, 
     """`memplan.capture.capture` of `step` with the DTensor-aware recorder: the trace of a
     step whose model runs on a (real or fake) process group."""
     return capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=warmup,
-                   meta=meta, inputs=step.batches, recorder=DistributedRecorder())
+                   meta=meta, inputs=[step.batches, carried_between_steps(step.model)],
+                   recorder=DistributedRecorder())
 
 
 def _forget_previous_meshes() -> None:
@@ -213,11 +256,13 @@ def _forget_previous_meshes() -> None:
     hold the mesh object (and its process-group names) of the first call: after the
     fake group of one rank is destroyed, the next rank's trace would reach into it."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     _gen_transform_infos.cache_clear()
+    _clear_sharding_prop_cache()  # and the C++ fast path's cache (DTensor's dispatch moved to C++)
 
 
 @contextlib.contextmanager
@@ -247,6 +292,7 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
                       device: str = "cpu") -> StepTrace:
     """`rank` of `layout`, its step traced with DDP / FSDP2 / DTensor TP applied on a
     fake process group (see the module docstring)."""
+    refuse_compiled_step(setup, "on the ranks of a traced parallel layout (--zero 3, --tp)")
     with _fake_process_group(rank, layout.world_size):
         mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
         copies = fsdp_host_to_device_copies() if device == "cuda" and setup.cpu_offload == "params" \
@@ -255,8 +301,11 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
             step = build_parallel_step(config, setup, layout, target_device=device, mesh=mesh)
             trace = parallel_step_trace(step, meta={**step.meta, "fake": True, "rank": rank,
                                                     "layout": layout.to_dict()})
-    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
-                              parameters=step.meta["parameters"], layers=step.meta["layers"])
+    traced = StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=step.meta["blocks_path"],
+                                parameters=step.meta["parameters"], layers=step.meta["layers"])
+    # under CP each rank's attention kernels see its own seq / cp queries (half of them at
+    # some ring steps): the sequence the GPU kernels' workspaces are sized by
+    return replace(traced, seq=traced.seq // layout.cp)
 
 
 def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
@@ -277,8 +326,17 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
     (global rank s * dp * tp) has the same TP and DP coordinates (0, 0), hence the same
     shards, and DTensor caches sharding strategies keyed by mesh *value*, which leaves out
     the calling rank, so a second stage traced in the same process as another global rank
-    would reach into the first one's (destroyed) process groups."""
+    would reach into the first one's (destroyed) process groups.
+
+    Under a multi-stage schedule (`memplan.parallel.schedules`: interleaved 1F1B,
+    interleaved zero bubble, ZB-V) the rank's step is PyTorch's own schedule over the
+    rank's two chunks, with its sends and receives on the fake group; the schedule reads
+    its row of actions by the pipeline rank, so the group is joined as the stage's first
+    rank, `stage` x dp x tp."""
+    refuse_compiled_step(setup, "on pipeline stages (--pp)")
     rank = stage * layout.dp * layout.tp
+    if layout.schedule in MULTI_STAGE_SCHEDULES:
+        return _capture_schedule_rank(config, setup, layout, stage, device)
     with _fake_process_group(0, layout.world_size):
         mesh = pipeline_mesh(layout)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -303,14 +361,55 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
                               parameters=meta["parameters"], layers=layers)
 
 
+def _capture_schedule_rank(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, stage: int,
+                           device: str) -> StepTrace:
+    """`capture_stage_step` under a multi-stage schedule (see there)."""
+    rank = stage * layout.dp * layout.tp
+    with _fake_process_group(rank, layout.world_size):
+        mesh = pipeline_mesh(layout)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step = schedule_rank_step(config, setup, layout, stage, mesh, target_device=device)
+            meta = {**step.meta, "fake": True, "rank": rank, "layout": layout.to_dict()}
+            trace = capture(step.run, model=step.model, optimizer=step.optimizer, iterations=1, warmup=1, meta=meta,
+                            recorder=DistributedRecorder())
+    return StepTrace.of_model(_on_target_device(trace, device), config, setup, blocks_path=meta["blocks_path"],
+                              parameters=meta["parameters"], layers=meta["layers"])
+
+
 def gloo_staging_buffers(trace: Trace) -> list[ExtraBuffer]:
-    """gloo's per-all-gather staging buffers (module docstring), for a cpu job on gloo."""
+    """gloo's per-all-gather staging buffers and per-reduce-scatter input clones (module
+    docstring), for a cpu job on gloo."""
+    return _all_gather_staging(trace) + _reduce_scatter_clones(trace)
+
+
+def _reduce_scatter_clones(trace: Trace) -> list[ExtraBuffer]:
+    """gloo runs a reduce-scatter as an all-reduce of a copy of its input
+    (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`: `buffers.push_back(
+    inputTensors[i].clone())`, then the rank's chunk copied out when the work is waited
+    on): one input-sized buffer while the op runs (measured: allocated after the
+    reduce-scatter's output and freed when `dist.reduce_scatter_tensor` returns)."""
+    first = trace.ops["first_event"]
+    extras = []
+    for i in range(trace.num_ops):
+        if trace.op_name(i) not in GLOO_CLONED_OPS:
+            continue
+        inputs = trace.op_inputs(i)
+        nbytes = int(trace.buffers["nbytes"][inputs].max()) if inputs.shape[0] else 0
+        start = int(first[i])
+        stop = int(first[i + 1]) if i + 1 < trace.num_ops else trace.num_events
+        extras.append(ExtraBuffer(nbytes, start, stop if stop < trace.num_events else -1, "other",
+                                  trace.phase_at(min(start, trace.num_events - 1))))
+    return [x for x in extras if x.nbytes > 0]
+
+
+def _all_gather_staging(trace: Trace) -> list[ExtraBuffer]:
+    """One output-sized gloo staging buffer per all-gather, live while the op runs."""
     first = trace.ops["first_event"]
     extras = []
     for i in range(trace.num_ops):
         if trace.op_name(i) not in GLOO_STAGED_OPS:
             continue
-        outputs = trace.op_outputs(i)
+        outputs = np.unique(trace.op_outputs(i))  # the list form's chunks share one buffer
         nbytes = int(trace.buffers["nbytes"][outputs].sum())
         start = int(first[i])
         stop = int(first[i + 1]) if i + 1 < trace.num_ops else trace.num_events

@@ -25,11 +25,11 @@ the rules to every buffer of a trace instead of to totals):
   gathered for the whole step.
 - **DDP** (data parallel, stage 0, d > 1): the reducer's gradient buckets, one
   persistent copy of the gradients (`gradient_as_bucket_view=False`, the default).
-- **PP degree p** with m micro-batches: the rank traces one micro-batch of a model
-  with L/p blocks; middle stages carry no embedding/head buffers; activations are
-  multiplied by the micro-batches in flight at the stage: min(m, p - s) under 1F1B
-  (Narayanan et al. 2021), times (1 + (p - 1) / (p v)) under the interleaved
-  schedule with v = 2 chunks (Korthikanti et al. 2022, section 4.2.3).
+- **PP degree p** with m micro-batches (1F1B): the rank traces one micro-batch of a
+  model with L/p blocks; middle stages carry no embedding/head buffers; activations are
+  multiplied by the micro-batches in flight at the stage: min(m, p - s) (Narayanan et
+  al. 2021). PyTorch's multi-stage schedules are traced, not modelled
+  (`memplan.parallel.schedules`).
 
 These rules are the fast path: the estimate traces FSDP2 and DTensor TP for real on a
 fake process group where it can (`memplan.parallel.traced`) and uses the rules for DDP,
@@ -50,6 +50,7 @@ import numpy as np
 from memplan.capture.step import StepTrace
 from memplan.hardware.roofline import matmul_dtype
 from memplan.models.setup import TrainingSetup
+from memplan.parallel import deepspeed
 from memplan.parallel.layout import Layout
 from memplan.trace.edit import ExtraBuffer, with_extra_buffers
 from memplan.trace.model import CATEGORY, PHASE, Trace
@@ -101,21 +102,15 @@ def _with_nbytes(trace: Trace, nbytes: np.ndarray) -> Trace:
 
 
 def data_parallel_trace(step: StepTrace, layout: Layout, setup: TrainingSetup) -> Trace:
-    """One rank of `layout` from the traced step of its TP (x PP, 1F1B) part
+    """One rank of `layout` from the traced step of its TP (x PP) or multi-stage PP part
     (`memplan.parallel.apply.traced_part`): the data-parallel rules of `rank_trace` (DDP,
-    ZeRO 1-3, HSDP) on the traced buffers, which are already the rank's TP shards; under
-    the interleaved schedule, the traced 1F1B stage's activations times
-    (1 + (p - 1) / (p v)) first (the rule of the modelled path). With PP, FSDP2 keeps a
-    block's parameters unsharded from its first micro-batch's forward to its last
-    micro-batch's backward (torchtitan's `reshard_after_forward` default when PP is on:
-    resharding after every micro-batch's forward would gather them again per micro-batch)."""
+    ZeRO 1-3, HSDP) on the traced buffers, which are already the rank's TP shards. With
+    PP, FSDP2 keeps a block's parameters unsharded from its first micro-batch's forward to
+    its last micro-batch's backward (torchtitan's `reshard_after_forward` default when PP
+    is on: resharding after every micro-batch's forward would gather them again per
+    micro-batch)."""
     trace = step.trace
-    if layout.pp > 1 and layout.schedule == "interleaved":
-        nbytes = trace.buffers["nbytes"].astype(np.int64)
-        act = trace.buffers["category"] == CATEGORY["activation"]
-        nbytes[act] = np.ceil(nbytes[act] * (1 + (layout.pp - 1) / (layout.pp * 2))).astype(np.int64)
-        trace = _with_nbytes(trace, nbytes)
-    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size)
+    data_parallel = Layout(world_size=layout.dp, zero=layout.zero, shard_size=layout.shard_size, engine=layout.engine)
     return rank_trace(replace(step, trace=trace), data_parallel, setup, 0, reshard_after_forward=layout.pp == 1)
 
 
@@ -170,7 +165,9 @@ def rank_trace(step: StepTrace, layout: Layout, setup: TrainingSetup, stage: int
     grad_bytes_full = int(nbytes[buf.is_grad].sum())
     if layout.tp == 1 and "trainable_bytes" in trace.meta:
         grad_bytes_full = min(grad_bytes_full, int(trace.meta["trainable_bytes"]))
-    if layout.dp > 1:
+    if layout.dp > 1 and layout.zero_engine == "deepspeed":
+        nbytes = _deepspeed_rule(nbytes, buf, layout, setup, grad_bytes_full, step, extras)
+    elif layout.dp > 1:
         nbytes = _data_parallel_rule(nbytes, buf, layout, setup, grad_bytes_full, extras)
         if layout.zero == 3:
             nbytes = _zero3_rule(nbytes, buf, layout.shard_degree, trace, step.blocks_path, reshard_after_forward,
@@ -218,8 +215,6 @@ def _pipeline_stage_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, stag
     if 0 < stage < last:
         nbytes[~buf.in_block & (buf.is_param | buf.is_grad | buf.flowing)] = 0
     in_flight = min(layout.microbatches, layout.pp - stage)
-    if layout.schedule == "interleaved":
-        in_flight *= 1 + (layout.pp - 1) / (layout.pp * 2)
     act = buf.cat == CATEGORY["activation"]
     nbytes[act] = np.ceil(nbytes[act] * in_flight).astype(np.int64)
 
@@ -272,6 +267,46 @@ def _data_parallel_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, setup
     return nbytes
 
 
+def _block_bytes(nbytes: np.ndarray, buf: _Buffers, mask: np.ndarray) -> dict[int, int]:
+    """Per block index, the bytes of the buffers `mask` selects in it."""
+    return {int(k): int(nbytes[mask & (buf.block == k)].sum()) for k in np.unique(buf.block[mask & buf.in_block])}
+
+
+def _deepspeed_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, setup: TrainingSetup, grad_bytes_full: int,
+                    step: StepTrace, extras: list[ExtraBuffer]) -> np.ndarray:
+    """DeepSpeed's ZeRO stages 1-3 (`memplan.parallel.deepspeed`); its buffers are
+    appended to `extras`."""
+    trace, d, config = step.trace, layout.shard_degree, layout.deepspeed_config
+    nbytes = _shrink(nbytes, buf.is_state | buf.opt_temp, 1.0 / deepspeed.optimizer_factor(setup, d))
+    block_grads = _block_bytes(nbytes, buf, buf.is_grad)
+    root_grads = int(nbytes[buf.is_grad & ~buf.in_block].sum())
+    first, last = deepspeed.backward_start(trace), deepspeed.backward_end(trace)
+    if layout.zero in (1, 2):
+        extras += deepspeed.stage12_buffers(trace, setup, layout.zero, d, grad_bytes_full, config, buf.device)
+        nbytes[buf.is_grad] = 0
+        if layout.zero == 1:  # whole gradients until the backward's end reduces them into the partition
+            spans = block_spans(trace, step.blocks_path)
+            extras += [ExtraBuffer(block_grads[b], spans[b]["backward"][0], last, "gradient", "backward",
+                                   device=buf.device) for b in block_grads if "backward" in spans.get(b, {})]
+            extras.append(ExtraBuffer(root_grads, first, last, "gradient", "backward", device=buf.device))
+        # stage 2: each gradient is copied into the reduce bucket as it is made, and freed
+        return nbytes
+    element = deepspeed.element_bytes(setup)
+    full = nbytes.copy()
+    nbytes[buf.is_param] = deepspeed.partitioned_bytes(full[buf.is_param], element, d,
+                                                       config.param_persistence_threshold)
+    gathered = buf.is_param & (nbytes != full)  # partitioned, so gathered where used
+    block_params = _block_bytes(full, buf, gathered)
+    nbytes[buf.is_grad] = 0
+    extras += _fsdp_buffers(trace, step.blocks_path, block_params, block_grads,
+                            int(full[gathered & ~buf.in_block].sum()), buf.device,
+                            prefetch=deepspeed.stage3_prefetches(block_params, setup, config))
+    extras += deepspeed.stage3_buffers(trace, setup, d, grad_bytes_full, config, buf.device)
+    # the gradients outside the blocks are reduced by the backward's epilogue
+    extras.append(ExtraBuffer(root_grads, first, last, "gradient", "backward", device=buf.device))
+    return nbytes
+
+
 def _zero3_rule(nbytes: np.ndarray, buf: _Buffers, d: int, trace: Trace, blocks_path: str,
                 reshard_after_forward: bool, extras: list[ExtraBuffer]) -> np.ndarray:
     """ZeRO-3 / FSDP2 over `d` ranks: parameters sharded; the all-gather outputs and
@@ -295,10 +330,11 @@ def _block_input_bytes(step: StepTrace, setup: TrainingSetup) -> int:
 
 
 def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], grad_bytes: dict[int, int],
-                  root_bytes: int, device: int, reshard_after_forward: bool = True) -> list[ExtraBuffer]:
-    """FSDP2 all-gather outputs (prefetched one block ahead) and unsharded gradients;
-    without `reshard_after_forward`, one all-gather output per block, from its forward
-    (prefetched) to the end of its backward."""
+                  root_bytes: int, device: int, reshard_after_forward: bool = True,
+                  prefetch: bool = True) -> list[ExtraBuffer]:
+    """FSDP2 all-gather outputs (prefetched one block ahead; `prefetch=False`: gathered
+    when the block starts) and unsharded gradients; without `reshard_after_forward`, one
+    all-gather output per block, from its forward (prefetched) to the end of its backward."""
     spans = block_spans(trace, blocks_path)
     order_fwd = sorted(b for b in spans if "forward" in spans[b])
     extras = []
@@ -308,7 +344,7 @@ def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], g
         extras.append(ExtraBuffer(root_bytes, fwd_start, max(bwd_ends) if bwd_ends else -1, "other", "forward",
                                   device=device))
     for i, blk in enumerate(order_fwd):
-        start = spans[order_fwd[i - 1]]["forward"][0] if i > 0 else spans[blk]["forward"][0]
+        start = spans[order_fwd[i - 1]]["forward"][0] if i > 0 and prefetch else spans[blk]["forward"][0]
         end = spans[blk]["forward"][1]
         if not reshard_after_forward:
             end = spans[blk].get("backward", (start, end))[1]
@@ -317,7 +353,7 @@ def _fsdp_buffers(trace: Trace, blocks_path: str, param_bytes: dict[int, int], g
         param_bytes = {}  # the forward's all-gather output stays for the backward
     order_bwd = sorted((b for b in spans if "backward" in spans[b]), key=lambda b: spans[b]["backward"][0])
     for i, blk in enumerate(order_bwd):
-        start = spans[order_bwd[i - 1]]["backward"][0] if i > 0 else spans[blk]["backward"][0]
+        start = spans[order_bwd[i - 1]]["backward"][0] if i > 0 and prefetch else spans[blk]["backward"][0]
         end = spans[blk]["backward"][1]
         extras.append(ExtraBuffer(param_bytes.get(blk, 0), start, end, "other", "backward", device=device))
         grad_end = spans[order_bwd[i + 1]]["backward"][1] if i + 1 < len(order_bwd) else end

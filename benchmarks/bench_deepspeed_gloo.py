@@ -1,0 +1,129 @@
+"""DeepSpeed's ZeRO on real gloo ranks against memplan's modelled `--engine deepspeed`.
+
+DeepSpeed runs on a CPU with its CPU accelerator (`DS_ACCELERATOR=cpu`, gloo, after it
+JIT-builds its shared-memory communication op once). This script starts `--world-size`
+processes, wraps the tiny Llama of the test suite in `deepspeed.initialize` with the
+ZeRO stage and knobs of each case and the setup's torch optimizer (foreach AdamW, as the
+trace), runs one warm-up step and profiles one step per rank with torch.profiler
+(`memplan.capture.groundtruth.profiler_peak_bytes`), then compares every rank with
+`estimate(..., device="cpu", allocator="none")` of the same layout. DeepSpeed is not a
+memplan dependency; install it beside memplan's environment, e.g.
+
+    DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation --target /tmp/dsenv \
+        deepspeed==0.19.8 hjson msgpack py-cpuinfo einops ninja
+    DS_ACCELERATOR=cpu PYTHONPATH=src:/tmp/dsenv .venv/bin/python benchmarks/bench_deepspeed_gloo.py
+
+Writes the `deepspeed_groundtruth` table of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from benchmarks_md import write_section  # noqa: E402
+from memplan import models  # noqa: E402
+from memplan.capture.groundtruth import profiler_peak_bytes  # noqa: E402
+from memplan.estimation import estimate  # noqa: E402
+from memplan.parallel import Layout  # noqa: E402
+
+COMMAND = ("DS_ACCELERATOR=cpu PYTHONPATH=src:/tmp/dsenv .venv/bin/python benchmarks/bench_deepspeed_gloo.py")
+SMALL_BUCKET = 100_000  # elements: the default 5e8 would be 2 GB per rank for a 166k-parameter model
+CASES = [  # (name, setup options, ZeRO stage, layout knobs)
+    ("zero1", {}, 1, {"ds_reduce_bucket_size": SMALL_BUCKET}),
+    ("zero2", {}, 2, {"ds_reduce_bucket_size": SMALL_BUCKET}),
+    ("zero3", {}, 3, {"ds_reduce_bucket_size": SMALL_BUCKET, "ds_param_persistence_threshold": 0}),
+    ("zero3-persistent", {}, 3, {"ds_reduce_bucket_size": SMALL_BUCKET}),
+    ("zero2-bf16", {"dtype": "bf16"}, 2, {"ds_reduce_bucket_size": SMALL_BUCKET}),
+    ("zero3-bf16", {"dtype": "bf16"}, 3, {"ds_reduce_bucket_size": SMALL_BUCKET, "ds_param_persistence_threshold": 0}),
+]
+
+
+def ds_config(setup: models.TrainingSetup, stage: int, layout: Layout) -> dict[str, Any]:
+    """The DeepSpeed config of one case (memplan's knobs under DeepSpeed's names)."""
+    knobs = layout.deepspeed_config
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": knobs.reduce_bucket_size,
+                            "overlap_comm": knobs.overlap_comm if stage < 3 else True}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=knobs.prefetch_bucket_size,
+                    stage3_param_persistence_threshold=knobs.param_persistence_threshold,
+                    stage3_max_live_parameters=knobs.max_live_parameters)
+    return {"train_micro_batch_size_per_gpu": setup.batch, "gradient_accumulation_steps": 1,
+            "zero_optimization": zero, "bf16": {"enabled": setup.dtype == "bf16"}}
+
+
+def _rank_main(rank: int, world_size: int, case: tuple, workdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getppid() % 400), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    _, options, stage, knobs = case
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
+    layout = Layout(world_size=world_size, zero=stage, engine="deepspeed", **knobs)
+    torch.manual_seed(0)
+    model = models.build_model(models.tiny_config("llama-2-7b"), setup)
+    optimizer = models.build_optimizer(model, setup)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(setup, stage, layout))
+    batch = models.make_batch(model, setup)
+
+    def step() -> None:
+        loss = models.forward_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        del loss
+
+    step()
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps(profiler_peak_bytes(step)))
+
+
+def measure(case: tuple, world_size: int) -> list[int]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="memplan-ds-") as workdir:
+        mp.spawn(_rank_main, args=(world_size, case, workdir), nprocs=world_size, join=True)
+        return [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None, metavar="NAME")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    rows = ["## DeepSpeed ZeRO on real gloo ranks vs the modelled estimate", "",
+            "Tiny Llama (2 blocks, hidden 64), batch 2 x 32, foreach AdamW, DeepSpeed 0.19.8 on its CPU",
+            "accelerator, one profiled step per rank after one warm-up step. Reproduce with:", "", "```", COMMAND,
+            "```", "", "| case | layout knobs | estimate B | real B per rank | error per rank |",
+            "|---|---|---:|---:|---|"]
+    for case in CASES:
+        name, options, stage, knobs = case
+        if args.only and name not in args.only:
+            continue
+        setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
+        layout = Layout(world_size=args.world_size, zero=stage, engine="deepspeed", **knobs)
+        predicted = estimate(models.tiny_config("llama-2-7b"), setup, layout, device="cpu",
+                             allocator="none").peak_allocated_bytes
+        real = measure(case, args.world_size)
+        errors = ", ".join(f"{100 * (predicted - r) / r:+.2f}%" for r in real)
+        print(f"{name}: estimate {predicted}, real {real} ({errors})", flush=True)
+        label = ", ".join(f"{k.removeprefix('ds_')}={v}" for k, v in {**options, **knobs}.items())
+        rows.append(f"| {name} (zero {stage}) | {label} | {predicted:,} | {', '.join(f'{r:,}' for r in real)} "
+                    f"| {errors} |")
+    if not args.no_write and not args.only:
+        write_section("deepspeed_groundtruth", "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
