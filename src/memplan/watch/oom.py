@@ -31,7 +31,7 @@ import torch
 
 from memplan.capture import Recorder
 from memplan.estimation import estimate, fit
-from memplan.estimation.fit import candidates
+from memplan.estimation.fit import CHECKPOINTING, MICRO_BATCHES
 from memplan.models.setup import TrainingSetup
 from memplan.report import build_report
 from memplan.trace import save, save_snapshot
@@ -231,22 +231,26 @@ def fitting_changes(config: Any, setup: TrainingSetup, target: dict[str, Any]) -
 
 
 def _cpu_changes(config: Any, setup: TrainingSetup, capacity: int) -> list[dict[str, Any]]:
+    """On cpu (module docstring): fit's micro-batches and checkpointing policies
+    (`memplan.estimation.fit.MICRO_BATCHES`, `CHECKPOINTING`) up to the job's micro-batch, the
+    tokens per optimizer step kept by gradient accumulation, each estimated for cpu."""
     tokens = setup.batch * setup.grad_accum
     cache: dict = {}
     out = []
-    seen = set()
-    for cand in candidates(config, 1):
-        accum = max(1, math.ceil(tokens / cand.micro_batch))
-        trial = replace(setup, batch=cand.micro_batch, checkpointing=cand.checkpointing, grad_accum=accum)
-        if trial == setup or cand.micro_batch > setup.batch or (cand.micro_batch, cand.checkpointing) in seen:
-            continue  # a larger micro-batch holds more activations: never the change that fits
-        seen.add((cand.micro_batch, cand.checkpointing))
-        est = estimate(config, trial, device="cpu", allocator="none", capacity=capacity, cache=cache)
-        if not est.fits:
-            continue
-        per_token = est.flops / max(1, cand.micro_batch * accum * (trial.seq or 1))
-        out.append({"setup": trial.to_dict(), "peak_bytes": est.peak_allocated_bytes, "capacity_bytes": capacity,
-                    "cost": per_token, "micro_batch": cand.micro_batch, "flags": [*setup_flags(trial), "--device", "cpu", "--allocator", "none",
-                                                 "--capacity", str(capacity)]})
+    batches = sorted({b for b in (*MICRO_BATCHES, setup.batch) if b <= setup.batch})
+    for micro_batch in batches:  # a larger micro-batch holds more activations: never the change that fits
+        for checkpointing in CHECKPOINTING:
+            accum = max(1, math.ceil(tokens / micro_batch))
+            trial = replace(setup, batch=micro_batch, checkpointing=checkpointing, grad_accum=accum)
+            if trial == setup:
+                continue
+            est = estimate(config, trial, device="cpu", allocator="none", capacity=capacity, cache=cache)
+            if not est.fits:
+                continue
+            per_token = est.flops / max(1, micro_batch * accum * (trial.seq or 1))
+            out.append({"setup": trial.to_dict(), "peak_bytes": est.peak_allocated_bytes,
+                        "capacity_bytes": capacity, "cost": per_token, "micro_batch": micro_batch,
+                        "flags": [*setup_flags(trial), "--device", "cpu", "--allocator", "none",
+                                  "--capacity", str(capacity)]})
     out.sort(key=lambda c: (c["cost"], -c.pop("micro_batch")))  # equal FLOPs: fewer micro-batches first
     return out
