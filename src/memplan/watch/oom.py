@@ -216,10 +216,14 @@ def fitting_changes(config: Any, setup: TrainingSetup, target: dict[str, Any]) -
     ranked by FLOPs per token (what recomputation costs), then by fewer micro-batches. The one
     place the watch calls the search."""
     if "gpu" in target:
-        rows = fit(config, target["gpu"], target["gpus"], setup, progress=False, top=SUGGESTIONS)
+        rows = fit(config, target["gpu"], target["gpus"], setup, progress=False)
         out = []
+        tokens = setup.batch * setup.grad_accum
         for r in rows:
-            trial = replace(setup, batch=r["micro_batch"], checkpointing=r["checkpointing"])
+            trial = replace(setup, batch=r["micro_batch"], checkpointing=r["checkpointing"],
+                            grad_accum=max(1, math.ceil(tokens / r["micro_batch"])))
+            if trial == setup or r["micro_batch"] > setup.batch:
+                continue  # the job as it is, or a larger micro-batch: not a change that makes it fit
             layout = ["--world-size", str(r["world_size"]), "--zero", str(r["zero"]), "--tp", str(r["tp"]),
                       "--pp", str(r["pp"]), "--microbatches", str(r["microbatches"])]
             conf = ["--alloc-conf", r["alloc_conf"]] if r.get("alloc_conf") else []
