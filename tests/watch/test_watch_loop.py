@@ -123,3 +123,17 @@ def test_the_cuda_device_name_finds_its_profile():
     assert profile_of_name("NVIDIA H100 80GB HBM3").key in ("h100-80gb", "h100-pcie-80gb")
     assert profile_of_name("NVIDIA A100-SXM4-80GB").key == "a100-80gb"
     assert profile_of_name("Some Other Accelerator") is None
+
+
+def test_the_gpu_search_starts_from_the_job_s_setup_and_keeps_its_tokens_per_step():
+    # what a CUDA job's out-of-memory handler searches, on the device profile (fake tensors, no GPU)
+    from memplan.watch.oom import fitting_changes
+
+    setup = models.TrainingSetup(batch=4, seq=256)
+    changes = fitting_changes(models.tiny_config("llama-3.2-1b"), setup, {"gpu": "t4", "gpus": 1})
+    assert changes
+    for change in changes:
+        trial = models.TrainingSetup(**change["setup"])
+        assert trial != setup and trial.batch <= setup.batch
+        assert trial.batch * trial.grad_accum == setup.batch * setup.grad_accum
+        assert change["peak_bytes"] <= change["capacity_bytes"] and change["flags"][-2:] == ["--gpu", "t4"]
