@@ -24,7 +24,14 @@ _LAZY_NAMES = {
 }
 
 
+# Subpackages `memplan.<name>` gives whole, imported on first use: `memplan.watch` is a
+# package that is also callable (`memplan.watch(model, optimizer, ...)`).
+_LAZY_PACKAGES = ("watch",)
+
+
 def __getattr__(name: str):  # noqa: ANN202 - the type depends on the name
+    if name in _LAZY_PACKAGES:
+        return importlib.import_module(f"memplan.{name}")
     if name not in _LAZY_NAMES:
         raise AttributeError(f"module 'memplan' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY_NAMES[name]), name)

@@ -12,7 +12,7 @@ facts (blocks, heads, sequence) the estimate's later stages need. A torch.compil
 is captured inside `inductor_runs` (`memplan.capture.compiled`). See docs/capture.md.
 """
 
-from memplan.capture.api import capture
+from memplan.capture.api import LiveCapture, capture
 from memplan.capture.compiled import inductor_runs
 from memplan.capture.recorder import Recorder, set_microbatch
 from memplan.capture.step import (
@@ -24,6 +24,7 @@ from memplan.capture.step import (
 )
 
 __all__ = [
+    "LiveCapture",
     "Recorder",
     "StepTrace",
     "TrainingStep",

@@ -192,20 +192,74 @@ def _capture(
 ) -> Trace:
     for _ in range(warmup):
         step_fn(*args, **kwargs)
-    for m in models:
-        _mark_model(rec, m)
-    for opt in optimizers:
-        _mark_optimizer(rec, opt, _parameter_names(models))
-    for t in _tensors((args, kwargs, inputs)):
-        rec.mark(t, "input")
-    start = time.perf_counter()
-    with _recording_hooks(rec, models, optimizers), rec.extra_hooks(), rec:
+    live = LiveCapture(models, optimizers, recorder=rec)
+    live.begin(inputs=(args, kwargs, inputs))
+    try:
         for it in range(iterations):
             rec.iteration = it
             rec.microbatch = 0
             rec.reset_phase()
             step_fn(*args, **kwargs)
-    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup,
-            "trainable_bytes": _trainable_bytes(optimizers)}
-    info.update(meta or {})
-    return rec.finish(meta=info)
+    except BaseException:
+        live.abandon()
+        raise
+    return live.end(meta={"iterations": iterations, "warmup": warmup, **(meta or {})})
+
+
+class LiveCapture:
+    """A capture opened and closed by two calls instead of around one function call: what a
+    training loop's own hooks use (`memplan.watch`) to record the iteration the loop runs.
+
+    `begin()` marks the model's and optimizers' tensors and the given inputs, installs the
+    phase and category hooks and enters the recorder; `end()` leaves them and returns the
+    validated trace, as `capture` does. `abandon()` leaves them and keeps nothing. Between
+    the two, whatever runs on this thread is recorded (the recorder is a dispatch mode):
+    `begin` and `end` must be called with the same modes above it, e.g. from the same
+    module's forward pre-hook or from a loop's top level.
+    """
+
+    def __init__(self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                 recorder: Recorder | None = None, record_flops: bool = True) -> None:
+        self.models = models
+        self.optimizers = optimizers
+        self.recorder = recorder or Recorder(record_flops=record_flops)
+        self._stack: contextlib.ExitStack | None = None
+        self._start = 0.0
+
+    @property
+    def recording(self) -> bool:
+        return self._stack is not None
+
+    def begin(self, inputs: Any = None) -> None:
+        rec = self.recorder
+        for m in self.models:
+            _mark_model(rec, m)
+        for opt in self.optimizers:
+            _mark_optimizer(rec, opt, _parameter_names(self.models))
+        for t in _tensors(inputs):
+            rec.mark(t, "input")
+        stack = contextlib.ExitStack()
+        stack.enter_context(masks_as_on_real_tensors())
+        stack.enter_context(_recording_hooks(rec, self.models, self.optimizers))
+        stack.enter_context(rec.extra_hooks())
+        stack.enter_context(rec)
+        self._stack = stack
+        self._start = time.perf_counter()
+
+    def end(self, meta: dict[str, Any] | None = None) -> Trace:
+        """Stop recording; the trace of what ran since `begin`."""
+        if self._stack is None:
+            raise RuntimeError("LiveCapture.end() without begin()")
+        stack, self._stack = self._stack, None
+        stack.close()
+        info = {"capture_s": round(time.perf_counter() - self._start, 3), "iterations": 1, "warmup": 0,
+                "trainable_bytes": _trainable_bytes(self.optimizers)}
+        info.update(meta or {})
+        return self.recorder.finish(meta=info)
+
+    def abandon(self) -> None:
+        """Stop recording and keep nothing (the step raised)."""
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+        self.recorder.active = False

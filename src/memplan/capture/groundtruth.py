@@ -26,17 +26,28 @@ def profiler_peak_bytes(step_fn: Callable[..., Any], *args: Any, device: str = "
     pre-existing storage's size only from an op that takes it ("Memory block of unknown
     size was allocated before the profiling started"), so each gets one view, which
     allocates nothing, at the start of the profile."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
     from torch.utils._pytree import tree_flatten
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with memory_profiler() as prof:
         for tensor in tree_flatten(carried)[0]:
             if isinstance(tensor, torch.Tensor):
                 tensor.view_as(tensor)
         step_fn(*args, **kwargs)
+    return timeline_peak_bytes(prof, device)
+
+
+def memory_profiler() -> Any:
+    """The profiler the ground truth runs under (not started): a context manager, or
+    `start()` / `stop()` for a step that begins and ends in two different calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+
+
+def timeline_peak_bytes(prof: Any, device: str = "cpu") -> int:
+    """Peak of the total of the memory timeline of a stopped `memory_profiler()`."""
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
     timeline = MemoryProfileTimeline(prof._memory_profile())
     _times, sizes = timeline._coalesce_timeline(torch.device(device))
     totals = np.asarray(sizes, dtype=np.int64).sum(axis=1)

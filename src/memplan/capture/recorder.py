@@ -391,6 +391,10 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not self.active:
+            # finished (`finish`) but still on the mode stack: a recording its owner had to
+            # close from inside an op (`memplan.watch`'s out-of-memory path) passes ops through
+            return func(*args, **kwargs)
         if func.namespace in ("prim", "profiler") or tracing.in_fused_kernel():
             # metadata queries (prim.device) and profiler ranges (record_function, which
             # Optimizer.step opens before its hooks run) allocate nothing and are not ops;

@@ -13,12 +13,22 @@ Instinct). ROCm's PyTorch is the same caching allocator (`c10/cuda/CUDACachingAl
 hipified), with its own BLAS workspace (hipBLASLt's, in the profile) and its own SDPA
 kernels, HIP context and RCCL buffers, which memplan does not model:
 `DeviceProfile.unmodelled` names what a job asks that the profile cannot answer.
+
+Local profiles. `memplan calibrate` writes a profile measured on the user's own device
+(`save_local_profile`) as one JSON file, `<cache>/devices/<name>.json`, in the shipped
+entry format plus what was measured; `<cache>` is `$MEMPLAN_CACHE`, else
+`$XDG_CACHE_HOME/memplan`, else `~/.cache/memplan` (the XDG Base Directory specification's
+default). Local profiles are read on every lookup, listed by `memplan estimate --gpu list`
+beside the shipped ones and named by `--gpu` like them; a local name never shadows a
+shipped one (`save_local_profile` refuses it).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -127,9 +137,75 @@ def _raw() -> dict[str, Any]:
     return json.loads(text)
 
 
+def cache_dir() -> str:
+    """memplan's cache directory (module docstring)."""
+    if os.environ.get("MEMPLAN_CACHE"):
+        return os.environ["MEMPLAN_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "memplan")
+
+
+def local_profiles_dir() -> str:
+    """Where `memplan calibrate` keeps local device profiles."""
+    return os.path.join(cache_dir(), "devices")
+
+
+LOCAL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+def _local_entries() -> dict[str, dict[str, Any]]:
+    """The local profiles, by name; an unreadable file is a `UserError` naming it."""
+    folder = local_profiles_dir()
+    if not os.path.isdir(folder):
+        return {}
+    out = {}
+    for fname in sorted(os.listdir(folder)):
+        name, ext = os.path.splitext(fname)
+        if ext != ".json" or not LOCAL_NAME.match(name):
+            continue
+        path = os.path.join(folder, fname)
+        try:
+            with open(path, encoding="utf-8") as f:
+                out[name] = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"the local device profile {path} cannot be read ({exc}): run memplan calibrate "
+                            "again or delete it") from None
+    return out
+
+
+def _entries() -> dict[str, dict[str, Any]]:
+    """Every profile entry: the local ones, then the shipped ones (which win a name clash)."""
+    return {**_local_entries(), **_raw()["devices"]}
+
+
+def save_local_profile(name: str, entry: dict[str, Any]) -> str:
+    """Write `entry` (the shipped format) as the local profile `name`; its path."""
+    if not isinstance(name, str) or not LOCAL_NAME.match(name):
+        raise UserError(f"profile name {name!r}: use lower-case letters, digits, '.', '_' or '-' (e.g. my-a100)")
+    if name in _raw()["devices"]:
+        raise UserError(f"{name} is a shipped device profile: name the calibrated one differently (e.g. my-{name})")
+    folder = local_profiles_dir()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.json")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entry, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def profile_entry(key: str) -> dict[str, Any]:
+    """The JSON entry of `--gpu key` (shipped or local), as stored."""
+    entry = _entries().get(key) if isinstance(key, str) else None
+    if entry is None:
+        raise UserError(_unknown_gpu_message(key))
+    return entry
+
+
 def list_devices() -> list[str]:
-    """The `--gpu` names, sorted."""
-    return sorted(_raw()["devices"])
+    """The `--gpu` names (shipped and local), sorted."""
+    return sorted(_entries())
 
 
 def all_profiles() -> list[DeviceProfile]:
@@ -149,12 +225,22 @@ def _unknown_gpu_message(key: object) -> str:
     return f"unknown GPU {key!r}: {hint}see every profile with `memplan estimate --gpu list`"
 
 
+def profile_of_name(gpu_name: str) -> DeviceProfile | None:
+    """The shipped profile named like a CUDA device (`torch.cuda.get_device_name()`, e.g.
+    "NVIDIA H100 80GB HBM3"): the one whose name shares the most words with it, or None."""
+    words = set(gpu_name.lower().replace("-", " ").split())
+    best, best_score = None, 1  # "nvidia" alone matches every profile
+    for key in sorted(_raw()["devices"]):
+        profile = device_profile(key)
+        score = len(words & set(profile.name.lower().replace("-", " ").split()))
+        if score > best_score:
+            best, best_score = profile, score
+    return best
+
+
 def device_profile(key: str) -> DeviceProfile:
     """The profile of `--gpu key`; an unknown name is a `UserError` naming the closest ones."""
-    devices = _raw()["devices"]
-    entry = devices.get(key) if isinstance(key, str) else None
-    if entry is None:
-        raise UserError(_unknown_gpu_message(key))
+    entry = profile_entry(key)
     tflops = entry["tflops"]
     context = entry["cuda_context_bytes"]
     channels = entry["nccl"]["channels"]

@@ -49,6 +49,8 @@ class ReportInputs:
     estimates: list[tuple[str, dict]] = field(default_factory=list)
     reorders: list[tuple[str, dict]] = field(default_factory=list)
     offloads: list[tuple[str, dict]] = field(default_factory=list)
+    compares: list[tuple[str, dict]] = field(default_factory=list)
+    ooms: list[tuple[str, dict]] = field(default_factory=list)
 
 
 def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
@@ -71,7 +73,7 @@ def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
             if kind is None:
                 raise UserError(
                     f"{path} is JSON memplan does not know: expected a plan, or the --json output of "
-                    "estimate, reorder or offload"
+                    "estimate, reorder, offload or compare"
                 )
             if kind == "plan":
                 inputs.plans.append((path.name, AddressPlan.from_json(doc, source=str(path))))
@@ -95,6 +97,10 @@ def _json_kind(doc: Any) -> str | None:
         return None
     if doc.get("format") == "memplan-plan":
         return "plan"
+    if doc.get("format") == "memplan-compare":
+        return "compare"
+    if doc.get("format") == "memplan-oom":
+        return "oom"
     if "per_rank" in doc:
         return "estimate"
     if "baseline_peak_bytes" in doc:
@@ -185,6 +191,10 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         _reorder_section(page, i, name, doc)
     for i, (name, doc) in enumerate(inputs.offloads):
         _offload_section(page, i, name, doc)
+    for name, doc in inputs.compares:
+        _compare_section(page, name, doc)
+    for name, doc in inputs.ooms:
+        _oom_section(page, name, doc)
     return _write_page(page, paths)
 
 
@@ -297,6 +307,53 @@ def _offload_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> Non
     page.figure(figures.bars(throughput, "throughput / ideal", "Throughput against an unlimited-memory GPU"),
                 f"offload{i}_throughput.png",
                 "Higher is better: memplan's lifetime-aware plan against the baselines, as a fraction of ideal.")
+
+
+def _signed(doc: dict[str, Any]) -> str:
+    """A difference entry of `memplan compare` as "+1.2 MiB (+0.4%)"."""
+    if doc.get("difference_bytes") is None:
+        return "-"
+    rel = doc.get("difference")
+    sign = "+" if doc["difference_bytes"] >= 0 else "-"
+    text = f"{sign}{format_bytes(abs(doc['difference_bytes']))}"
+    return text + (f" ({100 * rel:+.2f}%)" if rel is not None else "")
+
+
+def _size_or_dash(value: Any) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def _compare_section(page: _Page, name: str, doc: dict[str, Any]) -> None:
+    """Measured against estimated: the peaks, the breakdown at the peak, phases, unmatched buffers."""
+    measured, estimated = doc["measured"], doc["estimated"]
+    page.heading(f"Measured vs estimated ({measured['label']} against {estimated['label']})")
+    rows = [[k.replace("_bytes", "").replace("_", " "), _size_or_dash(v["measured"]), _size_or_dash(v["estimated"]),
+             _signed(v)] for k, v in doc["figures"].items()]
+    rows += [[f"at the peak: {k}", _size_or_dash(v["measured"]), _size_or_dash(v["estimated"]), _signed(v)]
+             for k, v in doc["breakdown"].items()]
+    rows.append(["phase of the peak", doc["peak_phase"]["measured"], doc["peak_phase"]["estimated"], ""])
+    page.table(["figure", "measured", "estimated", "estimate - measured"], rows)
+    for key, title in (("only_measured", "only in the measured step"), ("only_estimated", "only in the estimate")):
+        buffers = doc.get(key)
+        if buffers:
+            page.paragraph(f"Largest buffers live at the peak {title}:")
+            page.table(["size", "category", "phase", "name"],
+                       [[format_bytes(b["nbytes"]), b["category"], b["phase"], b["name"]] for b in buffers])
+    for note in measured.get("notes", []) + estimated.get("notes", []):
+        page.paragraph(note)
+
+
+def _oom_section(page: _Page, name: str, doc: dict[str, Any]) -> None:
+    """An out-of-memory error and the changes that fit."""
+    page.heading(f"Out of memory ({name})")
+    page.paragraph(doc.get("message", ""))
+    fits = (doc.get("suggestions") or {}).get("fits") or []
+    if fits:
+        page.table(["change", "estimated peak", "capacity"],
+                   [[c["command"], format_bytes(c["peak_bytes"]), format_bytes(c["capacity_bytes"])] for c in fits])
+    refused = (doc.get("suggestions") or {}).get("refused")
+    if refused:
+        page.paragraph(f"No suggestions: {refused}")
 
 
 def _write_page(page: _Page, paths: list[str | os.PathLike]) -> Path:

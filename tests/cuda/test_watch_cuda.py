@@ -1,0 +1,56 @@
+"""`memplan.watch` on a CUDA device: PyTorch's own stats and snapshot as the measurement, the
+estimate of the same step beside them, and the out-of-memory observer. Skipped without a GPU."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+import memplan
+from memplan import models
+from memplan.trace import load
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _job(batch=2, seq=32):
+    setup = models.TrainingSetup(batch=batch, seq=seq)
+    torch.manual_seed(0)
+    model = models.build_model(models.tiny_config("llama-3.2-1b"), setup, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    batches = [models.make_batch(model, setup, device="cuda", seed=i) for i in range(3)]
+    return model, optimizer, batches
+
+
+def _loop(model, optimizer, batches):
+    for batch in batches:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_cuda_step_is_measured_by_pytorch_and_compared(tmp_path):
+    model, optimizer, batches = _job()
+    with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, gpu="h100-80gb") as w:
+        _loop(model, optimizer, batches)
+    trace = load(tmp_path / "step2.memtrace")
+    stats = trace.meta["cuda_memory_stats"]
+    assert stats["allocated_bytes.all.peak"] > 0 and stats["num_ooms"] == 0
+    assert trace.meta["device_used_peak_bytes"] >= stats["reserved_bytes.all.peak"]
+    snapshot = pickle.loads((tmp_path / "step2.pickle").read_bytes())
+    assert "segments" in snapshot and "device_traces" in snapshot  # PyTorch's own, for memory_viz
+    cmp = json.loads((tmp_path / "compare.json").read_text())
+    assert cmp["figures"]["peak_allocated_bytes"]["measured"] == stats["allocated_bytes.all.peak"]
+    assert cmp["figures"]["device_used_bytes"]["estimated"] is not None
+    assert w.result["report"].endswith("index.html")
+
+
+def test_cuda_out_of_memory_is_answered_and_reraised(tmp_path):
+    model, optimizer, batches = _job()
+    with pytest.raises(torch.OutOfMemoryError):
+        with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, gpu="h100-80gb") as w:
+            _loop(model, optimizer, batches)
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: more than any device holds
+    assert (tmp_path / "oom.pickle").is_file() and (tmp_path / "oom.memtrace").is_file()
+    assert w.oom_files["report"] is not None
