@@ -11,13 +11,13 @@ from memplan import models
 from memplan.cli import build_parser, main
 from memplan.cli.layout_flags import layout_argv, layout_from_args
 from memplan.cli.setup_flags import setup_argv, setup_from_args
+from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.estimation.fit import SearchSpace, fit
 from memplan.estimation.search import Candidate
 from memplan.estimation.steptime import step_time
-from memplan.estimation.whatfits import _Search, what_fits
+from memplan.estimation.whatfits import what_fits
 from memplan.hardware.devices import device_profile
-from memplan.models.build import UNBUILT_TECHNIQUES
 from memplan.parallel import Layout
 
 ONE_SETUP = SearchSpace(micro_batches=(2,), checkpointing=("none",))
@@ -63,7 +63,7 @@ def test_the_step_time_counts_each_accumulated_micro_batch_once():
     models.TrainingSetup(seq=64, batch=4, grad_accum=2, checkpointing="selective-op", dtype="bf16"),
     models.TrainingSetup(lora_rank=8, lora_targets=("q_proj", "v_proj"), attn="eager", zero_grad="zeros"),
     models.TrainingSetup(quant="nf4", lora_rank=16, double_quant=True, kbit_prep=False, loss="chunked:4",
-                         activation_offload="memplan", optimizer="adamw8bit", compile="model"),
+                         activation_offload="torchtune", optimizer="adamw8bit", compile="model"),
 ])
 def test_a_setup_and_layout_are_the_estimate_flags_that_give_them_back(setup):
     layout = Layout(world_size=8, zero=3, tp=2, pp=2, microbatches=4)
@@ -114,18 +114,10 @@ def test_what_fits_finds_the_smallest_changes_and_each_round_trips(tiny_config_p
         assert again["device_used_bytes"] == row["device_used_bytes"] <= row["usable_bytes"]
 
 
-def test_what_fits_skips_exactly_the_changes_the_builder_refuses_and_takes_them_once_built(monkeypatch):
-    config = models.tiny_config("llama-2-7b")
-    setup = models.TrainingSetup(seq=32, batch=4)
-    base = type("Base", (), {"device_used_bytes": 1})()
-    search = _Search(type("Ev", (), {"estimates": 0})(), config, setup, Layout(), False, 10)
-    names = {changes[0].name for changes, _ in search.candidates(1, base)}
-    assert "chunked loss" not in names if UNBUILT_TECHNIQUES.get("loss") == "full" else "chunked loss" in names
-    assert set(search.unbuilt).isdisjoint(names)
-    monkeypatch.delitem(UNBUILT_TECHNIQUES, "loss", raising=False)
-    search = _Search(type("Ev", (), {"estimates": 0})(), config, setup, Layout(), False, 10)
-    assert "chunked loss" in {changes[0].name for changes, _ in search.candidates(1, base)}
-
+def test_activation_offload_by_memplan_s_planner_is_refused_in_one_line_pointing_at_memplan_offload():
+    with pytest.raises(UserError, match="memplan offload MODEL") as info:
+        models.TrainingSetup(activation_offload="memplan")
+    assert "\n" not in str(info.value)
 
 def test_a_job_that_fits_as_it_is_is_its_own_answer():
     config = models.tiny_config("gpt2")

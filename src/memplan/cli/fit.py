@@ -205,8 +205,6 @@ def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> N
         b = result.below
         echo(paragraph(f"one step below, {b.candidate.layout.world_size} GPUs: the closest candidate needs "
                        f"{format_bytes(b.device_used_bytes)} of {format_bytes(b.usable_bytes)} usable"))
-    if what_fits_mode and result.unbuilt:
-        echo(paragraph("not tried, not yet built: " + ", ".join(result.unbuilt)))
     usable = format_bytes(result.rows[0].usable_bytes) if result.rows else "-"
     echo(paragraph(f"({result.estimates} estimates; every row traced; usable {usable}: {margin:.0%} margin)"))
 

@@ -94,10 +94,12 @@ def _add_technique_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile", choices=COMPILES, default="none", nargs="?", const="blocks",
                        help="torch.compile: blocks (each transformer block and the loss, as torchtitan; the "
                             "bare flag) or model (the whole model)")
-    group.add_argument("--activation-offload", choices=ACTIVATION_OFFLOADS, default="none", nargs="?",
+    # no argparse choices: TrainingSetup names the valid ones and answers `memplan` with `memplan offload`
+    group.add_argument("--activation-offload", metavar="{" + ",".join(ACTIVATION_OFFLOADS) + "}", default="none",
+                       nargs="?",
                        const="torchtune",
-                       help="saved activations to pinned host memory: torchtune (OffloadActivations, the bare "
-                            "flag) or memplan (its offload planner picks which)")
+                       help="saved activations to pinned host memory as torchtune's OffloadActivations does "
+                            "(memplan's own planner: `memplan offload`)")
     group.add_argument("--lora-targets", default=None, metavar=f"NAME,NAME|{ALL_LINEAR}",
                        help="LoRA target module names (default: peft's for the family)")
     group.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="LoRA alpha (default 2 x rank)")

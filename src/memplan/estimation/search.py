@@ -44,7 +44,6 @@ from memplan.errors import UserError
 from memplan.estimation.pipeline import Estimate, StepCache, estimate
 from memplan.estimation.steptime import StepTime, step_time
 from memplan.hardware.devices import device_profile
-from memplan.models.build import refuse_unbuilt_techniques
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.apply import traced_part, untraceable_tensor_parallel
@@ -158,24 +157,12 @@ class Task:
 
 def refusal(config: PretrainedConfig | FactorySpec, cand: Candidate) -> str | None:
     """Why `estimate` would refuse `cand` before tracing it (None: it would not): a
-    technique no builder applies yet (`refuse_unbuilt_techniques`), a layout the model
-    cannot take (`Layout.check`), TP that cannot be traced."""
+    layout the model cannot take (`Layout.check`), TP that cannot be traced."""
     try:
-        refuse_unbuilt_techniques(cand.setup)
         cand.layout.check(config, cand.setup)
     except UserError as exc:
         return str(exc)
     return untraceable_tensor_parallel(cand.layout, config, cand.setup)
-
-
-def is_unbuilt(cand: Candidate) -> str | None:
-    """The line `refuse_unbuilt_techniques` refuses `cand`'s setup with (None: every
-    technique it names is built)."""
-    try:
-        refuse_unbuilt_techniques(cand.setup)
-    except UserError as exc:
-        return str(exc)
-    return None
 
 
 @dataclass

@@ -10,9 +10,8 @@ the memory techniques of `TrainingSetup`: a chunked loss, bitsandbytes' 8-bit Ad
 optimizer step in backward, the optimizer on the host, activation offloading, and, only
 with `allow_quant` (it changes the model), a 4- or 8-bit base under LoRA. Changes of one
 group exclude each other. Every candidate is estimated only by `memplan.estimation.estimate`
-(through `memplan.estimation.search`: screened, then traced before it is shown); a candidate
-whose technique no builder applies yet is skipped where `refuse_unbuilt_techniques` refuses
-it, and listed as such, so that each technique joins the search as soon as it is built.
+(through `memplan.estimation.search`: screened, then traced before it is shown); one that
+`estimate` would refuse (a layout the model cannot take) is skipped and counted by reason.
 
 The search is breadth-first over the number of changes: every single change, then pairs of
 changes that did not fit alone, then triples, ... A set is kept only if no smaller set
@@ -35,7 +34,7 @@ from typing import Any
 
 from memplan.errors import UserError
 from memplan.estimation.fit import DEFAULT_TOP, MAX_TP, FitResult, model_name
-from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task, is_unbuilt, refusal
+from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task, refusal
 from memplan.models.depth import num_layers
 from memplan.models.registry import load_config
 from memplan.models.setup import TrainingSetup
@@ -79,8 +78,7 @@ def setup_changes(setup: TrainingSetup, allow_quant: bool) -> list[Change]:
     if not setup.optimizer_in_backward:
         out.append(_setup_change("optimizer-in-backward", "optimizer in backward", optimizer_in_backward=True))
     if setup.activation_offload == "none":
-        out += [_setup_change("activation-offload", f"activation offload {a}", activation_offload=a)
-                for a in ("torchtune", "memplan")]
+        out.append(_setup_change("activation-offload", "activation offload", activation_offload="torchtune"))
     if setup.cpu_offload == "none":
         out.append(_setup_change("cpu-offload", "optimizer on the host", cpu_offload="optimizer"))
     if allow_quant and setup.lora_rank > 0 and setup.quant == "none":
@@ -143,14 +141,12 @@ def apply(changes: tuple[Change, ...], setup: TrainingSetup, layout: Layout, ord
 
 @dataclass
 class WhatFitsResult(FitResult):
-    """`FitResult` plus what the search skipped and whether the job fits as it is."""
+    """`FitResult` plus whether the job fits as it is."""
 
     base: Row | None = None
-    unbuilt: list[str] = field(default_factory=list)  # changes skipped: not yet built
 
     def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "base": self.base.to_json() if self.base is not None else None,
-                "not_yet_built": self.unbuilt}
+        return {**super().to_json(), "base": self.base.to_json() if self.base is not None else None}
 
 
 class _Search:
@@ -163,7 +159,6 @@ class _Search:
         self.max_nodes = max_nodes
         self.rows: dict[tuple[Change, ...], Row] = {}  # screened or traced, per set
         self.found: list[tuple[int, Row]] = []
-        self.unbuilt: list[str] = []
         self.refused: dict[str, int] = {}
 
     def candidates(self, level: int, base: Row) -> list[tuple[tuple[Change, ...], Candidate]]:
@@ -185,11 +180,6 @@ class _Search:
         return todo
 
     def _admit(self, changes: tuple[Change, ...], cand: Candidate) -> bool:
-        unbuilt = is_unbuilt(cand)
-        if unbuilt is not None:
-            if len(changes) == 1:
-                self.unbuilt.append(changes[0].name)
-            return False
         why = refusal(self.config, cand)
         if why is not None:
             self.refused[why] = self.refused.get(why, 0) + 1
@@ -244,4 +234,4 @@ def what_fits(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
         estimates, spent = ev.estimates, ev.spent()
     rows = [r for _, r in sorted(search.found, key=lambda t: (t[0], t[1].s_per_token))][:top]
     return WhatFitsResult(model_name(model), gpu, layout.world_size, rows if not base.fits else [base],
-                          estimates=estimates, spent=spent, refused=search.refused, base=base, unbuilt=search.unbuilt)
+                          estimates=estimates, spent=spent, refused=search.refused, base=base)

@@ -193,7 +193,6 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
     setups (sequence longer than the model allows, LoRA targets that match nothing, ...).
     """
     setup.check()
-    refuse_unbuilt_techniques(setup)
     if setup.quant == "int8" and setup.dora:
         # peft's DoRA re-wraps the int8 weight of a CPU layer on every forward
         # (utils/integrations.py, dequantize_module_weight: `module.weight.to(device)`), which
@@ -271,25 +270,6 @@ def carried_between_steps(model: nn.Module) -> dict[str, Any]:
     next, for the capture to count from the start (LitGPT's loop keeps the previous
     logits: `memplan.models.litgpt`); empty for the other models."""
     return getattr(model, "carried", {})
-
-
-# Setup fields whose techniques no builder applies yet, with the value that turns each off.
-UNBUILT_TECHNIQUES = {
-}
-UNBUILT_OPTIMIZERS: tuple[str, ...] = ()
-
-
-def refuse_unbuilt_techniques(setup: TrainingSetup) -> None:
-    """`UserError` for a technique the setup names that no builder applies, so that none is
-    ever silently left out of a trace."""
-    for name, off in UNBUILT_TECHNIQUES.items():
-        if getattr(setup, name) != off:
-            raise UserError(f"--{name.replace('_', '-')} is not supported by this version of memplan")
-    if setup.optimizer in UNBUILT_OPTIMIZERS:
-        raise UserError(f"--optimizer {setup.optimizer} is not supported by this version of memplan")
-    if setup.activation_offload == "memplan":
-        raise UserError("--activation-offload memplan is not supported in a traced step by this version of memplan: "
-                        "plan offloading with `memplan offload MODEL --gpu NAME`, or use --activation-offload torchtune")
 
 
 def _build_from_config(config: PretrainedConfig, setup: TrainingSetup, device: str, skip_init: bool) -> nn.Module:

@@ -50,8 +50,8 @@ The techniques people turn on to make a job fit, each off by default:
 - `compile`: `model` compiles the whole model, `blocks` each transformer block (as
   torchtitan and torchtune do), both with the loss compiled too;
 - `activation_offload`: `torchtune` moves saved activations to pinned host memory with
-  a one-layer prefetch window (torchtune's `OffloadActivations`); `memplan` plans which
-  to move with memplan's own offload planner;
+  a one-layer prefetch window (torchtune's `OffloadActivations`); memplan's own planner
+  chooses which tensors to move in `memplan offload` (a plan of the traced step), not here;
 - LoRA variants: `lora_targets` (module-name suffixes, or `("all-linear",)` as peft
   spells it), `lora_alpha` (default 2 x rank), `dora` (weight-decomposed LoRA);
 - `impl`: whose code defines the model: `hf` (transformers) or `litgpt` (LitGPT's `GPT`).
@@ -78,7 +78,7 @@ QUANTS = ("none", "nf4", "fp4", "int8")
 QUANT_STORAGES = ("uint8", "bf16", "fp16", "fp32")
 CPU_OFFLOADS = ("none", "optimizer", "params")
 COMPILES = ("none", "model", "blocks")
-ACTIVATION_OFFLOADS = ("none", "torchtune", "memplan")
+ACTIVATION_OFFLOADS = ("none", "torchtune")
 IMPLS = ("hf", "litgpt")
 ALL_LINEAR = "all-linear"  # peft's spelling of "every linear layer but the output head"
 DEFAULT_LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss(num_output_chunks=8)
@@ -156,6 +156,9 @@ class TrainingSetup:
             ("activation_offload", self.activation_offload, ACTIVATION_OFFLOADS),
             ("impl", self.impl, IMPLS),
         ):
+            if name == "activation_offload" and value == "memplan":
+                raise UserError("memplan plans which tensors leave the GPU with `memplan offload MODEL --gpu NAME`, "
+                                "not inside a traced step: use activation_offload torchtune here")
             if value not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(allowed)}, not '{value}'")
         if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
