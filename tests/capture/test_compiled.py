@@ -110,3 +110,12 @@ def test_compile_wraps_each_block_and_the_loss_and_a_recorder_stays_eager_by_def
     assert whole._compiled_call_impl is not None
     assert not Recorder().ignore_compile_internals()
     assert Recorder(compiled_regions=True).ignore_compile_internals()
+
+
+@pytest.mark.parametrize("change", [{"quant": "nf4", "lora_rank": 8}, {"dora": True, "lora_rank": 8},
+                                    {"cpu_offload": "optimizer"}])
+def test_compile_blocks_with_a_technique_that_breaks_the_block_s_graph_is_refused_in_one_line(change):
+    setup = models.TrainingSetup(batch=2, seq=32, compile="blocks", **change)
+    with pytest.raises(UserError, match="breaks that graph: use --compile model") as info:
+        models.build_model(models.tiny_config("llama-2-7b"), setup)
+    assert "\n" not in str(info.value)

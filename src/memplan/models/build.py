@@ -435,6 +435,19 @@ def _apply_checkpointing(model: nn.Module, setup: TrainingSetup) -> None:
         _checkpoint_forward(module)
 
 
+def _graph_breaker(setup: TrainingSetup) -> str | None:
+    """The setup's technique that Dynamo cannot put in one graph with a block (None: none):
+    bitsandbytes' quantised layers and peft's DoRA (graph breaks in their Python), and the
+    optimizer offload's dispatch mode (Dynamo does not trace under a non-infra mode)."""
+    if setup.quant != "none":
+        return f"--quant {setup.quant}"
+    if setup.dora:
+        return "--dora"
+    if setup.cpu_offload != "none":
+        return f"--cpu-offload {setup.cpu_offload}"
+    return None
+
+
 def compile_model(model: nn.Module, setup: TrainingSetup) -> None:
     """Apply `setup.compile` to `model` (in place; compilation itself happens at the first call):
 
@@ -454,6 +467,10 @@ def compile_model(model: nn.Module, setup: TrainingSetup) -> None:
     if setup.compile == "model":
         model.compile()
         return
+    breaker = _graph_breaker(setup)
+    if breaker is not None:
+        raise UserError(f"--compile blocks compiles each block as one graph (fullgraph=True, as torchtitan does) and "
+                        f"{breaker} breaks that graph: use --compile model")
     base = _base_model(model)
     forward = type(base).forward
     try:
