@@ -65,19 +65,38 @@ def record_step(step_fn: Callable[[], object], iterations: int) -> Trace:
     its step returns (`loss = step()` holds it into the next iteration,
     `losses.append(step())` for good), which the recording cannot see otherwise.
     """
-    ext = cpu_extension()
-    session = ext.new_recorder()
+    recording = AllocatorRecording()
     returned = []
-    session.install()
+    recording.start()
     try:
         for _ in range(iterations):
             returned.append(step_fn())
-            session.next_iteration()
+            recording.next_iteration()
     finally:
-        session.uninstall()
+        trace = recording.stop()
     del returned  # freed after the recorder is uninstalled: not in the log
-    kinds, buffers, nbytes, iteration, parallel = (np.asarray(c) for c in session.events())
-    return trace_from_recording(kinds, buffers, nbytes, iteration, parallel)
+    return trace
+
+
+class AllocatorRecording:
+    """The recording allocator installed around a loop the caller drives: `start()`,
+    `next_iteration()` at each iteration's end, `stop()` -> the Trace (`record_step`'s;
+    `memplan.watch` records a live job's iterations with it). Frees after `stop()` are not
+    logged: what is still live then is never freed in the trace."""
+
+    def __init__(self) -> None:
+        self._session = cpu_extension().new_recorder()
+
+    def start(self) -> None:
+        self._session.install()
+
+    def next_iteration(self) -> None:
+        self._session.next_iteration()
+
+    def stop(self) -> Trace:
+        self._session.uninstall()
+        kinds, buffers, nbytes, iteration, parallel = (np.asarray(c) for c in self._session.events())
+        return trace_from_recording(kinds, buffers, nbytes, iteration, parallel)
 
 
 def trace_from_recording(

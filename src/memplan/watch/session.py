@@ -33,6 +33,7 @@ from memplan.watch import oom
 from memplan.watch.fake import ForwardCall, fake_inputs, innermost_optimizer
 from memplan.watch.job import infer_setup, model_identity
 from memplan.watch.measure import Measurement, StepFiles, analyse
+from memplan.watch.planned import PlannedRun, check_options
 
 
 class Watch:
@@ -42,7 +43,7 @@ class Watch:
                  out_dir: str | Path = "memplan-watch", on_oom: bool = True, capacity: int | str | None = None,
                  setup: TrainingSetup | None = None, *, step_fn: Callable[[], Any] | None = None,
                  gpu: str | None = None, clip_norm: float | None = None, profile: bool = True,
-                 closure: bool = False, driver: str = "hooks") -> None:
+                 closure: bool = False, driver: str = "hooks", planned_allocator: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"memplan.watch watches a torch.nn.Module, not {type(model).__name__}")
         if not any(True for _ in model.parameters()):
@@ -70,6 +71,8 @@ class Watch:
         self.device = next(model.parameters()).device.type
         if self.device not in ("cpu", "cuda"):
             raise UserError(f"memplan.watch measures cpu and cuda jobs, not {self.device}")
+        self._planned = PlannedRun(step, self.out_dir) if check_options(planned_allocator, step, self.device) \
+            else None
         self.context_bytes: int | None = None  # cuda: device memory outside PyTorch's at the start
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.identity = model_identity(model)
@@ -87,6 +90,12 @@ class Watch:
         self._hooks: list[Any] = []
         self._oom_guard: Any = None
         self._closed = False
+        self.allocator_file: Path | None = None  # allocator.json, once closed (planned_allocator=True)
+
+    @property
+    def allocator_stats(self) -> dict[str, Any] | None:
+        """The planned allocator's stats (planned_allocator=True; `memplan.watch.planned`), else None."""
+        return self._planned.stats if self._planned is not None else None
 
     # -- counting -------------------------------------------------------------------------
     @property
@@ -103,6 +112,8 @@ class Watch:
             self.end_iteration()
         if self._open is None and self.driver == "hooks" and self._wants(self.steps_done + 1):
             self.begin_iteration(inputs=(args, kwargs))
+        if self._planned is not None and self.driver == "hooks":
+            self._planned.iteration_starts(self.steps_done + 1)
         if self._open is not None:
             self._observe_call(args, kwargs)
 
@@ -181,13 +192,13 @@ class Watch:
         if self._open is not None or self._closed:
             return
         index = self.steps_done + 1
-        if not self._wants(index):
-            return
-        self._open_index = index
-        self._stepped_since_open = False
-        self._calls = []
-        measured = index == self.target
-        self._open = self._start_measurement(inputs, measured)
+        if self._planned is not None:  # before the measurement opens: its set-up is in no planned step
+            self._planned.iteration_starts(index)
+        if self._wants(index):
+            self._open_index = index
+            self._stepped_since_open = False
+            self._calls = []
+            self._open = self._start_measurement(inputs, index == self.target)
 
     def end_iteration(self, steps_done: int | None = None) -> None:
         """The open iteration ends now; `steps_done` sets the count (a framework's global step)."""
@@ -207,6 +218,8 @@ class Watch:
         if self._closed:
             return self.result
         self._closed = True
+        if self._planned is not None:
+            self.allocator_file = self._planned.close(self.steps_done)
         if self._open is not None:
             if exc is None:
                 self.end_iteration()
@@ -232,6 +245,8 @@ class Watch:
         setup, unseen = (self.user_setup, []) if self.user_setup is not None else infer_setup(
             self.model, self.optimizer, self._measured_calls, self._autocast)
         self.result = analyse(self, self._measured, setup, unseen)
+        if self.allocator_file is not None:
+            self.result["allocator"] = str(self.allocator_file)
         (self.out_dir / "watch.json").write_text(json.dumps(self.result, indent=2, default=str) + "\n")
         return self.result
 
@@ -262,6 +277,9 @@ def watch(model: torch.nn.Module, optimizer: Any = None, step: int = 2, out_dir:
     instead of the standard one), `gpu` (a device profile name, for cuda), `clip_norm` (the
     standard step clips gradients to it), `profile` (False: no torch.profiler timeline beside the
     cpu measurement), `closure` (the standard step runs as `optimizer.step(closure)`, Lightning's
-    automatic optimization). See docs/watch.md.
+    automatic optimization), `planned_allocator` (True, cpu, `step` >= 3: iterations before `step` are
+    recorded at the allocator, `step`-1 is planned, and from `step`+1 the loop's allocations are
+    served from the plan; stats in `w.allocator_stats` and `allocator.json`, `memplan.watch.planned`).
+    See docs/watch.md.
     """
     return Watch(model, optimizer, step, out_dir, on_oom, capacity, setup, **options)
