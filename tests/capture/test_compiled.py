@@ -28,7 +28,9 @@ from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.models.build import transformer_blocks
 
-CASES = [("llama-2-7b", "blocks"), ("llama-2-7b", "model"), ("gpt2", "blocks"), ("gpt2", "model")]
+# both modes on Llama; GPT-2 (its compiled steps within 0.07% too, docs/estimation.md) is
+# left to the documented table: each real compiled case costs ~40-80 s of Inductor builds
+CASES = [("llama-2-7b", "blocks"), ("llama-2-7b", "model")]
 TRUTH: dict[tuple[str, str], int] = {}  # profiler peaks of the real compiled steps, per case
 
 
