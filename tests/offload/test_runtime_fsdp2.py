@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.gloo
+
 MODES = {"default": {}, "streamed": {"streamed_step": True}, "in-backward": {"step_in_backward": True}}
 
 

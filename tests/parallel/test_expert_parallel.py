@@ -112,6 +112,7 @@ def _measure(setup, layout, **kwargs):
     raise error
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("layout", [Layout(world_size=2, zero=3, ep=2), Layout(world_size=4, zero=3, tp=2, ep=2)],
                          ids=["fsdp2-x-ep2", "ep2-x-tp2"])
 def test_expert_parallel_estimate_matches_every_rank_of_a_real_gloo_run_within_one_percent(layout):
@@ -128,6 +129,7 @@ def test_expert_parallel_estimate_matches_every_rank_of_a_real_gloo_run_within_o
         assert abs(predicted - real) / real <= 0.01, f"rank {rank}: estimate {predicted} vs profiler {real}"
 
 
+@pytest.mark.gloo
 def test_a_router_biased_to_one_expert_measures_between_the_balanced_and_the_worst_estimate(tmp_path):
     import skewed_router
 

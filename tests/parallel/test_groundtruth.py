@@ -33,6 +33,8 @@ from memplan.estimation import estimate
 from memplan.parallel import Layout
 from memplan.parallel.groundtruth import measure_rank_peaks
 
+pytestmark = pytest.mark.gloo
+
 LLAMA = models.tiny_config("llama-2-7b")
 PLAIN = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
 # PyTorch's interleaved 1F1B over 2 x 2 chunks of one block: 4 blocks
