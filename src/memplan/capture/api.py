@@ -192,18 +192,23 @@ def _capture(
 ) -> Trace:
     for _ in range(warmup):
         step_fn(*args, **kwargs)
-    live = LiveCapture(models, optimizers, recorder=rec)
-    live.begin(inputs=(args, kwargs, inputs))
-    try:
+    for m in models:
+        _mark_model(rec, m)
+    for opt in optimizers:
+        _mark_optimizer(rec, opt, _parameter_names(models))
+    for t in _tensors((args, kwargs, inputs)):
+        rec.mark(t, "input")
+    start = time.perf_counter()
+    with _recording_hooks(rec, models, optimizers), rec.extra_hooks(), rec:
         for it in range(iterations):
             rec.iteration = it
             rec.microbatch = 0
             rec.reset_phase()
             step_fn(*args, **kwargs)
-    except BaseException:
-        live.abandon()
-        raise
-    return live.end(meta={"iterations": iterations, "warmup": warmup, **(meta or {})})
+    info = {"capture_s": round(time.perf_counter() - start, 3), "iterations": iterations, "warmup": warmup,
+            "trainable_bytes": _trainable_bytes(optimizers)}
+    info.update(meta or {})
+    return rec.finish(meta=info)
 
 
 class LiveCapture:
