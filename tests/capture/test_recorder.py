@@ -189,3 +189,20 @@ def test_cuda_jobs_are_labelled_with_the_cuda_device():
     trace = capture_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(seq=16), fake=True, device="cuda")
     assert trace.devices == ["cuda:0"]
     assert trace.meta["device"] == "cuda"
+
+
+def test_a_random_state_higher_order_op_of_a_compiled_graph_is_one_op_with_its_output():
+    # Inductor's graphs of checkpointed blocks call run_and_save_rng_state(op, *args)
+    # (torch/_prims/rng_prims.py): an operator without a schema, returning (state, op(*args))
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    from memplan.capture import Recorder
+
+    a, b = torch.ones(64, 64), torch.ones(64, 64)
+    with Recorder(compiled_regions=True) as rec:  # as a compiled step is recorded
+        _state, out = run_and_save_rng_state(torch.ops.aten.mm.default, a, b)
+    trace = rec.finish()
+    names = [trace.op_name(i) for i in range(trace.num_ops)]
+    assert any("run_and_save_rng_state" in n for n in names), names
+    assert out.untyped_storage().nbytes() in trace.buffers["nbytes"].tolist()
+    assert float(trace.ops["flops"][names.index(next(n for n in names if "rng" in n))]) == 2 * 64**3

@@ -143,6 +143,19 @@ class _Buffers:
         return len(self.nbytes)
 
 
+def _counted_op(func: Any, args: Any, out: Any) -> tuple[Any, Any, Any]:
+    """The op whose FLOPs `func` costs, with its arguments and output: `func` itself, or the
+    op that a random-state higher-order op of a compiled graph runs
+    (`torch._prims.rng_prims`: `run_and_save_rng_state(op, *args)` returns
+    `(state, op(*args))`, `run_with_rng_state(state, op, *args)` returns `op(*args)`)."""
+    name = getattr(func, "__name__", "")
+    if name == "run_and_save_rng_state" and args:
+        return getattr(args[0], "_overloadpacket", None), args[1:], out[1]
+    if name == "run_with_rng_state" and len(args) > 1:
+        return getattr(args[1], "_overloadpacket", None), args[2:], out
+    return getattr(func, "_overloadpacket", None), args, out
+
+
 class Recorder(TorchDispatchMode):
     """Record storage allocations, frees and ops; `finish()` returns the Trace.
 
@@ -403,7 +416,7 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a tensor subclass: its inner ops on plain tensors come back here
-        if func._schema.name in COMPOSITE_OPS:
+        if getattr(getattr(func, "_schema", None), "name", None) in COMPOSITE_OPS:  # a higher-order op has none
             return self._run_composite(func, args, kwargs)
         op = len(self._op_name)
         in_tensors = _tensors((args, kwargs))
@@ -447,11 +460,11 @@ class Recorder(TorchDispatchMode):
         self._op_bytes.append(float(moved))
         flops = float("nan")
         if self.record_flops:
-            packet = getattr(func, "_overloadpacket", None)
+            packet, f_args, f_out = _counted_op(func, args, out)
             counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
             if counter is not None:
                 try:
-                    flops = float(counter(*args, **kwargs, out_val=out))
+                    flops = float(counter(*f_args, **kwargs, out_val=f_out))
                 except Exception:  # noqa: BLE001 - FLOPs are best-effort metadata
                     flops = float("nan")
         self._op_flops.append(flops)
