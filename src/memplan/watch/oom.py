@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 import threading
 import traceback
@@ -210,7 +211,7 @@ def suggest_changes(watch: Any) -> dict[str, Any]:
     except UserError as why:
         return {"refused": str(why)}
     for change in fits:
-        change["command"] = " ".join(["memplan", "estimate", str(config_path), *change.pop("flags")])
+        change["command"] = shlex.join(["memplan", "estimate", str(config_path), *change.pop("flags")])
     return {"fits": fits, "setup": setup.to_dict(), "setup_not_seen": unseen}
 
 
@@ -236,7 +237,7 @@ def _gpu_changes(config: Any, setup: TrainingSetup, target: dict[str, Any]) -> l
                         "(`memplan compare`) to see what the estimate does not hold")
     return [{"changes": list(row.candidate.changes), "setup": row.candidate.setup.to_dict(),
              "layout": row.candidate.layout.to_dict(), "peak_bytes": row.device_used_bytes,
-             "capacity_bytes": row.usable_bytes, "cost": row.s_per_token,
+             "capacity_bytes": row.capacity_bytes, "usable_bytes": row.usable_bytes, "cost": row.s_per_token,
              "flags": [*setup_flags(row.candidate.setup), *layout_flags(row.candidate.layout),
                        *(["--capacity", str(target["capacity_bytes"])] if "capacity_bytes" in target else []),
                        *(["--allocator", row.allocator] if row.allocator != "caching" else []),
