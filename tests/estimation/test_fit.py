@@ -72,6 +72,22 @@ def test_a_setup_and_layout_are_the_estimate_flags_that_give_them_back(setup):
     assert layout_from_args(args) == layout
 
 
+@pytest.mark.parametrize("setup", [
+    models.TrainingSetup(seq=64, batch=4, grad_accum=2, checkpointing="selective-op", dtype="bf16"),
+    models.TrainingSetup(lora_rank=8, lora_targets=("q_proj", "v_proj"), attn="eager", zero_grad="zeros"),
+    models.TrainingSetup(quant="nf4", lora_rank=16, double_quant=True, kbit_prep=False, loss="chunked:4",
+                         activation_offload="torchtune", optimizer="adamw8bit", compile="model"),
+])
+def test_the_watch_spells_a_setup_and_layout_as_flags_that_give_them_back(setup):
+    # memplan.watch sits below the CLI and spells the flags itself (watch.job): the CLI must read them back
+    from memplan.watch.job import layout_flags, setup_flags
+
+    layout = Layout(world_size=8, zero=3, tp=2, pp=2, microbatches=4)
+    args = build_parser().parse_args(["estimate", "gpt2", *setup_flags(setup), *layout_flags(layout)])
+    assert setup_from_args(args).to_dict() == setup.to_dict()
+    assert layout_from_args(args) == layout
+
+
 @pytest.fixture
 def tiny_config_path(tmp_path):
     path = tmp_path / "tiny-llama.json"
