@@ -15,6 +15,7 @@ Files (under the watch's `out_dir`): `stepN.memtrace` (the measured trace), `ste
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,7 @@ def analyse(watch: Any, files: StepFiles, setup: TrainingSetup, unseen: list[str
                                 elapsed_s=time.perf_counter() - start)
     except UserError as exc:
         result["estimate_refused"] = str(exc)
+        sys.stderr.write(f"memplan.watch: step {watch.target} was measured but not estimated: {exc}\n")
     else:
         save(fake, out / "estimate.memtrace")
         doc = {**est.to_json(), "watched_model": watch.identity, "torch_version": str(torch.__version__),
