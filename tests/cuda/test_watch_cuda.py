@@ -54,3 +54,34 @@ def test_cuda_out_of_memory_is_answered_and_reraised(tmp_path):
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: more than any device holds
     assert (tmp_path / "oom.pickle").is_file() and (tmp_path / "oom.memtrace").is_file()
     assert w.oom_files["report"] is not None
+
+
+def test_cuda_offload_plan_auto_runs_after_the_measured_step(tmp_path):
+    """The measured step planned within half its peak; steps 3-4 under the offload runtime
+    (CUDA tensors through `memplan.offload.runtime.cuda_io`): loss bit-identical to the loop
+    without the watch, what the plan moves written and read back, and a lower allocator peak."""
+    reference, ref_optimizer, batches = _job()
+    batches = batches + [batches[0]]
+    ref_losses = []
+    for batch in batches:
+        loss = reference(**batch).loss
+        loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ref_losses.append(loss.detach())
+    model, optimizer, _ = _job()
+    losses, peaks = [], []
+    with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, gpu="h100-80gb", offload_plan="auto",
+                       offload_budget="1KiB", offload_options={"min_nbytes": 1024}) as w:
+        for batch in batches:
+            torch.cuda.reset_peak_memory_stats()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+            peaks.append(torch.cuda.max_memory_allocated())
+    assert torch.equal(torch.stack(losses), torch.stack(ref_losses))
+    stats = w.offload_stats
+    assert stats["iterations"] == 2 and stats["bytes_written"] == stats["bytes_read"] > 0
+    assert max(peaks[2:]) < peaks[1]

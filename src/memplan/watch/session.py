@@ -33,6 +33,7 @@ from memplan.watch import oom
 from memplan.watch.fake import ForwardCall, fake_inputs, innermost_optimizer
 from memplan.watch.job import infer_setup, model_identity
 from memplan.watch.measure import Measurement, StepFiles, analyse
+from memplan.watch.offload import OffloadedRun
 from memplan.watch.planned import PlannedRun, check_options
 
 
@@ -43,7 +44,9 @@ class Watch:
                  out_dir: str | Path = "memplan-watch", on_oom: bool = True, capacity: int | str | None = None,
                  setup: TrainingSetup | None = None, *, step_fn: Callable[[], Any] | None = None,
                  gpu: str | None = None, clip_norm: float | None = None, profile: bool = True,
-                 closure: bool = False, driver: str = "hooks", planned_allocator: bool = False) -> None:
+                 closure: bool = False, driver: str = "hooks", planned_allocator: bool = False,
+                 offload_plan: str | Path | None = None, offload_budget: int | str | None = None,
+                 offload_dir: str | Path | None = None, offload_options: dict[str, Any] | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"memplan.watch watches a torch.nn.Module, not {type(model).__name__}")
         if not any(True for _ in model.parameters()):
@@ -73,6 +76,7 @@ class Watch:
             raise UserError(f"memplan.watch measures cpu and cuda jobs, not {self.device}")
         self._planned = PlannedRun(step, self.out_dir) if check_options(planned_allocator, step, self.device) \
             else None
+        self._offload = self._offloaded_run(offload_plan, offload_budget, offload_dir, offload_options)
         self.context_bytes: int | None = None  # cuda: device memory outside PyTorch's at the start
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.identity = model_identity(model)
@@ -91,6 +95,28 @@ class Watch:
         self._oom_guard: Any = None
         self._closed = False
         self.allocator_file: Path | None = None  # allocator.json, once closed (planned_allocator=True)
+        self.offload_file: Path | None = None  # offload.json, once closed (offload_plan=...)
+
+    def _offloaded_run(self, spec: object, budget: int | str | None, directory: str | Path | None,
+                       options: dict[str, Any] | None) -> OffloadedRun | None:
+        """The offload runtime of `offload_plan` (`memplan.watch.offload`), or None."""
+        if spec is None:
+            if budget is not None or directory is not None or options is not None:
+                raise UserError("memplan.watch: offload_budget, offload_dir and offload_options go with "
+                                "offload_plan (a plan file or \"auto\")")
+            return None
+        if self._planned is not None:
+            raise UserError("memplan.watch: planned_allocator=True and offload_plan do not compose: the allocator's "
+                            "plan of step-1's addresses does not hold once offloading frees storages; choose one")
+        if self.capacity_bytes is not None:
+            raise UserError("memplan.watch: capacity= counts tensors' storages and the offload runtime releases "
+                            "bytes by resizing them, which that count does not see: give offload_budget= instead")
+        return OffloadedRun(self, spec, budget, directory, options)
+
+    @property
+    def offload_stats(self) -> dict[str, Any] | None:
+        """What the offload runtime did (offload_plan=...; `memplan.watch.offload`), else None."""
+        return self._offload.stats if self._offload is not None else None
 
     @property
     def allocator_stats(self) -> dict[str, Any] | None:
@@ -112,8 +138,8 @@ class Watch:
             self.end_iteration()
         if self._open is None and self.driver == "hooks" and self._wants(self.steps_done + 1):
             self.begin_iteration(inputs=(args, kwargs))
-        if self._planned is not None and self.driver == "hooks":
-            self._planned.iteration_starts(self.steps_done + 1)
+        if self.driver == "hooks":
+            self._iteration_starts(self.steps_done + 1)
         if self._open is not None:
             self._observe_call(args, kwargs)
 
@@ -192,13 +218,19 @@ class Watch:
         if self._open is not None or self._closed:
             return
         index = self.steps_done + 1
-        if self._planned is not None:  # before the measurement opens: its set-up is in no planned step
-            self._planned.iteration_starts(index)
+        self._iteration_starts(index)  # before the measurement opens: its set-up is in no planned step
         if self._wants(index):
             self._open_index = index
             self._stepped_since_open = False
             self._calls = []
             self._open = self._start_measurement(inputs, index == self.target)
+
+    def _iteration_starts(self, index: int) -> None:
+        """Tell the runtime engines (planned allocator, offload runtime) that iteration `index` starts."""
+        if self._planned is not None:
+            self._planned.iteration_starts(index)
+        if self._offload is not None:
+            self._offload.iteration_starts(index)
 
     def end_iteration(self, steps_done: int | None = None) -> None:
         """The open iteration ends now; `steps_done` sets the count (a framework's global step)."""
@@ -211,6 +243,8 @@ class Watch:
         if files is not None:
             self._measured = files
             self._measured_calls = self._calls
+            if self._offload is not None:
+                self._offload.step_measured(files.trace)
 
     def close(self, exc: BaseException | None = None) -> dict[str, Any] | None:
         """Stop watching; analyse the measured step (unless the run raised); report a
@@ -220,6 +254,8 @@ class Watch:
         self._closed = True
         if self._planned is not None:
             self.allocator_file = self._planned.close(self.steps_done)
+        if self._offload is not None:  # before the estimate's fake step: the runtime's hooks are out
+            self.offload_file = self._offload.close(self.steps_done)
         if self._open is not None:
             if exc is None:
                 self.end_iteration()
@@ -247,6 +283,8 @@ class Watch:
         self.result = analyse(self, self._measured, setup, unseen)
         if self.allocator_file is not None:
             self.result["allocator"] = str(self.allocator_file)
+        if self.offload_file is not None:
+            self.result["offload"] = str(self.offload_file)
         (self.out_dir / "watch.json").write_text(json.dumps(self.result, indent=2, default=str) + "\n")
         return self.result
 
@@ -279,7 +317,11 @@ def watch(model: torch.nn.Module, optimizer: Any = None, step: int = 2, out_dir:
     cpu measurement), `closure` (the standard step runs as `optimizer.step(closure)`, Lightning's
     automatic optimization), `planned_allocator` (True, cpu, `step` >= 3: iterations before `step` are
     recorded at the allocator, `step`-1 is planned, and from `step`+1 the loop's allocations are
-    served from the plan; stats in `w.allocator_stats` and `allocator.json`, `memplan.watch.planned`).
+    served from the plan; stats in `w.allocator_stats` and `allocator.json`, `memplan.watch.planned`),
+    `offload_plan` (a plan file of `memplan offload --plan-output`, or "auto": plan the measured
+    step within `offload_budget`; from `step`+1 the loop runs under the offload runtime, files in
+    `offload_dir`, `offload_options` a dict of `memplan.offload.RunOptions` fields; stats in
+    `w.offload_stats` and `offload.json`, `memplan.watch.offload`).
     See docs/watch.md.
     """
     return Watch(model, optimizer, step, out_dir, on_oom, capacity, setup, **options)

@@ -53,7 +53,7 @@ __all__ = ["FileStore", "OffloadEngine", "OffloadError", "RunOptions", "clean_st
 _PlanChoices = tuple[dict[str, int] | None, tuple[list[int], list[bool]] | None, bool, bool]
 
 
-def _plan_choices(plan: Any, model: torch.nn.Module, options: RunOptions) -> _PlanChoices:
+def plan_choices(plan: Any, model: torch.nn.Module, options: RunOptions) -> _PlanChoices:
     """What moves under `plan` (None: the runtime's own rules), after refusing a plan this
     runtime cannot apply to this model: one without names, one that moves what this mode does
     not move, or one of another model."""
@@ -125,7 +125,7 @@ def run(
     if options is None:
         raise UserError("memplan.offload.run needs a directory for its files: "
                         "give options=memplan.offload.RunOptions(directory=...)")
-    moved, saved, activations, optimizer_states = _plan_choices(plan, model, options)
+    moved, saved, activations, optimizer_states = plan_choices(plan, model, options)
     engine = OffloadEngine(FileStore(options.directory, direct=options.direct), workers=options.workers,
                            checksum=options.checksum, host_fallback=options.host_fallback)
     states = _state_mover(engine, model, optimizer, options, moved) if optimizer_states else None
