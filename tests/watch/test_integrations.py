@@ -30,18 +30,12 @@ def _assert_within_one_percent(out):
     return cmp
 
 
-def test_trainer_callback_measures_the_trainers_step(tmp_path):
-    pytest.importorskip("transformers")
-    from transformers import Trainer, TrainingArguments
-
+def test_trainer_callback_measures_the_trainers_step(tmp_path, train_with_callback):
     from memplan.integrations.transformers import MemplanCallback
 
     model = _model()
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=SETUP.batch, max_steps=3,
-                             use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
-                             dataloader_num_workers=0, disable_tqdm=True)
     callback = MemplanCallback(step=2, out_dir=tmp_path / "watch", profile=False)
-    Trainer(model=model, args=args, train_dataset=_rows(model, 3), callbacks=[callback]).train()
+    train_with_callback(model, _rows(model, 3), SETUP.batch, 3, callback)
     assert load(tmp_path / "watch" / "step2.memtrace").meta["step"] == 2
     _assert_within_one_percent(tmp_path / "watch")
     assert callback.result["report"].endswith("index.html")

@@ -143,20 +143,13 @@ def test_a_plan_of_another_model_is_refused_when_the_watch_starts(auto, tmp_path
                       offload_options=OPTIONS)
 
 
-def test_trainer_callback_passes_offload_plan_through(tmp_path):
-    pytest.importorskip("transformers")
-    from transformers import Trainer, TrainingArguments
-
+def test_trainer_callback_passes_offload_plan_through(tmp_path, train_with_callback, rows_of):
     from memplan.integrations.transformers import MemplanCallback
 
     model, _, batches = _job()
-    rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(SETUP.batch)]
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=SETUP.batch,
-                             max_steps=STEPS, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
     callback = MemplanCallback(step=MEASURED, out_dir=tmp_path / "watch", profile=False, offload_plan="auto",
                                offload_budget=BUDGET, offload_options=OPTIONS)
-    Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
+    train_with_callback(model, rows_of(batches), SETUP.batch, STEPS, callback)
     stats = callback.watch.offload_stats
     plan = load_offload_plan(tmp_path / "watch" / "offload-plan.json")
     assert stats["iterations"] == STEPS - MEASURED

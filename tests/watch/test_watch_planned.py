@@ -83,19 +83,12 @@ def test_steps_after_the_measured_one_are_served_from_the_plan(runs):
     assert w.result["compare"]["figures"]["peak_allocated_bytes"]["difference"] < 0.01
 
 
-def test_trainer_callback_passes_planned_allocator_through(tmp_path):
-    pytest.importorskip("transformers")
-    from transformers import Trainer, TrainingArguments
-
+def test_trainer_callback_passes_planned_allocator_through(tmp_path, train_with_callback, rows_of):
     from memplan.integrations.transformers import MemplanCallback
 
     model, _, batches = _job()
-    rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(SETUP.batch)]
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=SETUP.batch,
-                             max_steps=STEPS, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
     callback = MemplanCallback(step=MEASURED, out_dir=tmp_path / "watch", profile=False, planned_allocator=True)
-    Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
+    train_with_callback(model, rows_of(batches), SETUP.batch, STEPS, callback)
     stats = callback.watch.allocator_stats
     print({k: stats[k] for k in ("requests", "served", "fallbacks", "conflicts", "fallback_reasons")})
     assert len(stats["iterations"]) == STEPS - MEASURED
