@@ -1,6 +1,23 @@
-"""What the watch's tests share: a Hugging Face `Trainer` run on cpu with a callback, and the rows of batches."""
+"""What the watch's tests share: a tiny AdamW job, a Hugging Face `Trainer` run on cpu with a callback,
+and the rows of batches."""
 
 import pytest
+import torch
+
+from memplan import models
+
+
+@pytest.fixture(scope="session")
+def adamw_job():
+    """`adamw_job(setup, steps, name="gpt2")`: (model, AdamW, `steps` batches) of the tiny config
+    `name`, seeded, on cpu: the loop the engine tests run with and without the watch."""
+    def job(setup, steps, name="gpt2"):
+        torch.manual_seed(0)
+        model = models.build_model(models.tiny_config(name), setup, device="cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        return model, optimizer, [models.make_batch(model, setup, device="cpu", seed=i) for i in range(steps)]
+
+    return job
 
 
 @pytest.fixture

@@ -23,12 +23,10 @@ BUDGET = "2.5MiB"  # the measured step peaks at 3,416,956 B
 OPTIONS = {"min_nbytes": 1024}  # the tiny model's tensors are KiBs: every one may move
 
 
-def _job(name="gpt2"):
-    torch.manual_seed(0)
-    model = models.build_model(models.tiny_config(name), SETUP, device="cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    batches = [models.make_batch(model, SETUP, device="cpu", seed=i) for i in range(STEPS)]
-    return model, optimizer, batches
+@pytest.fixture(scope="module")
+def job(adamw_job):
+    """`job(name="gpt2")`: the module's tiny AdamW job (model, optimizer, STEPS batches)."""
+    return lambda name="gpt2": adamw_job(SETUP, STEPS, name)
 
 
 def _iteration(model, optimizer, batch, losses):
@@ -51,15 +49,15 @@ def _loop(model, optimizer, batches, profiled=None):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    model, optimizer, batches = _job()
+def reference(job):
+    model, optimizer, batches = job()
     return model, _loop(model, optimizer, batches)[0]
 
 
 @pytest.fixture(scope="module")
-def auto(tmp_path_factory):
+def auto(tmp_path_factory, job):
     out = tmp_path_factory.mktemp("watch-auto")
-    model, optimizer, batches = _job()
+    model, optimizer, batches = job()
     with memplan.watch(model, optimizer, step=MEASURED, out_dir=out, offload_plan="auto", offload_budget=BUDGET,
                        offload_options=OPTIONS) as w:
         losses, peak = _loop(model, optimizer, batches, profiled=PROFILED)
@@ -106,9 +104,9 @@ def test_an_offloaded_step_peaks_lower_than_the_measured_one(auto):
     assert peak < 0.95 * measured
 
 
-def test_a_plan_file_runs_the_same_moves(reference, auto, tmp_path):
+def test_a_plan_file_runs_the_same_moves(reference, auto, tmp_path, job):
     _, _, _, first, first_out = auto
-    model, optimizer, batches = _job()
+    model, optimizer, batches = job()
     with memplan.watch(model, optimizer, step=MEASURED, out_dir=tmp_path, profile=False,
                        offload_plan=first_out / "offload-plan.json", offload_options=OPTIONS) as w:
         losses, _ = _loop(model, optimizer, batches)
@@ -128,25 +126,25 @@ def test_a_plan_file_runs_the_same_moves(reference, auto, tmp_path):
     ({"offload_plan": "missing-plan.json"}, "cannot read the plan"),
 ], ids=["no-budget", "capacity", "planned-allocator", "unknown-option", "bad-budget", "no-plan", "not-a-path",
         "missing-file"])
-def test_what_cannot_run_is_refused_in_one_line(tmp_path, options, words):
-    model, optimizer, _ = _job()
+def test_what_cannot_run_is_refused_in_one_line(tmp_path, options, words, job):
+    model, optimizer, _ = job()
     with pytest.raises(UserError) as err:
         memplan.watch(model, optimizer, out_dir=tmp_path, **{"step": MEASURED, **options})
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_plan_of_another_model_is_refused_when_the_watch_starts(auto, tmp_path):
+def test_a_plan_of_another_model_is_refused_when_the_watch_starts(auto, tmp_path, job):
     _, _, _, _, out = auto
-    model, optimizer, _ = _job("llama-2-7b")
+    model, optimizer, _ = job("llama-2-7b")
     with pytest.raises(UserError, match="made for another model"):
         memplan.watch(model, optimizer, out_dir=tmp_path, offload_plan=out / "offload-plan.json",
                       offload_options=OPTIONS)
 
 
-def test_trainer_callback_passes_offload_plan_through(tmp_path, train_with_callback, rows_of):
+def test_trainer_callback_passes_offload_plan_through(tmp_path, train_with_callback, rows_of, job):
     from memplan.integrations.transformers import MemplanCallback
 
-    model, _, batches = _job()
+    model, _, batches = job()
     callback = MemplanCallback(step=MEASURED, out_dir=tmp_path / "watch", profile=False, offload_plan="auto",
                                offload_budget=BUDGET, offload_options=OPTIONS)
     train_with_callback(model, rows_of(batches), SETUP.batch, STEPS, callback)
@@ -158,8 +156,8 @@ def test_trainer_callback_passes_offload_plan_through(tmp_path, train_with_callb
     assert stats["bytes_written"] == stats["bytes_read"] > 0
 
 
-def test_a_run_that_ends_before_the_runtime_starts_says_so(tmp_path, capsys):
-    model, optimizer, batches = _job()
+def test_a_run_that_ends_before_the_runtime_starts_says_so(tmp_path, capsys, job):
+    model, optimizer, batches = job()
     with memplan.watch(model, optimizer, step=MEASURED, out_dir=tmp_path, profile=False, offload_plan="auto",
                        offload_budget=BUDGET, offload_options=OPTIONS) as w:
         _loop(model, optimizer, batches[:MEASURED])

@@ -29,12 +29,10 @@ def ext():
     return cpu_extension()
 
 
-def _job(name="gpt2"):
-    torch.manual_seed(0)
-    model = models.build_model(models.tiny_config(name), SETUP, device="cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    batches = [models.make_batch(model, SETUP, device="cpu", seed=i) for i in range(STEPS)]
-    return model, optimizer, batches
+@pytest.fixture(scope="module")
+def job(adamw_job):
+    """`job(name="gpt2")`: the module's tiny AdamW job (model, optimizer, STEPS batches)."""
+    return lambda name="gpt2": adamw_job(SETUP, STEPS, name)
 
 
 def _loop(model, optimizer, batches):
@@ -49,11 +47,11 @@ def _loop(model, optimizer, batches):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, job):
     out = tmp_path_factory.mktemp("watch")
-    model, optimizer, batches = _job()
+    model, optimizer, batches = job()
     reference = model, _loop(model, optimizer, batches)
-    model, optimizer, batches = _job()
+    model, optimizer, batches = job()
     with memplan.watch(model, optimizer, step=MEASURED, out_dir=out, profile=False, planned_allocator=True) as w:
         losses = _loop(model, optimizer, batches)
     return reference, (model, losses), w, out
@@ -83,10 +81,10 @@ def test_steps_after_the_measured_one_are_served_from_the_plan(runs):
     assert w.result["compare"]["figures"]["peak_allocated_bytes"]["difference"] < 0.01
 
 
-def test_trainer_callback_passes_planned_allocator_through(tmp_path, train_with_callback, rows_of):
+def test_trainer_callback_passes_planned_allocator_through(tmp_path, train_with_callback, rows_of, job):
     from memplan.integrations.transformers import MemplanCallback
 
-    model, _, batches = _job()
+    model, _, batches = job()
     callback = MemplanCallback(step=MEASURED, out_dir=tmp_path / "watch", profile=False, planned_allocator=True)
     train_with_callback(model, rows_of(batches), SETUP.batch, STEPS, callback)
     stats = callback.watch.allocator_stats
