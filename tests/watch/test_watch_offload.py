@@ -124,8 +124,9 @@ def test_a_plan_file_runs_the_same_moves(reference, auto, tmp_path, job):
     ({"offload_budget": "1GiB"}, "go with offload_plan"),
     ({"offload_plan": 3}, "a plan file or \"auto\""),
     ({"offload_plan": "missing-plan.json"}, "cannot read the plan"),
+    ({"offload_plan": "auto", "offload_budget": "1GiB", "gpu": "no-such-gpu"}, "no-such-gpu"),
 ], ids=["no-budget", "capacity", "planned-allocator", "unknown-option", "bad-budget", "no-plan", "not-a-path",
-        "missing-file"])
+        "missing-file", "unknown-gpu"])
 def test_what_cannot_run_is_refused_in_one_line(tmp_path, options, words, job):
     model, optimizer, _ = job()
     with pytest.raises(UserError) as err:
@@ -165,3 +166,20 @@ def test_a_run_that_ends_before_the_runtime_starts_says_so(tmp_path, capsys, job
         in capsys.readouterr().err
     assert w.offload_stats["iterations"] == 0
     assert json.loads((tmp_path / "offload.json").read_text())["bytes_written"] == 0
+
+
+def test_a_step_that_cannot_be_planned_says_why_and_the_job_goes_on(tmp_path, capsys, job, monkeypatch):
+    from memplan.watch import offload
+
+    def refuse(*_args, **_kwargs):
+        raise UserError("this trace cannot be planned")
+
+    monkeypatch.setattr(offload, "plan_offload", refuse)
+    model, optimizer, batches = job()
+    with memplan.watch(model, optimizer, step=MEASURED, out_dir=tmp_path, profile=False, offload_plan="auto",
+                       offload_budget=BUDGET, offload_options=OPTIONS) as w:
+        losses, _ = _loop(model, optimizer, batches)
+    assert len(losses) == STEPS
+    err = capsys.readouterr().err
+    assert "memplan.watch: no offloading: step 2 could not be planned: this trace cannot be planned" in err
+    assert w.offload_stats["iterations"] == 0 and w.offload_stats["skipped"].startswith("step 2 could not")

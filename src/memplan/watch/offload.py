@@ -85,6 +85,7 @@ class OffloadedRun:
                                    options if options is not None else {})
         self.auto = spec == AUTO
         self.budget_bytes = self._budget(budget)
+        self.hardware = self._hardware() if self.auto else None  # an unknown profile is refused now, not mid-run
         self.plan_file: Path | None = None
         self.plan: OffloadPlan | None = None
         if not self.auto:
@@ -122,10 +123,14 @@ class OffloadedRun:
         """Iteration `target` was measured: with "auto", plan it now."""
         if not self.auto or self.plan is not None or self._closed:
             return  # a step measured at the watch's close is not planned: no later step would run it
-        hardware = self._hardware()
-        budget = self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(hardware)
-        self.plan = plan_offload(trace, hardware, budget, min_nbytes=self.options.min_nbytes,
-                                 categories=runtime_categories(streamed_step=self.options.streamed_step))
+        try:  # inside the job's loop: a step memplan cannot plan says why and the job goes on unoffloaded
+            budget = self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(self.hardware)
+            self.plan = plan_offload(trace, self.hardware, budget, min_nbytes=self.options.min_nbytes,
+                                     categories=runtime_categories(streamed_step=self.options.streamed_step))
+        except UserError as exc:
+            self.skipped = f"step {self.target} could not be planned: {exc}"
+            sys.stderr.write(f"memplan.watch: no offloading: {self.skipped}\n")
+            return
         self.watch.out_dir.mkdir(parents=True, exist_ok=True)
         self.plan_file = self.watch.out_dir / PLAN_FILE
         self.plan_file.write_text(json.dumps(self.plan.to_json()) + "\n")
