@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +19,11 @@ from memplan.errors import UserError
 from memplan.hardware.links import Hardware, make_hardware
 from memplan.models import TrainingSetup, load_config
 from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
+from memplan.offload.plan_file import save_offload_plan
 from memplan.parallel.layout import Layout
 from memplan.parallel.transform import rank_trace
 from memplan.trace import edit as trace_edit
 from memplan.trace import load
-from memplan.trace.io import atomic_write
 from memplan.trace.model import Trace
 from memplan.units import format_bytes, parse_size
 
@@ -89,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
                             baseline_trace=steps.baseline_trace)
     report = {"model": args.model, "setup": steps.setup, "zero": args.zero, **report, **from_json(args)}
     if args.plan_output:
-        doc = json.dumps(plan.to_json()).encode()
-        atomic_write(args.plan_output, lambda f: f.write(doc))
+        save_offload_plan(plan, args.plan_output)
         report["plan_output"] = args.plan_output
     if args.json:
         print_json(report)

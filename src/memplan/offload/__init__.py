@@ -13,7 +13,7 @@ from memplan.offload.lifetimes import (
     analyse_lifetimes,
     measured_op_durations_s,
 )
-from memplan.offload.plan_file import OffloadPlan, Transfer, load_offload_plan
+from memplan.offload.plan_file import OffloadPlan, Transfer, load_offload_plan, save_offload_plan
 from memplan.offload.planner import default_budget_bytes, plan_offload
 from memplan.offload.runtime import OffloadError, RunOptions, run
 from memplan.offload.schedule import TensorSchedule, runtime_categories
@@ -39,6 +39,7 @@ __all__ = [
     "plan_offload",
         "run",
     "runtime_categories",
+    "save_offload_plan",
     "simulate_offload_plan",
     "validate_plan",
 ]

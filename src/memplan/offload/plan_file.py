@@ -1,8 +1,9 @@
 """An offload plan as data: its transfers, its figures, and the JSON file it travels as.
 
 `planner.plan_offload` makes an `OffloadPlan`; `simulate.simulate_offload_plan` runs one;
-`memplan offload --plan-output` writes one (`OffloadPlan.to_json`) and `load_offload_plan`
-reads it back, e.g. for `memplan.offload.run` in the training job (docs/offload.md).
+`save_offload_plan` writes one (`memplan offload --plan-output`, `memplan.watch`'s automatic
+plan) and `load_offload_plan` reads it back, e.g. for `memplan.offload.run` in the training job
+(docs/offload.md).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from memplan.errors import UserError
 from memplan.offload.schedule import TensorSchedule
+from memplan.trace.io import atomic_write
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class OffloadPlan:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
             raise UserError(f"not an offload plan ({what}): write one with memplan offload --plan-output") from None
+
+
+def save_offload_plan(plan: OffloadPlan, path: str | Path) -> None:
+    """Write `plan` as the JSON file `load_offload_plan` reads (atomically: a reader never sees half)."""
+    doc = json.dumps(plan.to_json()).encode()
+    atomic_write(path, lambda f: f.write(doc))
 
 
 def load_offload_plan(path: str | Path) -> OffloadPlan:

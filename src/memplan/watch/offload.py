@@ -47,6 +47,7 @@ from memplan.offload import (
     make_hardware,
     plan_offload,
     runtime_categories,
+    save_offload_plan,
 )
 from memplan.offload.runtime import plan_choices, run
 from memplan.trace.model import Trace
@@ -105,8 +106,8 @@ class OffloadedRun:
 
     def _budget(self, budget: int | str | None) -> int | None:
         if budget is not None:
-            value = parse_size(budget) if isinstance(budget, str) else budget
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            value = parse_size(budget) if isinstance(budget, (int, str)) and not isinstance(budget, bool) else 0
+            if value <= 0:
                 raise UserError(f"memplan.watch: offload_budget takes a size (\"8GiB\", bytes), not {budget!r}")
             return value
         if self.auto and self.watch.device == "cpu":
@@ -133,7 +134,7 @@ class OffloadedRun:
             return
         self.watch.out_dir.mkdir(parents=True, exist_ok=True)
         self.plan_file = self.watch.out_dir / PLAN_FILE
-        self.plan_file.write_text(json.dumps(self.plan.to_json()) + "\n")
+        save_offload_plan(self.plan, self.plan_file)
         if not self.plan.feasible:
             sys.stderr.write(f"memplan.watch: the offload plan of step {self.target} does not reach the budget "
                              f"({format_bytes(self.plan.peak_bytes_after)} planned against "
