@@ -110,3 +110,79 @@ def test_report_renders_in_headless_chromium_offline_with_every_figure_visible(t
         assert complete and nw > 100 and nh > 100 and w > 100 and h > 50
     assert errors == []
     assert all(url.startswith("file://") for url in requests), requests
+
+
+def _estimate_doc(*, fits: bool, margin: float | None) -> dict:
+    doc = {"model": "toy", "gpu": "a10g", "capacity_bytes": 8 << 30, "device_used_bytes": 6 << 30, "fits": fits,
+           "setup": {"batch": 2, "seq": 64, "dtype": "bf16", "autocast": "none", "checkpointing": "full"},
+           "per_rank": [{"rank": 0, "peak_allocated_bytes": 5 << 30, "peak_reserved_bytes": 6 << 30,
+                         "device_used_bytes": 6 << 30, "peak_phase": "backward", "breakdown": {}}]}
+    if margin is not None:
+        doc |= {"margin": margin, "usable_bytes": int((8 << 30) * (1 - margin))}
+    return doc
+
+
+def test_the_page_opens_with_the_verdict_its_capacity_and_margin(traced, tmp_path):
+    est = tmp_path / "est.json"
+    est.write_text(json.dumps(_estimate_doc(fits=True, margin=0.05)))
+    page = build_report([est], tmp_path / "out").read_text()
+    body = page[page.index("<body>"):]
+    verdict = body.index('class="verdict"')
+    assert verdict < body.index("<h2>")  # before the first section
+    line = re.search(r'<div class="verdict"><p>([^<]*)</p>', body).group(1)
+    assert line == ("Estimate (toy, batch 2 x seq 64, bf16, checkpointing full): fits on a10g: 6.00 GiB device "
+                    "used of 7.60 GiB usable (8.00 GiB, 5% margin)")
+
+
+def test_an_estimate_without_a_margin_says_so_in_its_verdict(tmp_path):
+    from memplan.report import estimate_verdict
+
+    assert estimate_verdict(_estimate_doc(fits=False, margin=None)).endswith("(8.00 GiB, no margin)")
+    assert estimate_verdict({"per_rank": []}) is None
+
+
+def test_an_offload_baseline_over_its_budget_is_drawn_as_infeasible_not_as_a_throughput(tmp_path, monkeypatch):
+    from memplan.report import figures
+
+    drawn = {}
+    real = figures.bars
+
+    def spy(values, ylabel, title, infeasible=frozenset()):
+        drawn["values"], drawn["infeasible"] = dict(values), infeasible
+        return real(values, ylabel, title, infeasible=infeasible)
+
+    monkeypatch.setattr(figures, "bars", spy)
+    off = tmp_path / "off.json"
+    off.write_text(json.dumps({"ideal_step_s": 1.0, "planned_step_s": 1.2, "throughput_vs_ideal": 0.83,
+                               "feasible": True, "budget_bytes": 4 << 30,
+                               "baselines": {"zero-offload": {"throughput_vs_ideal": 1.0, "feasible": False},
+                                             "zero-infinity": {"throughput_vs_ideal": 0.5, "feasible": True}}}))
+    page = build_report([off], tmp_path / "out").read_text()
+    assert drawn["infeasible"] == frozenset({"zero-offload"})
+    assert "Over the budget, so not drawn as a throughput: zero-offload." in page
+
+
+def test_every_panel_names_the_step_it_shows(traced, tmp_path):
+    _, trace, _, _ = traced
+    reo = tmp_path / "reo.json"
+    reo.write_text(json.dumps({"model": "gpt2", "setup": {"batch": 1, "seq": 128, "dtype": "bf16"},
+                               "baseline_peak_bytes": 10 << 30, "inductor_peak_bytes": 9 << 30,
+                               "optimized_peak_bytes": 8 << 30, "lower_bound_bytes": None}))
+    page = build_report([trace, reo], tmp_path / "out").read_text()
+    assert "Step: " in page and "batch 2 x seq 64, fp32, checkpointing full" in page  # the trace's own setup
+    assert "Step reordered: gpt2, batch 1 x seq 128, bf16." in page
+
+
+def test_one_colour_per_category_in_the_figures_and_the_timeline(traced):
+    from memplan.report.colors import CATEGORY_COLORS, PHASE_COLORS
+    from memplan.report.timeline import timeline_data
+    from memplan.trace import load
+    from memplan.trace.model import CATEGORIES, PHASES
+
+    _, path, _, _ = traced
+    data = timeline_data(load(str(path)), "step")
+    assert set(CATEGORY_COLORS) == set(CATEGORIES) and set(PHASE_COLORS) == set(PHASES)
+    assert dict(zip(data["categories"], data["category_colors"])) == CATEGORY_COLORS
+    assert dict(zip(data["phase_names"], data["phase_colors"])) == PHASE_COLORS
+    script = (Path(__file__).resolve().parents[2] / "src/memplan/report/timeline.js").read_text()
+    assert "#" not in "".join(line for line in script.splitlines() if "fillStyle = data." in line)

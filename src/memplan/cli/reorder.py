@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     result = optimize_order(graph, time_limit_s=args.time_limit, node_limit=args.node_limit)
     out = {
         "model": args.model,
+        "setup": setup.to_dict(),
         "baseline_peak_bytes": result.baseline_peak_bytes,
         "inductor_peak_bytes": result.inductor_peak_bytes,
         "optimized_peak_bytes": result.optimized_peak_bytes,

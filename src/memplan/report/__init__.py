@@ -157,6 +157,74 @@ class _Page:
         self.sections.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
+def step_description(model: Any, setup: Any) -> str:
+    """Which training step a panel shows, from the model and the setup its JSON or trace
+    carries: "gpt2, batch 8 x seq 1024, bf16, checkpointing full" ("model" alone when the
+    setup is unknown, e.g. a PyTorch snapshot)."""
+    name = str(model) if model else "a step"
+    if not isinstance(setup, dict) or not setup:
+        return name
+    parts = []
+    if setup.get("batch") is not None:
+        shape = f"batch {setup['batch']}"
+        shape += f" x seq {setup['seq']}" if setup.get("seq") else ""
+        shape += f", {setup['grad_accum']} micro-batches" if setup.get("grad_accum", 1) > 1 else ""
+        parts.append(shape)
+    precision = setup.get("precision") or "/".join(
+        v for v in (setup.get("dtype"), f"autocast {setup['autocast']}" if setup.get("autocast") not in (None, "none")
+                    else None) if v)
+    if precision:
+        parts.append(precision)
+    for key, label in (("checkpointing", "checkpointing"), ("lora_rank", "LoRA rank"), ("quant", "quant")):
+        if setup.get(key) not in (None, "none", 0):
+            parts.append(f"{label} {setup[key]}")
+    return f"{name}, {', '.join(parts)}" if parts else name
+
+
+def estimate_verdict(doc: dict[str, Any]) -> str | None:
+    """The verdict of an estimate's JSON as one line: fits or not, device used against the
+    usable memory, the capacity and the margin (None without a capacity)."""
+    capacity = doc.get("capacity_bytes")
+    if not capacity:
+        return None
+    used = doc.get("device_used_bytes", 0)
+    margin = doc.get("margin")
+    usable = doc.get("usable_bytes") or (int(capacity * (1 - margin)) if margin is not None else capacity)
+    margin_text = f"{100 * margin:g}% margin" if margin is not None else "no margin"
+    verdict = "fits" if doc.get("fits") else "does NOT fit"
+    where = doc.get("gpu") or doc.get("device") or "the device"
+    return (f"{verdict} on {where}: {format_bytes(used)} device used of {format_bytes(usable)} usable "
+            f"({format_bytes(capacity)}, {margin_text})")
+
+
+def offload_verdict(doc: dict[str, Any]) -> str:
+    """An offload result's verdict: whether memplan's plan holds its budget, and its throughput."""
+    budget = format_bytes(doc.get("budget_bytes", 0))
+    if not doc.get("feasible", True):
+        return f"memplan's offload plan does NOT hold the {budget} budget"
+    return (f"memplan's offload plan holds the {budget} budget at "
+            f"{100 * doc.get('throughput_vs_ideal', 0.0):.1f}% of an unlimited GPU's throughput")
+
+
+def _summary_section(page: _Page, inputs: ReportInputs) -> None:
+    """The page's first lines: each estimate's verdict with its capacity and margin, each
+    offload plan's budget, each trace's peak, and which step each one is."""
+    lines = []
+    for _name, doc in inputs.estimates:
+        verdict = estimate_verdict(doc)
+        step = step_description(doc.get("model"), doc.get("setup"))
+        lines.append(f"Estimate ({step}): {verdict or 'no capacity given, so no verdict'}")
+    for _name, doc in inputs.offloads:
+        lines.append(f"Offload ({step_description(doc.get('model'), doc.get('setup'))}): {offload_verdict(doc)}")
+    for name, trace in inputs.traces:
+        peak, event = trace.peak()
+        lines.append(f"Trace ({step_description(trace.meta.get('model', name), trace.meta.get('setup'))}): "
+                     f"peak {format_bytes(peak)} live in {trace.phase_at(event)}")
+    if lines:
+        page.sections.append('<div class="verdict">' + "".join(f"<p>{html.escape(x)}</p>" for x in lines)
+                             + "</div>")
+
+
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem auto;
 max-width:1100px;color:#222;padding:0 1rem}
@@ -166,6 +234,8 @@ figcaption{color:#555;font-size:.9rem;margin-top:.3rem}
 table{border-collapse:collapse;font-size:.88rem;margin:.6rem 0}
 td,th{border:1px solid #ddd;padding:.25rem .6rem;text-align:right}
 th{background:#f5f5f5}td:first-child,th:first-child{text-align:left}
+.verdict{background:#f7f7f7;border-left:4px solid #4e79a7;padding:.4rem 1rem;margin:1rem 0}
+.verdict p{margin:.3rem 0}
 """
 
 
@@ -180,6 +250,7 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         raise UserError(f"{out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir)
+    _summary_section(page, inputs)
     for i, (name, trace) in enumerate(inputs.traces):
         plan = next((p for _, p in inputs.plans if _belongs(p, trace)), None)
         _trace_section(page, i, name, trace, plan)
@@ -212,6 +283,7 @@ def _trace_section(page: _Page, i: int, name: str, trace: Trace, plan: AddressPl
     label = trace.meta.get("model", name)
     peak, event = trace.peak()
     page.heading(f"{label} — one training step ({name})")
+    page.paragraph(f"Step: {step_description(label, trace.meta.get('setup'))}.")
     page.figure(
         figures.memory_over_time(trace, f"{label}: live memory over the step"),
         f"{stem}_memory.png",
@@ -252,6 +324,8 @@ def _trace_section(page: _Page, i: int, name: str, trace: Trace, plan: AddressPl
 def _estimate_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
     """An estimate's per-rank breakdown, as a figure and a table."""
     page.heading(f"Estimate: {doc.get('model', name)} ({name})")
+    page.paragraph(f"Step: {step_description(doc.get('model', name), doc.get('setup'))}. "
+                   f"{estimate_verdict(doc) or 'No capacity was given, so there is no verdict.'}")
     page.figure(
         figures.rank_breakdown(doc["per_rank"], doc.get("capacity_bytes")),
         f"estimate{i}_ranks.png",
@@ -275,6 +349,8 @@ def _estimate_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> No
 def _reorder_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
     """A reorder result: live memory per operator order, and the peaks."""
     page.heading(f"Operator order ({name})")
+    page.paragraph(f"Step reordered: {step_description(doc.get('model'), doc.get('setup'))}"
+                   + ("" if doc.get("setup") else " (its setup is not in the reorder JSON)") + ".")
     series = doc.get("timelines") or {}
     if series:
         page.figure(
@@ -293,6 +369,7 @@ def _reorder_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> Non
 def _offload_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
     """An offload result: device memory and links over the step, and throughput against the baselines."""
     page.heading(f"Offloading ({name})")
+    page.paragraph(f"Step: {step_description(doc.get('model'), doc.get('setup'))}. {offload_verdict(doc)}.")
     series = doc.get("timelines") or {}
     if series:
         page.figure(
@@ -302,11 +379,17 @@ def _offload_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> Non
             "Device memory stays under the budget while the links carry the offloaded tensors.",
         )
     throughput = {"memplan": doc.get("throughput_vs_ideal", 0.0)}
+    infeasible = set() if doc.get("feasible", True) else {"memplan"}
     for base, v in (doc.get("baselines") or {}).items():
         throughput[base] = v.get("throughput_vs_ideal", 0.0) if isinstance(v, dict) else 0.0
-    page.figure(figures.bars(throughput, "throughput / ideal", "Throughput against an unlimited-memory GPU"),
+        if isinstance(v, dict) and not v.get("feasible", True):
+            infeasible.add(base)
+    over = f" Over the budget, so not drawn as a throughput: {', '.join(sorted(infeasible))}." if infeasible else ""
+    page.figure(figures.bars(throughput, "throughput / ideal", "Throughput against an unlimited-memory GPU",
+                             infeasible=frozenset(infeasible)),
                 f"offload{i}_throughput.png",
-                "Higher is better: memplan's lifetime-aware plan against the baselines, as a fraction of ideal.")
+                "Higher is better: memplan's lifetime-aware plan against the baselines, as a fraction of ideal."
+                + over)
 
 
 def _signed(doc: dict[str, Any]) -> str:

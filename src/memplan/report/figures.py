@@ -24,24 +24,9 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from memplan.report.colors import CATEGORY_COLORS, INFEASIBLE_COLOR, PHASE_COLORS  # noqa: E402
 from memplan.trace.model import CATEGORIES, PHASES, Trace  # noqa: E402
 
-CATEGORY_COLORS = {
-    "parameter": "#4e79a7",
-    "gradient": "#f28e2b",
-    "optimizer_state": "#59a14f",
-    "activation": "#e15759",
-    "temporary": "#b07aa1",
-    "input": "#76b7b2",
-    "other": "#9c9c9c",
-}
-PHASE_COLORS = {
-    "forward": "#e8f1fa",
-    "backward": "#fdf0e6",
-    "recompute": "#fbe8ea",
-    "optimizer": "#edf6ea",
-    "other": "#ffffff",
-}
 GIB = float(1 << 30)
 
 
@@ -247,15 +232,26 @@ def before_after(series: dict[str, np.ndarray], ylabel: str, title: str, xlabel:
     return fig
 
 
-def bars(values: dict[str, float], ylabel: str, title: str) -> Figure:
-    """One bar per named value (for results that carry no time series)."""
+def bars(values: dict[str, float], ylabel: str, title: str, infeasible: frozenset[str] = frozenset()) -> Figure:
+    """One bar per named value (for results that carry no time series). The names in
+    `infeasible` broke their budget: their value means nothing, so each is drawn as an
+    empty hatched bar to the top of the axis, labelled "infeasible", not as a height."""
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
     _style(ax)
     names = list(values)
-    ax.bar(names, [values[n] for n in names], color="#4e79a7")
+    feasible = [values[n] for n in names if n not in infeasible]
+    top = max(feasible, default=1.0) * 1.15 or 1.0
     for i, n in enumerate(names):
+        if n in infeasible:
+            ax.bar(i, top, color="none", edgecolor=INFEASIBLE_COLOR, hatch="//", linewidth=1)
+            ax.annotate("infeasible\n(over budget)", (i, top / 2), ha="center", va="center", fontsize=8,
+                        color=INFEASIBLE_COLOR, backgroundcolor="white")
+            continue
+        ax.bar(i, values[n], color="#4e79a7")
         ax.annotate(f"{values[n]:.3g}", (i, values[n]), xytext=(0, 3), textcoords="offset points",
                     ha="center", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylim(0, top * 1.08)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=11)
     plt.setp(ax.get_xticklabels(), rotation=15, ha="right")

@@ -20,8 +20,7 @@
     window.memplanTimeline.drawAll();
     return;
   }
-  var COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1"];
-  var PHASE_FILL = ["#f3f6fb", "#fbf3f3", "#f7f2fb", "#f2fbf4", "#f7f7f7"];
+  /* Category and phase colours come with the data (memplan/report/colors.py), the same as the PNG figures' */
   var OVERLAY = ["#111111", "#8c564b", "#17becf", "#7f7f7f"];
   var LEFT = 64, TOP = 20, BOTTOM = 22, RIGHT = 8;
 
@@ -139,7 +138,7 @@
   Panel.prototype.frame = function (data) {
     var ctx = this.ctx, i;
     data.phases.forEach(function (r) {
-      ctx.fillStyle = PHASE_FILL[r[2] % PHASE_FILL.length];
+      ctx.fillStyle = data.phase_colors[r[2]];
       this.rect(r[0], r[1], 0, this.ymax);
     }, this);
     ctx.fillStyle = "#333";
@@ -175,7 +174,7 @@
       p.clip();
       for (i = 0; i < B.id.length; i += 1) {
         if (B.free[i] < p.view.x0 || B.alloc[i] > p.view.x1) { continue; }
-        ctx.fillStyle = COLORS[B.category[i] % COLORS.length];
+        ctx.fillStyle = data.category_colors[B.category[i]];
         var q = pts[i];
         for (k = 0; k < q.length; k += 1) {
           var end = k + 1 < q.length ? q[k + 1][0] : B.free[i];
@@ -188,7 +187,7 @@
         for (c = 0; c < S.by_category.length; c += 1) {
           var v = S.by_category[c][k];
           if (v <= 0) { continue; }
-          ctx.fillStyle = COLORS[c % COLORS.length];
+          ctx.fillStyle = data.category_colors[c];
           p.rect(S.t[k], t1, base, base + v);
           base += v;
         }
@@ -249,7 +248,7 @@
       }
       for (i = 0; i < B.id.length; i += 1) {
         if (B[key][i] < 0 || B.free[i] < p.view.x0 || B.alloc[i] > p.view.x1) { continue; }
-        ctx.fillStyle = COLORS[B.category[i] % COLORS.length];
+        ctx.fillStyle = data.category_colors[B.category[i]];
         p.rect(B.alloc[i], B.free[i], B[key][i], B[key][i] + B.nbytes[i]);
       }
       ctx.restore();
@@ -289,7 +288,7 @@
     data.categories.forEach(function (c, i) {
       var item = el("span", "mp-key");
       var sw = el("span", "mp-swatch");
-      sw.style.background = COLORS[i % COLORS.length];
+      sw.style.background = data.category_colors[i];
       item.appendChild(sw);
       item.appendChild(document.createTextNode(c));
       box.appendChild(item);

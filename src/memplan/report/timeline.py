@@ -32,6 +32,7 @@ from memplan.alloc.caching import CachingAllocator
 from memplan.alloc.conf import AllocConf
 from memplan.alloc.simulate import record_replay
 from memplan.layout.plan import AddressPlan, requests_by_group
+from memplan.report.colors import category_colors, phase_colors
 from memplan.trace.edit import device_view
 from memplan.trace.model import CATEGORIES, PHASES, Trace
 from memplan.units import format_bytes
@@ -120,6 +121,8 @@ def timeline_data(
         "label": step_label(trace, name),
         "events": n,
         "categories": list(CATEGORIES),
+        "category_colors": category_colors(),
+        "phase_colors": phase_colors(),
         "phases": _phase_runs(view),
         "phase_names": list(PHASES),
         "blocks": blocks,

@@ -1,0 +1,33 @@
+"""One colour per trace category and per phase, for every picture of the report: the
+matplotlib figures (`report.figures`) and the interactive timeline (`report.timeline`,
+which hands these to `timeline.js`), so a category reads the same in each."""
+
+from __future__ import annotations
+
+from memplan.trace.model import CATEGORIES, PHASES
+
+CATEGORY_COLORS = {
+    "parameter": "#4e79a7",
+    "gradient": "#f28e2b",
+    "optimizer_state": "#59a14f",
+    "activation": "#e15759",
+    "temporary": "#b07aa1",
+    "input": "#76b7b2",
+    "other": "#9c9c9c",
+}
+PHASE_COLORS = {
+    "forward": "#e8f1fa",
+    "backward": "#fdf0e6",
+    "recompute": "#fbe8ea",
+    "optimizer": "#edf6ea",
+    "other": "#ffffff",
+}
+INFEASIBLE_COLOR = "#c0392b"  # a result that breaks its budget: drawn hatched, in red
+
+def category_colors() -> list[str]:
+    """The colours in `CATEGORIES` order (the index a trace stores)."""
+    return [CATEGORY_COLORS[c] for c in CATEGORIES]
+
+def phase_colors() -> list[str]:
+    """The phase shades in `PHASES` order."""
+    return [PHASE_COLORS[p] for p in PHASES]
