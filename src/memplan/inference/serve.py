@@ -33,7 +33,12 @@ from typing import Any
 from memplan.errors import UserError
 from memplan.hardware.devices import DeviceProfile, device_profile
 from memplan.inference import engines
-from memplan.inference.activation import SAMPLERS, ActivationPeak, graph_pool_bytes, profile_activation
+from memplan.inference.activation import (
+    SAMPLERS,
+    ActivationPeak,
+    graph_pool_bytes,
+    profile_activation,
+)
 from memplan.inference.kv import (
     VLLM_NO_MEMORY,
     KVPool,
@@ -42,7 +47,13 @@ from memplan.inference.kv import (
     sglang_cell_bytes,
     vllm_refusal,
 )
-from memplan.inference.weights import WeightFigures, meta_parameters, quant_scheme, stage_layers, weight_figures
+from memplan.inference.weights import (
+    WeightFigures,
+    meta_parameters,
+    quant_scheme,
+    stage_layers,
+    weight_figures,
+)
 from memplan.models.registry import FactorySpec, load_config
 
 # Non-torch memory that rises during vLLM's profile run at TP 1 (CUDA modules loaded lazily
