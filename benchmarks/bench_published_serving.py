@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 
 from benchmarks_md import write_section
-
 from memplan.inference import estimate_serving
 
 GIB = 1 << 30
