@@ -21,6 +21,7 @@ _LAZY_NAMES = {
     "plan_addresses": "memplan.layout",
     "save_address_plan": "memplan.layout",
     "pack": "memplan.layout",
+    "estimate_serving": "memplan.inference",
 }
 
 

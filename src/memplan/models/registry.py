@@ -8,7 +8,9 @@ A model is named in one of four ways, all resolved by `load_config`, in this ord
   the tests check against the model built from the config (on the meta device);
 - a path to a local Hugging Face `config.json` (or a directory holding one) that exists;
 - `package.module:factory`, a user function that returns an `nn.Module` (see `FactorySpec`);
-- a Hugging Face Hub id, `org/name` (one `/`, not an existing path): only its `config.json`
+- a Hugging Face Hub id, `org/name` (one `/`, not an existing path): a registry model's own
+  Hub id or a published variant of it (`memplan.models.aliases`) is its registry config,
+  offline, unless the Hub cache holds that id's config.json; otherwise only its `config.json`
   is fetched, by `huggingface_hub.hf_hub_download`, which keeps it in the Hub cache and
   honours `HF_HOME` / `HF_HUB_CACHE`, `HF_TOKEN` and `HF_HUB_OFFLINE`. No weights are
   downloaded: the model is built from its config.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
+from memplan.models.aliases import hub_alias
 from memplan.models.moe import EXPERT_COUNT_KEYS
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
@@ -173,11 +176,37 @@ def load_config(spec: str, *, trust_remote_code: bool = False) -> PretrainedConf
         if module and attribute.isidentifier() and all(part.isidentifier() for part in module.split(".")):
             return FactorySpec(module, attribute)
     if HUB_ID.fullmatch(spec) and path.suffix != ".json":
+        alias = hub_alias(spec, registry_hub_ids())
+        if alias is not None and not _in_hub_cache(spec):
+            return _aliased_config(spec, *alias)
         return _config_from_file(Path(hub_config_path(spec)), f"{spec} (config.json from the Hugging Face Hub)",
                                  spec, trust_remote_code)
     if path.suffix == ".json" or "/" in spec or "\\" in spec:
         raise UserError(f"model config file {path} does not exist")
     raise UserError(_unknown_model_message(spec))
+
+
+def registry_hub_ids() -> dict[str, str]:
+    """Each registry entry's own Hub id -> its registry name."""
+    return {registry_entry(name)[PROVENANCE_KEY]["hf_id"]: name for name in list_models()}
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hub cache holds `repo_id`'s config.json (looked up without the network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _aliased_config(repo_id: str, name: str, quantization: dict[str, Any] | None) -> PretrainedConfig:
+    """The registry config a Hub id names (`memplan.models.aliases`), with the published
+    checkpoint's quantization_config where it has one."""
+    data = dict(registry_entry(name))
+    if quantization is not None:
+        data["quantization_config"] = dict(quantization)
+    config = config_from_dict(data, f"'{name}' (the registry's config of {repo_id})")
+    config.name_or_path = repo_id
+    return config
 
 
 def hub_config_path(repo_id: str) -> str:
