@@ -132,10 +132,10 @@ def figures(alloc, reserved, used):
 
 
 def test_a_run_measures_each_case_against_its_estimate_and_skips_what_does_not_fit(gpu_check, monkeypatch, tmp_path):
-    names = ["gpt2", "llama-3.2-1b-bf16", "olmoe-1b-7b-lora"]
+    names = ["gpt2", "llama-3.2-1b-bf16", "qwen3-30b-a3b-lora"]
     measured = {"gpt2": figures(1000, 2000, 3000), "llama-3.2-1b-bf16": figures(1000, 2000, 3000)}
     estimated = {"gpt2": figures(1005, 2040, 3100), "llama-3.2-1b-bf16": figures(1100, 2000, 3000),
-                 "olmoe-1b-7b-lora": {**figures(1, 1, 2 * H100_TOTAL), "fits": False}}
+                 "qwen3-30b-a3b-lora": {**figures(1, 1, 2 * H100_TOTAL), "fits": False}}
     calls = fake_children(gpu_check, monkeypatch, measured, estimated)
     monkeypatch.setattr(gpu_check, "estimate_case", None)  # the parent never estimates in-process on a GPU run
     args = ["--no-pytest", "--no-watch", "--out", str(tmp_path)] + [f"--case={n}" for n in names]
@@ -145,8 +145,8 @@ def test_a_run_measures_each_case_against_its_estimate_and_skips_what_does_not_f
     assert report["gpu"] == "h100-80gb" and report["capacity_bytes"] == H100_TOTAL
     assert rows["gpt2"]["within_goals"] is True
     assert rows["llama-3.2-1b-bf16"]["within_goals"] is False  # allocated +10%
-    assert rows["olmoe-1b-7b-lora"]["status"].startswith("skipped: estimated")
-    assert ("--measure", "olmoe-1b-7b-lora", False) not in calls
+    assert rows["qwen3-30b-a3b-lora"]["status"].startswith("skipped: estimated")
+    assert ("--measure", "qwen3-30b-a3b-lora", False) not in calls
     assert all(hide for mode, _, hide in calls if mode == "--estimate")  # estimates never see the GPU
     assert not any(hide for mode, _, hide in calls if mode == "--measure")
     table = (tmp_path / "gpu_check.md").read_text()
@@ -160,3 +160,34 @@ def test_cases_past_the_budget_are_skipped_and_said_so(gpu_check, monkeypatch, t
     assert gpu_check.main(["--no-pytest", "--no-watch", "--out", str(tmp_path), "--case", "gpt2"]) == 0
     (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["cases"]
     assert row["status"] == "skipped: budget"
+
+
+def test_the_watched_step_is_calibrated_and_set_beside_the_shipped_profile(gpu_check, monkeypatch, tmp_path):
+    """The watch's child stands in (a real cpu step's trace with the metadata a watched cuda
+    step carries, a known context and workspace); `memplan calibrate` runs for real on it."""
+    from memplan.capture.step import capture_model
+    from memplan.estimation.pipeline import figures_full, replay_counters
+    from memplan.trace import save
+
+    trace = capture_model(models.tiny_config("llama-3.2-1b"), models.TrainingSetup(batch=2, seq=32), fake=False,
+                          device="cpu")
+    tensors = figures_full(trace, replay_counters(trace, "caching", None)).peak_allocated_bytes
+    context, workspace = 600 * 2**20, 32 * 2**20
+    trace.meta.update(device="cuda", gpu_name="NVIDIA H100 80GB HBM3", device_total_bytes=H100_TOTAL,
+                      context_bytes=context, outside_reserved_end_bytes=context, world_size=1,
+                      cuda_memory_stats={"allocated_bytes.all.peak": tensors + workspace,
+                                         "reserved_bytes.all.peak": tensors + workspace, "num_ooms": 0})
+    measured = tmp_path / "step2.memtrace"
+    save(trace, measured)
+    figures = {"peak_allocated_bytes": {"measured": 1000, "estimated": 1010}}
+    monkeypatch.setattr(gpu_check, "run_mode", lambda *a, **k: gpu_check.Child(
+        {"ok": True, "measured_file": str(measured), "figures": figures}, 0, False, 0.1, ""))
+    out = gpu_check.watch_and_calibrate(gpu_check.case_by_name(gpu_check.WATCH_CASE), "h100-80gb", tmp_path,
+                                        gpu_check.Budget(300))
+    assert out["ok"], out
+    assert out["measured"] == {"capacity_bytes": H100_TOTAL, "cuda_context_bytes": context,
+                               "cublas_workspace_bytes": workspace}
+    assert out["shipped"]["cublas_workspace_bytes"] == 32 * 2**20
+    assert out["watch_error_allocated"] == pytest.approx(0.01)
+    assert (tmp_path / "cache" / "devices" / "gpu-check.json").is_file()  # under the run's folder, not the user's
+    assert "cuBLAS workspace 32 MiB (profile 32 MiB)" in gpu_check.calibration_line(out)
