@@ -118,8 +118,10 @@ CASES = (
          {"batch": 1, "seq": 1024, "dtype": "bf16", "lora_rank": 16, "lora_targets": ATTENTION}, dense=False,
          timeout_s=180, fit_check=True),
 )
-# Generation (`memplan generate`, a KV cache and no optimizer) comes as its own table here
-# once that command exists: GENERATION_CASES, measured the same way, estimated by it.
+# Generation (`memplan generate`: a KV cache, no optimizer) goes here once that command
+# exists: its cases measured the same way (a fresh process, a warm-up call, then the measured
+# one) and set against its estimate, in a table of their own.
+GENERATION_CASES: tuple[Case, ...] = ()
 WATCH_CASE = "llama-3.2-1b-bf16"  # the step memplan.watch measures and calibrate fits
 
 
@@ -309,18 +311,42 @@ def child_env(hide_gpu: bool = False) -> dict[str, str]:
     return env
 
 
+_LIVE_GROUPS: set[int] = set()  # the process groups of the children running now
+
+
+def kill_children(signum: int, _frame: Any) -> None:
+    """On SIGTERM or SIGINT: end every child's process group, then this process."""
+    for pgid in list(_LIVE_GROUPS):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def children_end_with_this_process() -> Any:
+    """SIGTERM and SIGINT end the children too (`kill_children`) for the block."""
+    previous = {signum: signal.signal(signum, kill_children) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_child(command: list[str], timeout_s: float, log: Path, *, env: dict[str, str],
               result: Path | None = None) -> Child:
-    """Run `command` in its own session with output to `log`; past `timeout_s` its whole process
-    group is killed (a compiled step's compile workers too)."""
+    """Run `command` in a process group of its own with output to `log`; past `timeout_s` the
+    whole group is killed (a compiled step's compile workers too). The group stays in this
+    process's session, so whatever ends the session's processes ends it too."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if result is not None:
         result.unlink(missing_ok=True)
     start = time.perf_counter()
     timed_out = False
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
     with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, **group)
+        _LIVE_GROUPS.add(proc.pid)
         try:
             rc: int | None = proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
@@ -328,6 +354,8 @@ def run_child(command: list[str], timeout_s: float, log: Path, *, env: dict[str,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        finally:
+            _LIVE_GROUPS.discard(proc.pid)
     tail = log.read_text(errors="replace")[-2000:]
     data = json.loads(result.read_text()) if result is not None and result.exists() else None
     return Child(data, rc, timed_out, round(time.perf_counter() - start, 1), tail)
@@ -790,7 +818,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return dry_run(args, out_dir) if args.dry_run else gpu_run(args, out_dir)
+    if args.dry_run:
+        return dry_run(args, out_dir)
+    with children_end_with_this_process():
+        return gpu_run(args, out_dir)
 
 
 if __name__ == "__main__":
