@@ -39,13 +39,14 @@ test: $(STAMP) lint browser
 # GPU ground truth (benchmarks/gpu_check.py) on a machine with one NVIDIA GPU and nothing but
 # this tree: no .venv is made and nothing installed (that machine has no network); it runs
 # with .venv's Python where there is one, else python3, memplan from src/. DRY_RUN=1 needs
-# no GPU (the cases and their estimates); QUICK=1 runs the quick subset. Results go to
-# $GPU_CHECK_OUT (default memplan-out/gpu-check).
+# no GPU (the cases and their estimates); QUICK=1 runs the quick subset; GPU_CHECK_ARGS
+# passes more flags (--case NAME, --gpu NAME, ...). Results go to $GPU_CHECK_OUT (default
+# memplan-out/gpu-check).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 gpu-check:
 	PYTHONPATH="$(CURDIR)/src:$(CURDIR)/tests/support$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) \
-		benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(if $(QUICK),--quick)
+		benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(if $(QUICK),--quick) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info memplan-out test-artifacts

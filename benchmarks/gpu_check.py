@@ -78,6 +78,10 @@ WATCH_TIMEOUT_S = 150
 CALIBRATE_TIMEOUT_S = 60
 RESERVE_S = 10  # kept back from the budget for the last writes
 MIN_STAGE_S = 20  # a stage is not started with less time than this left
+# memory_stats() kept beside the figures: the requested bytes (before the allocator's 512-byte
+# rounding), the active and segment peaks, retries and cudaMalloc calls
+DIAGNOSTIC_STATS = ("requested_bytes.all.peak", "active_bytes.all.peak", "segment.all.peak", "num_alloc_retries",
+                    "num_device_alloc", "num_ooms")
 OPTIONAL_PACKAGES = ("bitsandbytes", "torchao", "litgpt", "peft", "accelerate", "triton")
 
 
@@ -206,6 +210,8 @@ def measure(case: Case) -> dict[str, Any]:
     from memplan.watch.cuda import device_used_peak_bytes, outside_reserved_bytes
 
     start = time.perf_counter()
+    torch.cuda.init()
+    context = outside_reserved_bytes()  # the CUDA context before any kernel is loaded
     step = build_training_step(case.model, case.training_setup(), device="cuda")
     torch.cuda.synchronize()
     built = time.perf_counter()
@@ -222,8 +228,8 @@ def measure(case: Case) -> dict[str, Any]:
         "peak_allocated_bytes": int(stats["allocated_bytes.all.peak"]),
         "peak_reserved_bytes": int(stats["reserved_bytes.all.peak"]),
         "device_used_bytes": device_used_peak_bytes(outside, stats),
-        "outside_reserved_bytes": outside,
-        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "outside_reserved_bytes": outside, "context_at_start_bytes": context,
+        "stats": {key: int(stats.get(key, 0)) for key in DIAGNOSTIC_STATS},
         "parameters": step.meta["parameters"], "trainable_parameters": step.meta["trainable_parameters"],
         "build_s": round(built - start, 2), "warmup_s": round(warm - built, 2), "step_s": round(done - warm, 3),
         "gpu_processes": nvidia_smi_processes(),
@@ -736,6 +742,8 @@ def gpu_run(args: argparse.Namespace, out_dir: Path) -> int:
                               "capacity_bytes": capacity, "environment": info, "command": shlex.join(sys.argv),
                               "cases": [planned_row(case) for case in cases]}
     print(device_line(report), flush=True)
+    print("error (memplan - measured) / measured, allocated / reserved / used; goals on dense models: allocated "
+          "within 1%, reserved within 3%, median <= 2%", flush=True)
     write_report(out_dir, report)
     jobs = args.jobs or max(1, min(len(cases), (os.cpu_count() or 2) // 2))
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -776,7 +784,8 @@ def run_cases(args: argparse.Namespace, cases: list[Case], report: dict[str, Any
         row = measured_row(case, out_dir, budget, estimates.get(case.name))
         report["cases"][index] = row
         err = row.get("errors") or {}
-        print(f"  {case.name:28} {row['status']:12} " + " / ".join(pct(err.get(k)) for k in FIGURES), flush=True)
+        print(f"  {case.name:28} " + " / ".join(pct(err.get(k)) for k in FIGURES) + f"  goal: {goal_text(row)}",
+              flush=True)
         write_report(out_dir, report)
     if not watched:
         report["calibration"] = watch_and_calibrate(watch_case, gpu, out_dir, budget)
