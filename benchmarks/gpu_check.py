@@ -438,8 +438,8 @@ def gib(value: Any) -> str:
     return f"{value / 2**30:.2f}" if isinstance(value, int) else "—"
 
 
-def pct(value: Any) -> str:
-    return f"{value * 100:+.2f}%" if isinstance(value, float) else "—"
+def pct(value: Any, sign: str = "+") -> str:
+    return f"{value * 100:{sign}.2f}%" if isinstance(value, float) else "—"
 
 
 def goal_text(row: dict[str, Any]) -> str:
@@ -480,9 +480,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if s.get("dense_measured"):
         lines.append(f"Dense cases measured: {s['dense_measured']}, within the per-case goals (allocated ±1%, "
                      f"reserved ±3%): {s['within_goals']}. Median |error|: allocated "
-                     f"{pct(s.get('median_abs_error_peak_allocated'))}, reserved "
-                     f"{pct(s.get('median_abs_error_peak_reserved'))}, device used "
-                     f"{pct(s.get('median_abs_error_device_used'))} (goal ≤ 2%: "
+                     f"{pct(s.get('median_abs_error_peak_allocated'), '')}, reserved "
+                     f"{pct(s.get('median_abs_error_peak_reserved'), '')}, device used "
+                     f"{pct(s.get('median_abs_error_device_used'), '')} (goal ≤ 2%: "
                      f"{'met' if s.get('median_goal_met') else 'missed'}).")
     tests = report.get("pytest")
     if tests:
