@@ -676,9 +676,13 @@ def watch_and_calibrate(case: Case, gpu: str, out_dir: Path, budget: Budget) -> 
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False,
                               timeout=min(CALIBRATE_TIMEOUT_S, max(1.0, budget.left_s())))
+    except subprocess.TimeoutExpired:
+        return {**outcome, "ok": False, "error": "memplan calibrate timed out"}
+    try:
         fitted = json.loads(done.stdout)
-    except (subprocess.TimeoutExpired, ValueError) as exc:
-        return {**outcome, "ok": False, "error": f"calibrate gave no JSON: {type(exc).__name__}"}
+    except ValueError:
+        return {**outcome, "ok": False, "error": f"memplan calibrate exited {done.returncode} without JSON",
+                "log_tail": done.stderr[-600:]}
     shipped = device_profile(gpu)
     return {**outcome, "ok": True, "measured": fitted["measured"], "kept": sorted(fitted["kept"]),
             "shipped": {"cuda_context_bytes": shipped.cuda_context_bytes, "capacity_bytes": shipped.capacity_bytes,
