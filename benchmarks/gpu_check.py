@@ -73,6 +73,8 @@ GOALS = {"peak_allocated_bytes": 0.01, "peak_reserved_bytes": 0.03}  # |error| p
 MEDIAN_GOAL = 0.02  # median |error| of each figure with a goal, over the dense cases
 BUDGET_S = {"full": 450, "quick": 165}  # within 8 and 3 minutes on an H100, start-up included
 PYTEST_TIMEOUT_S = {"full": 180, "quick": 90}
+PYTEST_WORKERS = 4  # pytest-xdist workers where it is installed
+PYTEST_TEST_TIMEOUT_S = 150  # per test, where pytest-timeout is installed
 ESTIMATE_TIMEOUT_S = 300
 WATCH_TIMEOUT_S = 150
 CALIBRATE_TIMEOUT_S = 60
@@ -601,6 +603,10 @@ def run_pytest(out_dir: Path, budget: Budget, timeout_s: float) -> dict[str, Any
     if allowed is None:
         return {"error": "skipped: the budget was spent"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda"]
+    if importlib.util.find_spec("xdist"):  # the tests' fresh processes and compiles run side by side
+        command += ["-n", str(PYTEST_WORKERS)]
+    if importlib.util.find_spec("pytest_timeout"):  # one hung test fails alone
+        command += [f"--timeout={PYTEST_TEST_TIMEOUT_S}"]
     child = run_child(command, allowed, out_dir / "pytest.log", env=child_env())
     words = ("passed", "failed", "skipped", "error", "no tests ran")
     last = next((line for line in reversed(child.tail.splitlines())
