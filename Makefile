@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean browser
+.PHONY: demo test lint setup clean browser gpu-check
 
 $(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ browser:
 test: $(STAMP) lint browser
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n 2 -m "not gloo" --durations=30
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m gloo --durations=10
+
+# GPU ground truth (benchmarks/gpu_check.py) on a machine with one NVIDIA GPU and nothing but
+# this tree: no .venv is made and nothing installed (that machine has no network); it runs
+# with .venv's Python where there is one, else python3, memplan from src/. DRY_RUN=1 needs
+# no GPU (the cases and their estimates); QUICK=1 runs the quick subset; GPU_CHECK_ARGS
+# passes more flags (--case NAME, --gpu NAME, ...). Results go to $GPU_CHECK_OUT (default
+# memplan-out/gpu-check).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)/src:$(CURDIR)/tests/support$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) \
+		benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(if $(QUICK),--quick) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info memplan-out test-artifacts

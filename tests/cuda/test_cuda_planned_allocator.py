@@ -5,25 +5,16 @@ each case runs in a fresh interpreter.
 """
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from fresh_python import last_json_line, run_python
 
 from memplan.native import missing_build_tools
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or bool(missing_build_tools()), reason="needs a CUDA device and a C++ compiler"
 )
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=600, check=False)
 
 
 def test_installing_after_the_first_cuda_tensor_is_refused_in_one_line():
@@ -72,3 +63,36 @@ def test_a_plan_serves_cuda_allocations_at_its_offsets():
     stats = out["stats"]
     assert (stats["served_planned"], stats["fallbacks"], stats["long_lived"]) == (2, 1, 1)
     assert stats["fallback_reasons"]["outlived_iteration"] == 1
+
+
+def test_a_training_step_runs_under_the_plan_of_its_traced_capture():
+    """A real step of a tiny Llama on CUDA, served from the STWeaver plan of its own capture
+    (traced on fake tensors for cuda): some requests at their planned offsets, whatever the
+    trace did not foresee from the fallback, and the parameters bit-identical to the same step
+    without the plan."""
+    out = last_json_line(run_python("""
+        import json
+        import torch
+        from memplan import models, plan_addresses
+        from memplan.capture.step import build_training_step, capture_model
+        from memplan.runtime.cuda import CudaPlannedAllocator, install_cuda_allocator
+
+        install_cuda_allocator()
+        config, setup = models.tiny_config("llama-3.2-1b"), models.TrainingSetup(batch=2, seq=32)
+        plan = plan_addresses(capture_model(config, setup, device="cuda"))
+        reference = build_training_step(config, setup, device="cuda")
+        reference.run()
+        reference.run()
+        planned = build_training_step(config, setup, device="cuda")
+        planned.run()
+        with CudaPlannedAllocator(plan, first_iteration=0) as pa:  # after the warm-up: the periodic step
+            planned.run()
+            torch.cuda.synchronize()
+            stats = pa.stats
+        same = [torch.equal(a, b) for a, b in zip(reference.model.parameters(), planned.model.parameters())]
+        print(json.dumps({"stats": stats, "same": all(same)}))
+    """))
+    stats = out["stats"]
+    assert out["same"]
+    assert stats["served_planned"] > 0, stats
+    assert stats["served"] + stats["fallbacks"] == stats["requests"], stats

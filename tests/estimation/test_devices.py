@@ -90,3 +90,19 @@ def test_rocm_profiles_take_hipblaslt_workspace_and_refuse_what_is_not_modelled(
     with pytest.raises(UserError, match="HIP context of AMD Instinct MI300X"):
         mi300x.context_bytes()
     assert mi300x.context_bytes(123) == 123
+
+
+def test_a_device_is_matched_by_its_name_and_total_memory():
+    from memplan.hardware.devices import profile_of_device
+
+    # totals as PyTorch reports them (mem_get_info): an H100 SXM's 81,009 MiB, an H200's 143,163 MiB
+    assert profile_of_device("NVIDIA H100 80GB HBM3", 81_009 * 2**20).key == "h100-80gb"
+    assert profile_of_device("NVIDIA H200", 143_163 * 2**20).key == "h200-141gb"
+    assert profile_of_device("NVIDIA H100 PCIe", 81_090 * 2**20).key == "h100-pcie-80gb"
+
+
+def test_a_device_whose_memory_is_not_its_profiles_has_none():
+    from memplan.hardware.devices import profile_of_device
+
+    assert profile_of_device("NVIDIA H100 80GB HBM3", 10 * 2**30) is None  # a MIG slice
+    assert profile_of_device("Some Other Accelerator", 80 * 2**30) is None

@@ -72,12 +72,15 @@ def make_step(
     to do in `step()` and `zero_grad()`.
     `cuda_kernels`: route attention through CUDA's fused SDPA kernels and autocast
     through CUDA's op lists (for a CUDA job traced on fake cpu tensors; see
-    `memplan.capture.cuda_kernels.kernels_as_on_cuda`).
+    `memplan.capture.cuda_kernels.kernels_as_on_cuda`). The loss takes its CUDA code path
+    (`memplan.models.losses.step_loss`, `cuda`) for such a job and for a step that runs on a
+    real CUDA device alike.
     """
     accum = len(batches)
     offload = activation_offload_context(model, setup.activation_offload)
     on_head = offload.head_starts if offload is not None else None
     chunks = setup.loss_chunks()
+    cuda_loss = cuda_kernels or torch.device(device).type == "cuda"
 
     def step() -> None:
         with models.step_context(optimizer):
@@ -90,7 +93,7 @@ def make_step(
         for batch in batches:
             with models.autocast(setup, device):
                 loss = step_loss(model, batch, setup.loss, chunks=chunks, body=offload, on_head=on_head,
-                                 cuda=cuda_kernels)
+                                 cuda=cuda_loss)
                 if accum > 1:
                     loss = loss / accum
             loss.backward()

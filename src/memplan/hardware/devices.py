@@ -36,6 +36,11 @@ from typing import Any
 
 from memplan.errors import UserError
 
+# How far a device's total memory may be from its profile's capacity and still be that
+# product: a capacity is PyTorch's total where public, else nvidia-smi's, which is 0.5-0.7 GiB
+# (under 1%) more (devices.json, `capacity_source`); a MIG slice has a fraction of it.
+DEVICE_CAPACITY_TOLERANCE = 0.02
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -225,17 +230,41 @@ def _unknown_gpu_message(key: object) -> str:
     return f"unknown GPU {key!r}: {hint}see every profile with `memplan estimate --gpu list`"
 
 
-def profile_of_name(gpu_name: str) -> DeviceProfile | None:
-    """The shipped profile named like a CUDA device (`torch.cuda.get_device_name()`, e.g.
-    "NVIDIA H100 80GB HBM3"): the one whose name shares the most words with it, or None."""
+def _named_most_like(gpu_name: str) -> list[DeviceProfile]:
+    """The shipped profiles whose names share the most words with `gpu_name` (more than the
+    vendor's name alone: "nvidia" matches every profile), sorted by `--gpu` name."""
     words = set(gpu_name.lower().replace("-", " ").split())
-    best, best_score = None, 1  # "nvidia" alone matches every profile
+    best: list[DeviceProfile] = []
+    best_score = 1
     for key in sorted(_raw()["devices"]):
         profile = device_profile(key)
         score = len(words & set(profile.name.lower().replace("-", " ").split()))
         if score > best_score:
-            best, best_score = profile, score
+            best, best_score = [profile], score
+        elif score == best_score and best:
+            best.append(profile)
     return best
+
+
+def profile_of_name(gpu_name: str) -> DeviceProfile | None:
+    """The shipped profile named like a CUDA device (`torch.cuda.get_device_name()`, e.g.
+    "NVIDIA H100 80GB HBM3"): the one whose name shares the most words with it (the first
+    by `--gpu` name on a tie), or None."""
+    named = _named_most_like(gpu_name)
+    return named[0] if named else None
+
+
+def profile_of_device(gpu_name: str, total_bytes: int,
+                      tolerance: float = DEVICE_CAPACITY_TOLERANCE) -> DeviceProfile | None:
+    """The shipped profile of the CUDA device in hand, from its name and its total memory
+    (`torch.cuda.mem_get_info()[1]`): among the profiles named most like it, the one whose
+    `capacity_bytes` is nearest `total_bytes`, if within `tolerance` (a fraction) of it.
+    None for another GPU, or for a partition of one (a MIG slice has a fraction of the memory)."""
+    named = _named_most_like(gpu_name)
+    if not named or total_bytes <= 0:
+        return None
+    nearest = min(named, key=lambda p: abs(p.capacity_bytes - total_bytes))
+    return nearest if abs(nearest.capacity_bytes - total_bytes) <= tolerance * total_bytes else None
 
 
 def device_profile(key: str) -> DeviceProfile:

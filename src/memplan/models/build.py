@@ -55,6 +55,7 @@ from memplan.errors import UserError
 from memplan.models import litgpt, quant
 from memplan.models.dtypes import TORCH_DTYPES
 from memplan.models.moe import apply_routing, check_routing
+from memplan.models.packages import require
 from memplan.models.registry import FactorySpec, as_config, load_config, uses_remote_code
 from memplan.models.setup import ALL_LINEAR, DEFAULT_MAX_SEQ, TrainingSetup
 
@@ -199,6 +200,8 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
         # leaves Linear8bitLt without its row scales, and the next forward fails
         raise UserError("--dora with --quant int8 fails in peft + bitsandbytes on CPU, the one device int8 is "
                         "estimated for: use --quant nf4 or fp4")
+    if setup.quant != "none":
+        require("bitsandbytes", f"--quant {setup.quant}")
     if isinstance(spec, str):
         spec = load_config(spec)
     check_routing(spec, setup.routing, fake=is_fake_mode_active())

@@ -82,6 +82,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.errors import UserError
 from memplan.models import tracing
 from memplan.models.build import is_fake_mode_active
+from memplan.models.packages import require
 from memplan.models.setup import TORCH_OPTIMIZERS, TrainingSetup
 
 LR = 1e-4
@@ -99,6 +100,12 @@ def build_optimizer(model: nn.Module, setup: TrainingSetup, device: str | None =
         raise UserError("the model has no trainable parameters")
     target = torch.device(device or params[0].device.type).type
     check_target(setup, target)
+    if setup.optimizer in BNB_OPTIMIZERS:
+        require("bitsandbytes", f"--optimizer {setup.optimizer}")
+    if setup.optimizer in AO_OPTIMIZERS:
+        require("torchao", f"--optimizer {setup.optimizer}")
+    if setup.cpu_offload == "optimizer":
+        require("torchao", "--cpu-offload optimizer")
     if setup.optimizer_in_backward:
         return InBackwardOptimizer(params, lambda group: base_optimizer(group, setup, target),
                                    set_to_none=setup.zero_grad == "none")
