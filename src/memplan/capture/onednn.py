@@ -11,7 +11,8 @@ brgemm matmul books that scratchpad per thread (oneDNN v3.12
 `src/cpu/x64/matmul/brgemm_matmul_utils.cpp` lines 2251-2311, `init_scratchpad`: batch
 descriptors, copies of A and B blocks, an f32 accumulator for a bf16 output; each entry
 padded by 128 B, `src/common/memory_tracking.hpp` lines 384-425), with blockings chosen
-from the thread count and the cache sizes, so its size is measured, not modelled: once
+from the shape, the thread count and, in some heuristics, the cache sizes, so its size
+is measured, not modelled (docs/estimation.md works one case through by hand): once
 per distinct (op, shapes, strides, dtypes, alpha, beta, thread count),
 `matmul_transient_bytes` runs the real kernel on real tensors and reads its allocations
 from torch.profiler (`memplan.capture.groundtruth.transient_bytes`), and
@@ -40,13 +41,15 @@ SCALED_OPS = frozenset({"aten::addmm", "aten::baddbmm"})  # the matmuls that tak
 
 
 def matmul_signature(schema_name: str | None, args: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The arguments of a `MATMUL_OPS` call as JSON (None for any other op): each tensor
-    argument's shape, strides and dtype, then alpha and beta (an `out=` is left out:
-    the kernel is the same)."""
+    """The arguments of a `MATMUL_OPS` call as JSON (None for any other op, or symbolic
+    sizes): each tensor argument's shape, strides and dtype, then alpha and beta (an
+    `out=` is left out: the kernel is the same)."""
     if schema_name not in MATMUL_OPS:
         return None
     tensors = [[list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch.")]
                for t in args if isinstance(t, torch.Tensor)]
+    if not all(isinstance(d, int) for shape, strides, _ in tensors for d in shape + strides):
+        return None  # symbolic sizes (a dynamic-shape graph): no kernel to run
     return {"op": schema_name, "tensors": tensors, "alpha": float(kwargs.get("alpha", 1)),
             "beta": float(kwargs.get("beta", 1))}
 
