@@ -9,8 +9,10 @@ enabled, the device check holds, m * n * k > 16^3 and alpha != 0. `bmm` / `baddb
 (`bmm_out_or_baddbmm_`, LinearAlgebra.cpp) go to `mkldnn_matmul` under
 `use_mkldnn_matmul` (Matmul.cpp: the same checks, batch * m * k * n > 16^3). fp32
 matmuls join them when `torch.backends.mkldnn.matmul.fp32_precision` is "bf16"
-(`use_mkldnn_bf32_matmul`) or "tf32" (`use_mkldnn_tf32_matmul`, which PyTorch also
-gates on cpuinfo's AMX-FP16: Python cannot read that flag, so tf32 counts as taken).
+(`use_mkldnn_bf32_matmul`) or "tf32" (`use_mkldnn_tf32_matmul`). Where PyTorch also
+checks a cpuinfo flag Python cannot read (AMX-FP16 for tf32; AVX512-BF16 for the bf16
+matrix-vector bypass in `cpublas::gemm`), the matmul counts as taken, and
+`memplan.capture.onednn` measures what the kernel that actually runs allocates.
 
 The device check is ideep's `has_bf16_type_support()` (`mkldnn_bf16_device_check`,
 `aten/src/ATen/native/mkldnn/Utils.h`), that is oneDNN's
