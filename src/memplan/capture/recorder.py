@@ -15,7 +15,9 @@ a laptop.
 
 What it cannot see: memory a kernel allocates internally without returning it as a
 tensor (scratch buffers inside some CPU kernels, cuBLAS workspaces). Those are either
-negligible on CPU or modelled explicitly by the estimator.
+negligible on CPU or modelled explicitly by the estimator; for oneDNN's CPU matmuls the
+recorder keeps each matmul's arguments (`meta["matmul_args"]`), from which the estimate
+measures the kernel's scratchpad (`memplan.capture.onednn`).
 
 Assumptions:
 - Storages that already exist when they are first seen (parameters, inputs,
@@ -51,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memplan.capture.onednn import matmul_signature
 from memplan.models import tracing
 from memplan.trace.model import (
     ALLOC,
@@ -199,6 +202,7 @@ class Recorder(TorchDispatchMode):
         self._devices: dict[str, int] = {}
         self._saved: set[int] = set()  # buffers autograd saved for backward
         self._saved_order: list[int] = []  # the same, in the order autograd first saved them
+        self._matmuls: list[list[Any]] = []  # [op, its arguments] (`memplan.capture.onednn`)
         self._tensor_names: dict[int, str] = {}  # buffer -> the runtime's key (`name`)
         self._marked: dict[int, int] = {}  # buffer -> category forced by the runner
         self._leaf_modules: dict[int, str] = {}  # buffer of a marked tensor -> its owning module
@@ -416,9 +420,13 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a tensor subclass: its inner ops on plain tensors come back here
-        if getattr(getattr(func, "_schema", None), "name", None) in COMPOSITE_OPS:  # a higher-order op has none
+        schema_name = getattr(getattr(func, "_schema", None), "name", None)  # a higher-order op has none
+        if schema_name in COMPOSITE_OPS:
             return self._run_composite(func, args, kwargs)
         op = len(self._op_name)
+        signature = matmul_signature(schema_name, args, kwargs)
+        if signature is not None:
+            self._matmuls.append([op, signature])
         in_tensors = _tensors((args, kwargs))
         inputs = [self.buffer_of(t, op=op) for t in in_tensors]
         phase = self.current_phase()
@@ -560,6 +568,8 @@ class Recorder(TorchDispatchMode):
             trace.meta["tensor_names"] = {str(b): name for b, name in sorted(self._tensor_names.items())}
         if self._saved_order:
             trace.meta["saved_order"] = list(self._saved_order)
+        if self._matmuls:
+            trace.meta["matmul_args"] = list(self._matmuls)
         if not self._fake and len(self._op_wall) == len(self._op_name):
             # measured op times for `offload.lifetimes.measured_op_durations_s` (real tensors only)
             trace.meta["op_wall_s"] = [float(f"{x:.4g}") for x in self._op_wall]

@@ -24,7 +24,8 @@ function each:
    (`RankPlan.traced_transform`) and, for a cpu job, gloo's all-gather staging buffers;
    plus what the device adds that the capture cannot see: the GPU-only terms
    (`memplan.trace.edit`: SDPA kernel workspaces, cuBLAS workspace) for cuda, the
-   checkpoints' CPU RNG states for cpu;
+   checkpoints' CPU RNG states and oneDNN's matmul scratchpads
+   (`memplan.capture.onednn`) for cpu;
 4. **replay** (`replay_counters`): the allocator simulator (PyTorch's request rounding,
    `--alloc-conf` included; caching / expandable segments / a static plan) for peak
    allocated (`max_memory_allocated`) and peak reserved (`max_memory_reserved`);
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memplan.alloc import AllocConf, replay
+from memplan.capture.onednn import onednn_workspaces
 from memplan.capture.step import StepTrace, capture_step
 from memplan.errors import UserError
 from memplan.estimation import layers
@@ -581,10 +583,13 @@ def _host_extrapolated(pair: tuple[Trace, Trace], reg: list[layers.Regions], k: 
 def _device_view(trace: Trace, step: StepTrace, setup: TrainingSetup, device: str,
                  profile: DeviceProfile | None) -> Trace:
     """A rank's trace plus what its device adds that the capture cannot see: the GPU
-    terms (`gpu_view`) for cuda, the checkpoints' CPU RNG states for cpu."""
+    terms (`gpu_view`) for cuda; for cpu, the checkpoints' CPU RNG states and the
+    scratchpads of the matmuls this host runs with oneDNN
+    (`memplan.capture.onednn.onednn_workspaces`)."""
     if device == "cuda":
         return gpu_view(replace(step, trace=trace), setup, profile)
-    return trace_edit.with_extra_buffers(trace, checkpoint_rng_states(trace, step.blocks_path, setup))
+    extras = checkpoint_rng_states(trace, step.blocks_path, setup) + onednn_workspaces(trace)
+    return trace_edit.with_extra_buffers(trace, extras)
 
 
 def checkpoint_rng_states(trace: Trace, blocks_path: str, setup: TrainingSetup) -> list[trace_edit.ExtraBuffer]:
