@@ -227,7 +227,8 @@ def capture_generation(config: PretrainedConfig, setup: TrainingSetup, gen: Gene
         try:
             trace = capture(call, model=model, inputs=inputs, recorder=rec,
                             meta={"generation": gen.to_dict(), "setup": setup.to_dict(), "device": device,
-                                  "fake": True, "fixed_shape": True})
+                                  "fake": True, "fixed_shape": True,
+                                  "logits_to_keep": bool(model._supports_logits_to_keep())})
         finally:
             hook.remove()
         parameters = int(sum(weight_count(p) for p in model.parameters()))
