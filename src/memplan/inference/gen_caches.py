@@ -119,6 +119,7 @@ def offloaded_as_on_cuda() -> Iterator[None]:
         init(self, *args, offloading=False, **kwargs)
         self.offloading = offloading
         self.only_non_sliding = kwargs.get("offload_only_non_sliding", True) if offloading else False
+        self.prefetch_stream = contextlib.nullcontext()  # `Cache.prefetch` copies under it: no stream here
 
     def offloading_update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                           *args: Any, **kwargs: Any) -> Any:

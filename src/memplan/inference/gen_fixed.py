@@ -14,7 +14,8 @@ max_new_tokens = N`:
 - no sequence finishes before N new tokens (the minimum-length processor masks the
   end-of-sequence token until then) and every one stops at N (the maximum-length criterion):
   the loop of `_sample` stops when the sequence length reaches `max_length`, and beam search
-  (`_beam_search`) runs exactly N steps and returns N new tokens.
+  (`_beam_search`) runs exactly N steps and returns N new tokens; its beams are reordered in a
+  cache that holds the prompt already (a static layer's length is a tensor).
 
 Each question is recognised by where it is asked: the transformers function and the text of
 the line (`SITES`). A question from anywhere else is refused (`UserError`, with the file and
@@ -60,6 +61,8 @@ SITES = (
     Site("generate", "has_right_padding = torch.any(", lambda f, m: False),
     Site("generate", '(model_kwargs["attention_mask"] == 1).all()', lambda f, m: True),
     Site("__call__", "unfinished_sequences.max() == 0", lambda f, m: f["length"] >= m),
+    # a static cache's length is a tensor; beams are reordered once it holds the prompt
+    Site("reorder_cache", "if self.get_seq_length() > 0:", lambda f, m: True),
     # the value beam search fills its output with (a token id: no size depends on it)
     Site("_beam_search", "output_fill_value = pad_token_id or eos_token_id[0]", lambda f, m: True),
     Site("_beam_search", "running_sequences = torch.full(", lambda f, m: 0),
