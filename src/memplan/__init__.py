@@ -16,6 +16,7 @@ _LAZY_NAMES = {
     "replay": "memplan.alloc",
     "planned_allocator": "memplan.runtime",
     "estimate": "memplan.estimation",
+    "estimate_generation": "memplan.inference.generate",
     "fit": "memplan.estimation",
     "reorder": "memplan.order.run",
     "plan_addresses": "memplan.layout",

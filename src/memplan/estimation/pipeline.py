@@ -503,6 +503,9 @@ class Figures:
     breakdown: dict[str, int]
     peak_phase: str
     host: HostFigures = field(default_factory=HostFigures)
+    # the event of the allocated peak in each trace the figures come from (one trace, or
+    # the k- and (k+1)-block pair), for a caller that reads more at the peak
+    peak_events: tuple[int, ...] = ()
 
 
 def figures_full(trace: Trace, counters: Counters) -> Figures:
@@ -513,7 +516,7 @@ def figures_full(trace: Trace, counters: Counters) -> Figures:
     device = trace_edit.without_host(trace)
     vector = layers.breakdown_vector(device, event, counters.charged_nbytes) if event >= 0 else np.zeros(7)
     return Figures(peak, int(counters.reserved.max()) if counters.reserved.shape[0] else 0,
-                   _breakdown(vector, peak), trace.phase_at(event), host_figures(trace))
+                   _breakdown(vector, peak), trace.phase_at(event), host_figures(trace), (event,))
 
 
 def host_figures(trace: Trace) -> HostFigures:
@@ -564,7 +567,8 @@ def figures_extrapolated(pair: tuple[Trace, Trace], counters: tuple[Counters, Co
     slack = float(counters[1].reserved.max() - counters[1].allocated.max())
     reserved = max(float(resv_full.max()), peak + slack)
     return Figures(int(round(peak)), int(round(reserved)), _breakdown(vector, peak),
-                   pair[1].phase_at(int(alloc[1].events[win])), _host_extrapolated(pair, reg, k, target_layers))
+                   pair[1].phase_at(int(alloc[1].events[win])), _host_extrapolated(pair, reg, k, target_layers),
+                   (int(alloc[0].events[win]), int(alloc[1].events[win])))
 
 
 def _host_extrapolated(pair: tuple[Trace, Trace], reg: list[layers.Regions], k: int, target_layers: int) -> HostFigures:
