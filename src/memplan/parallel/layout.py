@@ -217,6 +217,8 @@ class Layout:
         if self.tp > 1 and setup.loss == "fused-linear":
             raise UserError("--loss fused-linear takes the whole output weight, which --tp shards over the "
                             "vocabulary: use --loss chunked with --tp")
+        if self.tp > 1 and setup.loss.startswith("trl-"):
+            raise UserError(f"--loss {setup.loss} (TRL's fused log-probability head) is estimated without --tp")
         if self.cp > 1:
             self._check_context_parallel(config, setup)
         self._check_offload(setup)

@@ -1,0 +1,109 @@
+"""What each RL trainer puts on a GPU, and in which order: its placement rules.
+
+One `TrainerRules` per trainer, each fact read in the trainer's code (docs/rl.md cites the
+file and lines of each):
+
+- **TRL 1.16.0** (`trl/trainer/grpo_trainer.py`, `trl/trainer/grpo_config.py`,
+  `trl/generation/vllm_generation.py`, `trl/trainer/dpo_trainer.py`): the colocated vLLM
+  engine runs in the trainer's process (`distributed_executor_backend="external_launcher"`)
+  with `max_num_seqs = per_device_train_batch_size x vllm_tensor_parallel_size x
+  steps_per_generation` and `max_num_batched_tokens=4096`; `vllm_gpu_memory_utilization`
+  0.3; sleep mode off by default, and when on, level 2 right after start-up,
+  `empty_cache()` then `wake_up(tags=["weights"])` before the weight sync,
+  `wake_up(tags=["kv_cache"])` before generating, `sleep(level=2)` after; the weights are
+  pushed one parameter at a time (gathered one at a time under ZeRO-3), or, for a PEFT
+  model under ZeRO-3, gathered all at once and merged; no reference model at `beta=0`
+  (the default) nor for PEFT (the adapter is disabled instead); the old policy's
+  log-probabilities are computed with vLLM (importance-sampling correction, on by
+  default) or when generation and optimisation steps are misaligned. No PPO trainer.
+- **verl** (`volcengine/verl`): the hybrid engine colocates actor, rollout and
+  reference in one process per GPU; the rollout's `gpu_memory_utilization` 0.5,
+  `free_cache_engine: True` (sleep level 2 from vLLM 0.8.5), `max_num_batched_tokens`
+  8192; before waking the engine `aggressive_empty_cache`; FSDP parameters streamed one
+  full tensor at a time; `param_offload` / `optimizer_offload` keep the FSDP shards and
+  the optimizer on the host outside their phases; a critic or a reward model runs in its
+  own worker process (its own CUDA context) on the same GPUs.
+- **OpenRLHF** (`OpenRLHF/OpenRLHF`): with `--colocate_all` (hybrid engine) the vLLM
+  engine shares the GPUs; `--vllm_gpu_memory_utilization` 0.95 by default (meant for
+  dedicated GPUs); `--vllm_enable_sleep` sleeps at level 1 (weights to the host); DeepSpeed
+  states offloaded with `--deepspeed_enable_sleep` (optimizer states and fp32 master
+  weights; the 16-bit parameters stay); the reference and the actor are separate Ray
+  actors (separate processes); `init_kl_coef` 0.01 loads a reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.errors import UserError
+
+TRAINERS = ("trl", "verl", "openrlhf")
+ALGOS = ("grpo", "ppo", "dpo", "rloo")
+ROLLOUTS = ("hf", "vllm-colocate", "vllm-server")
+REFERENCES = ("none", "copy", "peft")
+
+
+@dataclass(frozen=True)
+class TrainerRules:
+    """One trainer's placement and phase order (module docstring)."""
+
+    name: str
+    version: str
+    algos: tuple[str, ...]
+    rollouts: tuple[str, ...]
+    default_utilization: float
+    default_sleep_level: int  # 0: sleep mode off
+    sleep_level_when_on: int
+    empty_cache_before_wake: bool
+    max_num_batched_tokens: int | None  # what the trainer passes to vLLM (None: vLLM's default)
+    max_num_seqs_per_row: bool  # TRL: max_num_seqs = rows the rank generates x engine tp
+    default_beta: float
+    separate_processes: tuple[str, ...]  # models that live in a process of their own on the same GPU
+    peft_zero3_whole_gather: bool  # PEFT + ZeRO-3 gathers the whole model to merge the adapter
+    offload_between_phases: bool  # parameters and optimizer leave the GPU outside their phases when asked
+
+    def check(self, algo: str, rollout: str, sleep_level: int | None, reference: str, critic: str | None) -> None:
+        """`UserError` for a setting this trainer does not have (one line, with the fix)."""
+        if algo not in self.algos:
+            raise UserError(f"--algo {algo}: {self.name} {self.version} trains {', '.join(self.algos)}")
+        if algo != "dpo" and rollout not in self.rollouts:
+            raise UserError(f"--rollout {rollout}: {self.name} generates with {', '.join(self.rollouts)}")
+        if sleep_level is not None and rollout != "vllm-colocate":
+            raise UserError(f"--sleep-level applies to a colocated vLLM engine; --rollout {rollout} has none: "
+                            "leave --sleep-level out or use --rollout vllm-colocate")
+        if sleep_level not in (None, 0, self.sleep_level_when_on):
+            raise UserError(f"--sleep-level {sleep_level}: {self.name} sleeps its engine at level "
+                            f"{self.sleep_level_when_on} (0: sleep mode off)")
+        if algo == "dpo" and rollout != "hf":
+            raise UserError("--algo dpo trains on a fixed preference data set and generates nothing: leave --rollout "
+                            "out")
+        if critic is not None and algo != "ppo":
+            raise UserError(f"--critic is PPO's value model; --algo {algo} has none")
+        if algo == "ppo" and critic is None:
+            raise UserError("--algo ppo trains a value model: give it with --critic MODEL (often the policy's model)")
+
+
+RULES = {
+    "trl": TrainerRules(
+        name="trl", version="1.16.0", algos=("grpo", "dpo", "rloo"), rollouts=ROLLOUTS, default_utilization=0.3,
+        default_sleep_level=0, sleep_level_when_on=2, empty_cache_before_wake=True, max_num_batched_tokens=4096,
+        max_num_seqs_per_row=True, default_beta=0.0, separate_processes=(), peft_zero3_whole_gather=True,
+        offload_between_phases=False),
+    "verl": TrainerRules(
+        name="verl", version="0.5", algos=("grpo", "ppo", "rloo"), rollouts=("vllm-colocate",),
+        default_utilization=0.5, default_sleep_level=2, sleep_level_when_on=2, empty_cache_before_wake=True,
+        max_num_batched_tokens=8192, max_num_seqs_per_row=False, default_beta=0.001,
+        separate_processes=("critic", "reward"), peft_zero3_whole_gather=False, offload_between_phases=True),
+    "openrlhf": TrainerRules(
+        name="openrlhf", version="0.8", algos=("grpo", "ppo", "rloo", "dpo"), rollouts=("vllm-colocate", "vllm-server"),
+        default_utilization=0.95, default_sleep_level=0, sleep_level_when_on=1, empty_cache_before_wake=True,
+        max_num_batched_tokens=None, max_num_seqs_per_row=False, default_beta=0.01,
+        separate_processes=("reference", "critic", "reward"), peft_zero3_whole_gather=False,
+        offload_between_phases=True),
+}
+
+
+def trainer_rules(name: str) -> TrainerRules:
+    if name not in RULES:
+        raise UserError(f"--trainer {name!r}: one of {', '.join(TRAINERS)}")
+    return RULES[name]
