@@ -80,7 +80,7 @@ def step_loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str = "ful
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
         if rl is not None:
-            return rl_head_loss(*rl, triton=cuda)(head, hidden, batch["input_ids"])
+            return rl_head_loss(*rl, triton=cuda, backbone=_backbone(model))(head, hidden, batch["input_ids"])
         if loss == "fused-linear":
             return fused_linear_cross_entropy(head, hidden, shifted, cuda=cuda)
         return chunked_output_loss(head, hidden, shifted, chunks)
@@ -94,6 +94,13 @@ def step_loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str = "ful
                         f"or scaling), which --loss {loss} would skip: use --loss full")
     loss_head.returned = None
     return logits
+
+
+def _backbone(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids -> the final hidden states of the Hugging Face model's own backbone."""
+    hf = _base_model(model)
+    body = getattr(hf, hf.base_model_prefix)
+    return lambda input_ids: body(input_ids=input_ids).last_hidden_state
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

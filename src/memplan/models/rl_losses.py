@@ -27,7 +27,11 @@ real and on fake tensors:
 
 A loss is named in `TrainingSetup.loss` as `KIND:C`, C the completion tokens scored at the
 end of each sequence: `trl-grpo:C` (the policy's GRPO step), `trl-dpo:C` (DPO's policy
-step; its batch holds the chosen rows then the rejected ones), `trl-logprobs:C` (the
+step; its batch holds the chosen rows then the rejected ones), `trl-dpo-ref:C` (the same
+with the reference's no-gradient forward inside the loss, after the policy's, as
+`DPOTrainer._compute_loss` runs it when the reference log-probabilities are not
+precomputed: the model's own backbone stands for the reference's, whose parameters the
+caller counts), `trl-logprobs:C` (the
 no-gradient pass over the old policy or the reference: log-probabilities only). Assumes
 no padding inside a batch (every prompt P tokens, every completion C), temperature 1, no
 soft-capping or logit scaling (the model's `final_logit_softcapping` is refused by the
@@ -45,14 +49,14 @@ from torch import nn
 
 from memplan.errors import UserError
 
-RL_LOSSES = ("trl-grpo", "trl-dpo", "trl-logprobs")
+RL_LOSSES = ("trl-grpo", "trl-dpo", "trl-dpo-ref", "trl-logprobs")
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py L31
 VOCAB_CHUNK_SIZE = 32768  # _CHUNKED_LOGPROB_CHUNK_SIZE, trl/trainer/utils.py L1506
 IGNORE_INDEX = -100
 # the per-token fields each loss asks the fused head for (grpo_trainer.py L1067-1073,
 # dpo_trainer.py L954-960, and the default `("log_probs",)` of the reference's head)
 OUTPUTS = {"trl-grpo": ("log_probs", "entropy"), "trl-dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
-           "trl-logprobs": ("log_probs",)}
+           "trl-dpo-ref": ("log_probs", "entropy", "mean_logits", "is_top1"), "trl-logprobs": ("log_probs",)}
 GRPO_EPSILON = 0.2  # GRPOConfig.epsilon
 DPO_BETA = 0.1  # DPOConfig.beta
 
@@ -67,10 +71,12 @@ def parse_rl_loss(loss: str) -> tuple[str, int] | None:
     return kind, int(count)
 
 
-def rl_head_loss(kind: str, completion: int, *, triton: bool, beta: float = 0.0) -> Callable[..., torch.Tensor]:
+def rl_head_loss(kind: str, completion: int, *, triton: bool, beta: float = 0.0,
+                 backbone: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[..., torch.Tensor]:
     """What the model's output head computes under RL loss `kind`: a function of the head,
     the final hidden states [B, S, H] and the token ids [B, S] that returns the scalar the
-    step backpropagates (or, for `trl-logprobs`, the log-probabilities' sum)."""
+    step backpropagates (or, for `trl-logprobs`, the log-probabilities' sum). `backbone`
+    (token ids -> final hidden states) runs the reference's forward of `trl-dpo-ref`."""
     def compute(head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if completion >= hidden.shape[1]:
             raise UserError(f"{completion} completion tokens leave no prompt in a {hidden.shape[1]}-token sequence")
@@ -81,6 +87,13 @@ def rl_head_loss(kind: str, completion: int, *, triton: bool, beta: float = 0.0)
         if kind == "trl-grpo":
             entropy = torch.cat([per_token["entropy"][:, -completion:]], dim=0)
             return grpo_objective(log_probs, entropy, beta)
+        if kind == "trl-dpo-ref" and backbone is not None:
+            with torch.no_grad():
+                ref_hidden = backbone(input_ids)
+                ref = fused_head_per_token(head, ref_hidden, input_ids, completion, OUTPUTS["trl-logprobs"],
+                                           triton=triton)["log_probs"][:, -completion:]
+                del ref_hidden
+            return dpo_objective(log_probs, ref)
         return dpo_objective(log_probs)
     return compute
 
@@ -128,14 +141,16 @@ def grpo_objective(log_probs: torch.Tensor, entropy: torch.Tensor, beta: float) 
     return (per_token_loss * mask).sum() / normalizer + 0.0 * entropy.sum()
 
 
-def dpo_objective(log_probs: torch.Tensor) -> torch.Tensor:
+def dpo_objective(log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """DPO's sigmoid loss (dpo_trainer.py L1300-1345, loss_type "sigmoid", the default) on
-    [2B, C] log-probabilities, chosen rows first; the reference's summed log-probabilities
-    are inputs of the loss (zeros here, same shapes)."""
+    [2B, C] log-probabilities, chosen rows first; the reference's (precomputed: inputs of
+    the loss, zeros here of the same shapes) summed the same way."""
     logps = log_probs.sum(dim=1)
     chosen, rejected = logps.chunk(2, dim=0)
-    ref_chosen = torch.zeros_like(chosen)
-    ref_rejected = torch.zeros_like(rejected)
+    if ref_log_probs is None:
+        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
+    else:
+        ref_chosen, ref_rejected = ref_log_probs.sum(dim=1).chunk(2, dim=0)
     margins = (chosen - ref_chosen) - (rejected - ref_rejected)
     return -F.logsigmoid(DPO_BETA * margins).mean()
 

@@ -11,8 +11,8 @@ The step's figures come from memplan's own engines, each traced or modelled once
 3. the **rollout**: a colocated or separate vLLM engine sized by
    `memplan.inference.estimate_serving` with the flags the trainer passes it (and what the
    trainer already holds when it starts); the Hugging Face rollout (`model.generate`) is
-   not modelled here: it is `memplan generate`'s (`estimate_generation`), and is refused
-   until that lands;
+   `memplan generate`'s (`estimate_generation`, not merged yet): until it is, its phase
+   lists the residents only and says so (`HF_ROLLOUT_NOTE`);
 4. the **weight sync**'s transient: the full parameters gathered at once (one parameter at
    a time under ZeRO-3, the largest one bounding it; the whole model for a PEFT model
    under ZeRO-3 in TRL).
@@ -24,12 +24,13 @@ capacity less the margin.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.estimation import estimate
+from memplan.estimation import Estimate, estimate
 from memplan.estimation.pipeline import model_parameters
 from memplan.hardware.devices import device_profile
 from memplan.inference import estimate_serving
@@ -44,6 +45,7 @@ from memplan.rl.phases import EngineFigures, Phase, PhaseOptions, StepFigures, a
 from memplan.rl.trainers import REFERENCES, TrainerRules, trainer_rules
 
 DEFAULT_MARGIN = 0.05  # as memplan estimate's verdict
+HF_ROLLOUT_NOTE = "generation itself not modelled: memplan generate's estimate_generation (not merged) owns it"
 
 
 @dataclass(frozen=True)
@@ -169,9 +171,6 @@ def check_job(job: RLJob) -> TrainerRules:
         raise UserError(f"the generation batch ({job.setup.batch} x {job.setup.grad_accum} steps x "
                         f"{job.layout.world_size} GPUs = {rows}) is not a multiple of --num-generations "
                         f"{job.num_generations}: every prompt's completions must fall in one batch")
-    if job.rollout == "hf":
-        raise UserError("--rollout hf (transformers generate) is traced by memplan generate, not yet merged: "
-                        "use --rollout vllm-colocate or vllm-server")
     return rules
 
 
@@ -208,8 +207,9 @@ def phase_options(job: RLJob, rules: TrainerRules) -> PhaseOptions:
     reference = resolved_reference(job, rules)
     return PhaseOptions(rollout=job.rollout, sleep_level=resolved_sleep(job, rules),
                         empty_cache_before_wake=rules.empty_cache_before_wake,
-                        old_logprobs=vllm or job.algo == "ppo", reference_logprobs=reference != "none",
-                        algo=job.algo)
+                        old_logprobs=vllm or job.algo == "ppo",
+                        reference_logprobs=reference != "none" and job.algo != "dpo",
+                        algo=job.algo, caching=job.device == "cuda")
 
 
 def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str, Any], EngineFigures | None]:
@@ -219,9 +219,10 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     if isinstance(config, FactorySpec):
         raise UserError(f"model '{job.model}' is a factory: memplan rl needs a config (registry name, config.json "
                         "or Hub id)")
-    allocator = "caching" if job.device == "cuda" else "none"
-    kind = "trl-dpo" if job.algo == "dpo" else "trl-grpo"
-    train = estimate(config, policy_setup(job, kind), job.layout, job.device, allocator, gpu=job.gpu)
+    kind = "trl-grpo"
+    if job.algo == "dpo":  # TRL scores the reference inside the step unless it has none
+        kind = "trl-dpo" if resolved_reference(job, rules) == "none" else "trl-dpo-ref"
+    train = train_estimate(config, policy_setup(job, kind), job.layout, job.device, job.gpu)
     rank = max(train.per_rank, key=lambda r: r.device_used_bytes)
     lp = no_grad_pass(config, policy_setup(job, "trl-logprobs"), job.device, profile)
     shards = job.layout.world_size if job.layout.zero == 3 else 1
@@ -247,6 +248,18 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     engine = _engine(job, rules, figures) if job.rollout == "vllm-colocate" else None
     figures.engine = engine
     return figures, train.to_json(), engine
+
+
+_TRAIN: dict[str, Estimate] = {}
+
+
+def train_estimate(config: Any, setup: TrainingSetup, layout: Layout, device: str, gpu: str) -> Estimate:
+    """`memplan.estimate` of a training step, once per inputs (what-fits re-assembles the
+    phases of many jobs that share it)."""
+    key = json.dumps([config.to_dict(), setup.to_dict(), layout.to_dict(), device, gpu], sort_keys=True, default=str)
+    if key not in _TRAIN:
+        _TRAIN[key] = estimate(config, setup, layout, device, "caching" if device == "cuda" else "none", gpu=gpu)
+    return _TRAIN[key]
 
 
 def sync_gather_bytes(job: RLJob, rules: TrainerRules, config: Any, full_bytes: int, shards: int) -> int:
@@ -277,8 +290,7 @@ def _critic(job: RLJob, rules: TrainerRules, profile: Any, shards: int) -> tuple
         return 0, 0, contexts
     setup = replace(job.setup, seq=job.prompt_len + job.completion_len, allow_long_seq=True, head="seq-cls",
                     num_labels=1, loss="full")
-    result = estimate(load_config(job.critic), setup, job.layout, job.device,
-                      "caching" if job.device == "cuda" else "none", gpu=job.gpu)
+    result = train_estimate(load_config(job.critic), setup, job.layout, job.device, job.gpu)
     rank = max(result.per_rank, key=lambda r: r.device_used_bytes)
     params = model_parameters(load_config(job.critic)) * TORCH_DTYPES[job.setup.dtype].itemsize // shards
     resident = params + rank.breakdown["optimizer_state"]
@@ -352,6 +364,8 @@ def assumptions(job: RLJob, rules: TrainerRules) -> list[str]:
            + ("verl's and OpenRLHF's own log-prob code is not reproduced" if rules.name != "trl" else
               "every completion at its full length, no padding"),
            "the optimizer state exists from the second step on: the engine starts without it"]
+    if job.rollout == "hf" and job.algo != "dpo":
+        out.append(f"rollout: {HF_ROLLOUT_NOTE}")
     if job.layout.zero == 3:
         out.append("ZeRO-3 log-prob passes hold one gathered block beyond the shards (no prefetch bucket)")
     if job.critic is not None:

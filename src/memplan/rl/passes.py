@@ -107,9 +107,9 @@ def capture_pass(config: object, setup: TrainingSetup, device: str) -> StepTrace
         model.eval()  # the trainers turn dropout off in the models they score with
         batch = models.make_batch(model, setup, device="cpu", seed=setup.seed)
 
-        def run() -> None:
+        def run() -> None:  # autocast on the cpu the tensors live on; CUDA's op lists where the job is CUDA's
             with torch.no_grad(), kernels_as_on_cuda() if cuda else contextlib.nullcontext(), \
-                    models.autocast(setup, device):
+                    models.autocast(setup, "cpu"):
                 step_loss(model, batch, setup.loss, cuda=cuda)
 
         trace = capture(run, model=model, iterations=1, warmup=1, inputs=[batch],

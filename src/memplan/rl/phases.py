@@ -115,6 +115,7 @@ class PhaseOptions:
     reference_logprobs: bool
     algo: str
     hf_generation_bytes: int = 0  # the HF rollout's transient (0 where it is not modelled)
+    caching: bool = True  # a CUDA job: PyTorch's caching allocator keeps what it reserved
 
 
 def _trainer_residents(f: StepFigures, *, optimizer: bool = True) -> list[Item]:
@@ -147,14 +148,18 @@ class _Cache:
     """PyTorch's reserved memory carried from phase to phase: a phase reserves at least
     what it needs and keeps what an earlier phase reserved, until `empty_cache()`."""
 
-    def __init__(self, reserved: int) -> None:
-        self.reserved = reserved
+    def __init__(self, reserved: int, caching: bool) -> None:
+        self.reserved = reserved if caching else 0
+        self.caching = caching
 
     def add(self, items: list[Item], needed_reserved: int) -> list[Item]:
-        """`items` plus what the cache holds free on top of the torch bytes they list."""
+        """`items` plus what the cache holds free on top of the torch bytes they list
+        (nothing on a cpu job: its allocator returns what is freed)."""
+        if not self.caching:
+            return items
         self.reserved = max(self.reserved, needed_reserved)
         held = sum(i.bytes for i in items if i.allocator == "torch")
-        return items + [Item("cached by PyTorch (free, reserved)", "torch", "cached", max(self.reserved - held, 0))]
+        return items + [Item("PyTorch cache (free)", "torch", "cached", max(self.reserved - held, 0))]
 
     def empty(self, items: list[Item]) -> None:
         self.reserved = sum(i.bytes for i in items if i.allocator == "torch")
@@ -170,27 +175,27 @@ def assemble_phases(f: StepFigures, o: PhaseOptions) -> list[Phase]:
     sleeping = colocated and o.sleep_level > 0
     if colocated:
         start = _trainer_residents(f, optimizer=False) + _engine_items(e, weights=True, kv=True, sleeping=sleeping)
-        start.append(Item("engine profile-run activations", "torch", "transient", e.activation_bytes))
+        start.append(Item("profile-run activations", "torch", "transient", e.activation_bytes))
         phases.append(Phase("engine start (step 1)", start, "sized before any optimizer state exists", e.refusal))
     cache = _Cache(f.train_reserved_bytes + f.reference_bytes + f.critic_bytes + f.reward_bytes
-                   + (e.weights_bytes + e.kv_bytes if colocated and not sleeping else 0))
+                   + (e.weights_bytes + e.kv_bytes if colocated and not sleeping else 0), o.caching)
     residue = _engine_items(e, weights=o.sleep_level == 0, kv=o.sleep_level == 0, sleeping=sleeping) if colocated \
         else []
-    if o.rollout != "hf" or o.algo != "dpo":
+    if o.algo != "dpo":
         phases += _rollout_phases(f, o, cache, sleeping)
     base = _trainer_residents(f) + residue
     for wanted, label, transient in ((o.old_logprobs, "policy log-probs", f.logprob_transient_bytes),
                                      (o.reference_logprobs, "reference log-probs", f.logprob_transient_bytes),
                                      (f.reward_bytes > 0, "reward model scores", f.reward_transient_bytes)):
         if wanted:
-            items = base + [Item(f"{label}: activations + scoring", "torch", "transient", transient)]
+            items = base + [Item("activations + scoring", "torch", "transient", transient)]
             needed = _torch_resident(items) + transient + f.logprob_cached_bytes
             phases.append(Phase(label, cache.add(items, needed), "forward without gradients, one micro-batch"))
     train = [i for i in base if not (i.allocator == "torch" and i.label in ("policy parameters", "optimizer state"))]
     extra = f.train_allocated_bytes - f.policy_bytes - f.optimizer_bytes + f.critic_train_extra_bytes
     train += [Item("policy parameters", "torch", "resident", f.policy_bytes),
               Item("optimizer state", "torch", "resident", f.optimizer_bytes),
-              Item("training step: activations, gradients, temporaries", "torch", "transient", max(extra, 0))]
+              Item("activations, gradients, temporaries", "torch", "transient", max(extra, 0))]
     needed = f.train_reserved_bytes + _torch_resident(train) - f.policy_bytes - f.optimizer_bytes \
         + f.critic_train_extra_bytes
     phases.append(Phase("training step", cache.add(train, needed), "forward, backward and optimizer step"))
@@ -204,16 +209,17 @@ def _rollout_phases(f: StepFigures, o: PhaseOptions, cache: _Cache, sleeping: bo
     if o.rollout == "hf":
         items = residents + [Item("generation: KV cache, logits", "torch", "transient", o.hf_generation_bytes)]
         return [Phase("rollout (transformers generate)", cache.add(items, _torch_resident(items)
-                                                                    + o.hf_generation_bytes), "")]
+                                                                    + o.hf_generation_bytes),
+                      "" if o.hf_generation_bytes else "residents only: generation not modelled")]
     if o.rollout == "vllm-server":
-        items = residents + [Item("weight sync: gathered parameters", "torch", "transient", f.sync_gather_bytes)]
+        items = residents + [Item("gathered parameters", "torch", "transient", f.sync_gather_bytes)]
         return [Phase("weight sync (to the vLLM server)", cache.add(items, _torch_resident(items)
                                                                      + f.sync_gather_bytes),
                       "the engine runs on GPUs of its own")]
     if sleeping and o.empty_cache_before_wake:
         cache.empty(residents)
     sync = residents + _engine_items(e, weights=True, kv=not sleeping, sleeping=sleeping)
-    sync.append(Item("weight sync: gathered parameters", "torch", "transient", f.sync_gather_bytes))
+    sync.append(Item("gathered parameters", "torch", "transient", f.sync_gather_bytes))
     phases = [Phase("weight sync", cache.add(sync, _torch_resident(sync) + f.sync_gather_bytes),
                     "engine weights awake, KV cache asleep" if sleeping else "")]
     gen = residents + _engine_items(e, weights=True, kv=True, sleeping=sleeping)

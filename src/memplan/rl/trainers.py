@@ -3,6 +3,11 @@
 One `TrainerRules` per trainer, each fact read in the trainer's code (docs/rl.md cites the
 file and lines of each):
 
+- every trainer's policy by default: fp32 weights trained under bf16 autocast with
+  gradient checkpointing (TRL's `bf16=True` and `gradient_checkpointing=True` defaults
+  over a model loaded in float32, `create_model_from_path`; verl's FSDP mixed precision
+  and `enable_gradient_checkpointing`), `setup_defaults`, applied by the CLI where no
+  flag says otherwise;
 - **TRL 1.16.0** (`trl/trainer/grpo_trainer.py`, `trl/trainer/grpo_config.py`,
   `trl/generation/vllm_generation.py`, `trl/trainer/dpo_trainer.py`): the colocated vLLM
   engine runs in the trainer's process (`distributed_executor_backend="external_launcher"`)
@@ -61,6 +66,8 @@ class TrainerRules:
     separate_processes: tuple[str, ...]  # models that live in a process of their own on the same GPU
     peft_zero3_whole_gather: bool  # PEFT + ZeRO-3 gathers the whole model to merge the adapter
     offload_between_phases: bool  # parameters and optimizer leave the GPU outside their phases when asked
+    setup_defaults: tuple[tuple[str, object], ...] = (("dtype", "fp32"), ("autocast", "bf16"),
+                                                      ("checkpointing", "full"))
 
     def check(self, algo: str, rollout: str, sleep_level: int | None, reference: str, critic: str | None) -> None:
         """`UserError` for a setting this trainer does not have (one line, with the fix)."""
@@ -76,7 +83,7 @@ class TrainerRules:
                             f"{self.sleep_level_when_on} (0: sleep mode off)")
         if algo == "dpo" and rollout != "hf":
             raise UserError("--algo dpo trains on a fixed preference data set and generates nothing: leave --rollout "
-                            "out")
+                            "out (or give hf)")
         if critic is not None and algo != "ppo":
             raise UserError(f"--critic is PPO's value model; --algo {algo} has none")
         if algo == "ppo" and critic is None:
