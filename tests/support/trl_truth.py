@@ -5,7 +5,8 @@ The model is the tiny random version of a registry model (`tiny_config`), its to
 word-level one built in memory (no download): each prompt is P words and so P tokens, and
 generation runs C new tokens (`min_new_tokens`), so every row has P + C tokens as memplan
 assumes. A phase is measured from its first call to its last, with every tensor alive
-before it given to the profiler (`carried`): the reference log-probability pass
+before it given to the profiler (`carried`): the rollout (`_generate_single_turn`: the
+transformers `generate`), the reference log-probability pass
 (`_get_per_token_logps_and_entropies` without gradients) and the training step (from
 `compute_loss` to the end of `optimizer.step`), both in the last step of the run (the
 optimizer state exists).
@@ -85,6 +86,17 @@ def _instrument(trainer: Any, meter: PhaseMeter, *, logprobs: bool) -> None:
                 meter.stop("reference log-probs" if model is trainer.ref_model else "policy log-probs")
 
         trainer._get_per_token_logps_and_entropies = scored
+    if hasattr(trainer, "_generate_single_turn"):
+        generate = trainer._generate_single_turn
+
+        def generated(*args: Any, **kw: Any) -> Any:
+            meter.start()
+            try:
+                return generate(*args, **kw)
+            finally:
+                meter.stop("rollout")
+
+        trainer._generate_single_turn = generated
     loss = trainer.compute_loss
 
     def compute_loss(model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
