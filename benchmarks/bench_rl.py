@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import trl_truth
+
 from benchmarks_md import write_section
 from memplan.models.registry import tiny_config
 from memplan.models.setup import TrainingSetup

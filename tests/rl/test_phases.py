@@ -71,3 +71,10 @@ def test_a_server_rollout_leaves_no_engine_on_the_trainers_gpu():
     assert [p.name for p in phases] == ["weight sync (to the vLLM server)", "policy log-probs", "training step"]
     assert all(p.allocator_bytes("cumem") == 0 for p in phases)
     assert phases[0].device_used_bytes == (500 + 7000) * M  # the step's cache holds more than 3000 + 400
+
+
+def test_pytorchs_free_cache_counts_against_a_vllm_wake_up_but_not_against_pytorch_itself():
+    kept = by_name(assemble_phases(figures(), options(sleep_level=2, empty_cache_before_wake=False)))
+    assert kept["weight sync"].needed_bytes == kept["weight sync"].device_used_bytes  # CuMem cannot use the cache
+    lp = kept["policy log-probs"]  # PyTorch frees its cache and retries before an out-of-memory error
+    assert lp.cached_bytes > 0 and lp.needed_bytes == lp.device_used_bytes - lp.cached_bytes

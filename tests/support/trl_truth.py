@@ -40,6 +40,13 @@ def prompts(n: int, length: int) -> list[str]:
     return [" ".join(f"w{(i * 7 + j) % WORDS}" for j in range(length)) for i in range(n)]
 
 
+def completions(n: int, length: int) -> list[str]:
+    """DPO's completions: a space first (TRL tokenizes prompt + completion as one string, so
+    the two words must not merge), `length - 1` words, then the end-of-sequence token as a
+    word of its own (TRL appends it where it is missing): `length` tokens."""
+    return [" " + " ".join(f"w{(i * 3 + j) % WORDS}" for j in range(length - 1)) + " [EOS]" for i in range(n)]
+
+
 def _alive(trainer: Any) -> list[torch.Tensor]:
     out = [p for p in trainer.model.parameters()] + [b for b in trainer.model.buffers()]
     if getattr(trainer, "ref_model", None) is not None:
@@ -158,8 +165,8 @@ def dpo_phases(config: Any, *, prompt_len: int, completion_len: int, batch: int,
                          gradient_checkpointing=False, logging_steps=1000, save_strategy="no", report_to=[],
                          use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, max_length=None)
         n = 8 * batch
-        data = Dataset.from_dict({"prompt": prompts(n, prompt_len), "chosen": prompts(n, completion_len),
-                                  "rejected": prompts(n, completion_len)})
+        data = Dataset.from_dict({"prompt": prompts(n, prompt_len), "chosen": completions(n, completion_len),
+                                  "rejected": completions(n, completion_len)})
         trainer = DPOTrainer(model=tiny_model(config, f"{out}/model"), args=args, train_dataset=data,
                              processing_class=tokenizer())
         meter = PhaseMeter(trainer)

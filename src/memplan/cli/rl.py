@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         critic=values.get("critic"), reward_model=values.get("reward_model"), engine=values["engine"],
         margin=args.margin)
     if args.what_fits:
-        result.what_fits = what_fits(result)
+        tried: list[str] = []
+        result.what_fits = what_fits(result, tried=tried)
+        result.what_fits_tried = tried
     out = result.to_json()
     if values["report"] is not None:
         out["from"] = values["report"]
@@ -153,7 +155,11 @@ def render(r: RLEstimate, report: dict[str, Any] | None) -> None:
                      format_bytes(p.allocator_bytes("cumem")), format_bytes(p.allocator_bytes("outside")),
                      f"{top.label} {format_bytes(top.bytes)}" if top is not None and top.bytes else "residents"])
     echo(table(["phase", "device", "torch", "cumem", "outside", "sets the peak"], rows, title=title))
+    echo(paragraph("device: as nvidia-smi shows it; a phase needs it less PyTorch's free cache, which PyTorch "
+                   "gives back before an out-of-memory error (not to a vLLM wake-up)"))
     echo(paragraph(_verdict(r)))
+    if r.what_fits_tried and not r.what_fits:
+        echo(paragraph("no change tried fits: " + ", ".join(r.what_fits_tried)))
     for c in r.what_fits:
         echo(paragraph(f"fits with {c['change']}: peak {format_bytes(c['peak_bytes'])} in {c['peak_phase']} "
                        f"(margin {format_bytes(c['margin_bytes'])})"))
@@ -168,10 +174,10 @@ def _verdict(r: RLEstimate) -> str:
     peak, failing = r.peak_phase, r.failing_phase
     usable = format_bytes(r.usable_bytes)
     if failing is None:
-        return (f"fits: peak {format_bytes(peak.device_used_bytes)} in {peak.name}, {usable} usable "
+        return (f"fits: peak {format_bytes(peak.needed_bytes)} needed in {peak.name}, {usable} usable "
                 f"({r.job.margin:.0%} margin; {r.elapsed_s:.1f} s)")
     if failing.fails:
         return f"does not fit: {failing.name} fails: {failing.fails}"
-    over = failing.device_used_bytes - r.usable_bytes
-    return (f"does not fit: {failing.name} needs {format_bytes(failing.device_used_bytes)}, {format_bytes(over)} "
+    over = failing.needed_bytes - r.usable_bytes
+    return (f"does not fit: {failing.name} needs {format_bytes(failing.needed_bytes)}, {format_bytes(over)} "
             f"over the {usable} usable ({r.job.margin:.0%} margin); peak phase {peak.name}")

@@ -84,6 +84,7 @@ class RLEstimate:
     engine: dict[str, Any] | None
     assumptions: list[str]
     what_fits: list[dict[str, Any]] = field(default_factory=list)
+    what_fits_tried: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
 
     @property
@@ -92,14 +93,14 @@ class RLEstimate:
 
     @property
     def peak_phase(self) -> Phase:
-        """The phase with the most device memory; among equals (PyTorch's cache carries a
-        peak into later phases), the one whose own tensors reach it."""
-        return max(self.phases, key=lambda p: (p.device_used_bytes, -p.cached_bytes))
+        """The phase that needs the most memory (`Phase.needed_bytes`); among equals, the one
+        holding the most device memory."""
+        return max(self.phases, key=lambda p: (p.needed_bytes, p.device_used_bytes))
 
     @property
     def failing_phase(self) -> Phase | None:
-        """The first phase that cannot run: the engine refuses, or it does not fit."""
-        return next((p for p in self.phases if p.fails or p.device_used_bytes > self.usable_bytes), None)
+        """The first phase that cannot run: the engine refuses, or what it needs does not fit."""
+        return next((p for p in self.phases if p.fails or p.needed_bytes > self.usable_bytes), None)
 
     @property
     def fits(self) -> bool:
@@ -112,11 +113,12 @@ class RLEstimate:
             "gpu": self.job.gpu, "device": self.job.device, "capacity_bytes": self.capacity_bytes,
             "margin": self.job.margin, "usable_bytes": self.usable_bytes, "settings": self.settings,
             "phases": [p.to_json() for p in self.phases], "peak_phase": peak.name,
-            "peak_bytes": peak.device_used_bytes, "fits": self.fits,
+            "peak_bytes": peak.needed_bytes, "peak_device_used_bytes": peak.device_used_bytes, "fits": self.fits,
             "failing_phase": None if failing is None else failing.name,
-            "over_by_bytes": 0 if failing is None else max(failing.device_used_bytes - self.usable_bytes, 0),
-            "margin_bytes": self.usable_bytes - peak.device_used_bytes,
+            "over_by_bytes": 0 if failing is None else max(failing.needed_bytes - self.usable_bytes, 0),
+            "margin_bytes": self.usable_bytes - peak.needed_bytes,
             "train": self.train, "engine": self.engine, "what_fits": self.what_fits,
+            "what_fits_tried": self.what_fits_tried,
             "assumptions": self.assumptions, "elapsed_s": round(self.elapsed_s, 3),
         }
 

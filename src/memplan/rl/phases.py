@@ -51,10 +51,19 @@ class Phase:
     items: list[Item]
     note: str = ""
     fails: str | None = None  # the engine's own refusal, where the phase cannot run
+    cache_blocks: bool = False  # the CuMem pool maps memory here: PyTorch's free cache is in its way
 
     @property
     def device_used_bytes(self) -> int:
+        """What the device holds in the phase (as nvidia-smi shows it)."""
         return int(sum(i.bytes for i in self.items))
+
+    @property
+    def needed_bytes(self) -> int:
+        """What must fit for the phase to run: PyTorch gives its free cache back and retries
+        before it reports an out-of-memory error, so the cache only counts where the CuMem
+        pool allocates (a wake-up), which cannot use it."""
+        return self.device_used_bytes - (0 if self.cache_blocks else self.cached_bytes)
 
     @property
     def cached_bytes(self) -> int:
@@ -64,7 +73,7 @@ class Phase:
         return int(sum(i.bytes for i in self.items if i.allocator == allocator))
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "device_used_bytes": self.device_used_bytes,
+        return {"name": self.name, "device_used_bytes": self.device_used_bytes, "needed_bytes": self.needed_bytes,
                 "by_allocator": {a: self.allocator_bytes(a) for a in ALLOCATORS},
                 "items": [i.to_json() for i in self.items if i.bytes], "note": self.note, "fails": self.fails}
 
@@ -221,8 +230,9 @@ def _rollout_phases(f: StepFigures, o: PhaseOptions, cache: _Cache, sleeping: bo
     sync = residents + _engine_items(e, weights=True, kv=not sleeping, sleeping=sleeping)
     sync.append(Item("gathered parameters", "torch", "transient", f.sync_gather_bytes))
     phases = [Phase("weight sync", cache.add(sync, _torch_resident(sync) + f.sync_gather_bytes),
-                    "engine weights awake, KV cache asleep" if sleeping else "")]
+                    "engine weights awake, KV cache asleep" if sleeping else "", cache_blocks=sleeping)]
     gen = residents + _engine_items(e, weights=True, kv=True, sleeping=sleeping)
     gen.append(Item("engine activations", "torch", "transient", e.activation_bytes))
-    phases.append(Phase("rollout (vLLM generate)", cache.add(gen, _torch_resident(gen) + e.activation_bytes), ""))
+    phases.append(Phase("rollout (vLLM generate)", cache.add(gen, _torch_resident(gen) + e.activation_bytes), "",
+                        cache_blocks=sleeping))
     return phases

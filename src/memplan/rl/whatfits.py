@@ -23,8 +23,9 @@ from memplan.rl.trainers import trainer_rules
 UTILIZATION_STEP = 0.05
 
 
-def what_fits(result: RLEstimate, *, max_traces: int = 2) -> list[dict[str, Any]]:
-    """The changes of `result.job` that fit (module docstring), cheapest first."""
+def what_fits(result: RLEstimate, *, max_traces: int = 2, tried: list[str] | None = None) -> list[dict[str, Any]]:
+    """The changes of `result.job` that fit (module docstring), cheapest first; `tried`
+    collects the label of every change estimated."""
     job = result.job
     rules = trainer_rules(job.trainer)
     candidates: list[tuple[str, RLJob]] = []
@@ -44,6 +45,9 @@ def what_fits(result: RLEstimate, *, max_traces: int = 2) -> list[dict[str, Any]
     out = [_tried(label, run_job(candidate)) for label, candidate in candidates]
     if job.rollout == "vllm-colocate":
         out += _first_fitting(lowered)
+        if lowered:
+            candidates.append((f"gpu_memory_utilization {lowered[-1][0].split()[-1]} to "
+                               f"{lowered[0][0].split()[-1]}", job))
     traced = [("half the micro-batch", replace(job, setup=replace(job.setup, batch=job.setup.batch // 2,
                                                                     grad_accum=job.setup.grad_accum * 2)))]
     if job.setup.cpu_offload == "none" and job.setup.optimizer in ("adamw", "adam"):
@@ -54,8 +58,11 @@ def what_fits(result: RLEstimate, *, max_traces: int = 2) -> list[dict[str, Any]
             continue
         try:
             out.append(_tried(label, run_job(candidate)))
+            candidates.append((label, candidate))
         except UserError:
             continue
+    if tried is not None:
+        tried.extend(label for label, _ in candidates)
     return [c for c in out if c["fits"]]
 
 
@@ -79,7 +86,7 @@ def _first_fitting(candidates: list[tuple[str, RLJob]]) -> list[dict[str, Any]]:
 
 def _tried(label: str, result: RLEstimate) -> dict[str, Any]:
     peak = result.peak_phase
-    return {"change": label, "fits": result.fits, "peak_phase": peak.name, "peak_bytes": peak.device_used_bytes,
-            "margin_bytes": result.usable_bytes - peak.device_used_bytes,
+    return {"change": label, "fits": result.fits, "peak_phase": peak.name, "peak_bytes": peak.needed_bytes,
+            "margin_bytes": result.usable_bytes - peak.needed_bytes,
             "failing_phase": result.failing_phase.name if result.failing_phase else None}
 
