@@ -39,9 +39,11 @@ def test_verl_overrides_read_nested_and_dotted_alike(tmp_path):
 
 def test_openrlhf_arguments_set_sleep_level_1_and_colocation(tmp_path):
     path = tmp_path / "args.json"
-    path.write_text(json.dumps({"pretrain": "Qwen/Qwen2.5-7B", "micro_train_batch_size": 2, "vllm_enable_sleep": True,
-                                "colocate_all_models": True, "zero_stage": 3}))
+    path.write_text(json.dumps({"actor": {"model_name_or_path": "Qwen/Qwen2.5-7B"}, "train.micro_batch_size": 2,
+                                "vllm": {"enable_sleep": True}, "train.colocate_all": True, "ds.zero_stage": 3,
+                                "data.max_len": 2048, "rollout.max_new_tokens": 1024}))
     values, _ = read_rl_config(path)
+    assert values["prompt_len"] == 1024 and values["completion_len"] == 1024
     assert values["trainer"] == "openrlhf" and values["sleep_level"] == 1 and values["rollout"] == "vllm-colocate"
     assert values["layout"]["zero"] == 3 and values["model"] == "Qwen/Qwen2.5-7B"
 

@@ -10,7 +10,8 @@ def figures(**over):
                            non_torch_bytes=10 * M, nccl_bytes=0, refusal=None)
     base = dict(outside_bytes=500 * M, extra_contexts={}, policy_bytes=1000 * M, optimizer_bytes=2000 * M,
                 reference_bytes=0, critic_bytes=0, reward_bytes=0, train_allocated_bytes=6000 * M,
-                train_reserved_bytes=7000 * M, logprob_transient_bytes=300 * M, logprob_cached_bytes=0,
+                train_reserved_bytes=7000 * M, logprob_transient_bytes=300 * M, reference_transient_bytes=300 * M,
+                logprob_cached_bytes=0,
                 reward_transient_bytes=0, critic_train_extra_bytes=0, sync_gather_bytes=0, engine=engine)
     base.update(over)
     return StepFigures(**base)

@@ -32,7 +32,8 @@ with the reference's no-gradient forward inside the loss, after the policy's, as
 `DPOTrainer._compute_loss` runs it when the reference log-probabilities are not
 precomputed: the model's own backbone stands for the reference's, whose parameters the
 caller counts), `trl-logprobs:C` (the
-no-gradient pass over the old policy or the reference: log-probabilities only). Assumes
+no-gradient pass over the old policy or the reference: log-probabilities only), and verl's
+(`memplan.models.verl_losses`: `verl-ppo:C`, `verl-logprobs:C`, `verl-ref-logprobs:C`). Assumes
 no padding inside a batch (every prompt P tokens, every completion C), temperature 1, no
 soft-capping or logit scaling (the model's `final_logit_softcapping` is refused by the
 caller, `memplan.models.losses`).
@@ -48,8 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan.errors import UserError
+from memplan.models.verl_losses import VERL_LOSSES, verl_head_loss
 
-RL_LOSSES = ("trl-grpo", "trl-dpo", "trl-dpo-ref", "trl-logprobs")
+RL_LOSSES = ("trl-grpo", "trl-dpo", "trl-dpo-ref", "trl-logprobs", *VERL_LOSSES)
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py L31
 VOCAB_CHUNK_SIZE = 32768  # _CHUNKED_LOGPROB_CHUNK_SIZE, trl/trainer/utils.py L1506
 IGNORE_INDEX = -100
@@ -77,6 +79,10 @@ def rl_head_loss(kind: str, completion: int, *, triton: bool, beta: float = 0.0,
     the final hidden states [B, S, H] and the token ids [B, S] that returns the scalar the
     step backpropagates (or, for `trl-logprobs`, the log-probabilities' sum). `backbone`
     (token ids -> final hidden states) runs the reference's forward of `trl-dpo-ref`."""
+    if kind in VERL_LOSSES:
+        return verl_head_loss(kind, completion, cuda=triton,
+                              objective=lambda log_probs, _: grpo_objective(log_probs, log_probs.detach(), 0.0))
+
     def compute(head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if completion >= hidden.shape[1]:
             raise UserError(f"{completion} completion tokens leave no prompt in a {hidden.shape[1]}-token sequence")

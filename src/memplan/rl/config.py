@@ -2,14 +2,15 @@
 
 `read_rl_config(path)` reads a JSON or YAML mapping (nested mappings are read as dotted
 keys, so verl's `ppo_trainer.yaml` and its command-line overrides
-`actor_rollout_ref.rollout.gpu_memory_utilization=0.6` read alike) and recognises whose it
-is:
+`actor_rollout_ref.rollout.gpu_memory_utilization=0.6`, and OpenRLHF's dotted arguments
+`--vllm.gpu_memory_utilization 0.5` written as a mapping, read alike) and recognises whose
+it is:
 
 | format | recognised by | keys from |
 |---|---|---|
 | TRL `GRPOConfig` / `DPOConfig` | `num_generations`, `use_vllm`, `vllm_mode` or `precompute_ref_log_probs` | trl 1.16.0 `trl/trainer/grpo_config.py`, `dpo_config.py` |
 | verl | keys under `actor_rollout_ref.` | verl `verl/trainer/config/ppo_trainer.yaml`, `rollout/rollout.yaml` |
-| OpenRLHF | `pretrain`, `micro_train_batch_size` or `n_samples_per_prompt` | OpenRLHF `openrlhf/cli/train_ppo_ray.py` |
+| OpenRLHF | dotted arguments under `actor.`, `vllm.`, `ds.`, `rollout.`, `train.`, `algo.` | OpenRLHF `openrlhf/cli/train_ppo_ray.py` (commit 3c3be62) |
 
 Every key is reported as used (with what it set) or ignored (what it would need); a value
 of the wrong type is refused in one line. Keys that are not about memory (learning rate,
@@ -87,19 +88,21 @@ VERL_KEYS: dict[str, Target] = {
     "algorithm.adv_estimator": ("", "algo", lambda v: {"grpo": "grpo", "gae": "ppo", "rloo": "rloo"}[_str(v)]),
 }
 OPENRLHF_KEYS: dict[str, Target] = {
-    "pretrain": ("", "model", _str), "critic_pretrain": ("", "critic", _str),
-    "reward_pretrain": ("", "reward_model", _str), "micro_train_batch_size": ("setup", "batch", _int),
-    "n_samples_per_prompt": ("", "num_generations", _int), "prompt_max_len": ("", "prompt_len", _int),
-    "generate_max_len": ("", "completion_len", _int), "zero_stage": ("layout", "zero", _int),
-    "gradient_checkpointing": ("setup", "checkpointing", _checkpointing),
-    "lora_rank": ("setup", "lora_rank", _int), "init_kl_coef": ("", "beta", _float),
-    "adam_offload": ("setup", "cpu_offload", lambda v: "optimizer" if _bool(v) else "none"),
-    "vllm_gpu_memory_utilization": ("engine", "gpu_memory_utilization", _float),
-    "vllm_tensor_parallel_size": ("engine", "tp", _int),
-    "vllm_enable_sleep": ("", "sleep_level", lambda v: 1 if _bool(v) else 0),
-    "colocate_all_models": ("", "rollout", lambda v: "vllm-colocate" if _bool(v) else "vllm-server"),
-    "advantage_estimator": ("", "algo", lambda v: {"group_norm": "grpo", "gae": "ppo", "rloo": "rloo",
-                                                   "reinforce": "rloo"}[_str(v)]),
+    "actor.model_name_or_path": ("", "model", _str), "critic.model_name_or_path": ("", "critic", _str),
+    "reward.model_name_or_path": ("", "reward_model", _str), "train.micro_batch_size": ("setup", "batch", _int),
+    "rollout.n_samples_per_prompt": ("", "num_generations", _int),
+    "rollout.max_new_tokens": ("", "completion_len", _int), "data.max_len": ("", "max_len", _int),
+    "ds.zero_stage": ("layout", "zero", _int),
+    "actor.gradient_checkpointing_enable": ("setup", "checkpointing", _checkpointing),
+    "ds.lora.rank": ("setup", "lora_rank", _int), "algo.kl.init_coef": ("", "beta", _float),
+    "ds.adam_offload": ("setup", "cpu_offload", lambda v: "optimizer" if _bool(v) else "none"),
+    "vllm.gpu_memory_utilization": ("engine", "gpu_memory_utilization", _float),
+    "vllm.tensor_parallel_size": ("engine", "tp", _int),
+    "vllm.enable_sleep": ("", "sleep_level", lambda v: 1 if _bool(v) else 0),
+    "train.colocate_all": ("", "rollout", lambda v: "vllm-colocate" if _bool(v) else "vllm-server"),
+    "algo.advantage.estimator": ("", "algo", lambda v: {"group_norm": "grpo", "dr_grpo": "grpo", "gae": "ppo",
+                                                        "rloo": "rloo", "reinforce": "rloo",
+                                                        "reinforce_baseline": "rloo"}[_str(v)]),
 }
 FORMATS = {"trl": TRL_KEYS, "verl": VERL_KEYS, "openrlhf": OPENRLHF_KEYS}
 
@@ -122,6 +125,8 @@ def read_rl_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
             raise UserError(f"--from {path}: {key}={value!r} is not a value memplan rl reads") from None
         (values[section] if section else values)[name] = converted
         used.append(f"{key}={value}")
+    if fmt == "openrlhf" and "max_len" in values:  # data.max_len is prompt + response
+        values["prompt_len"] = values.pop("max_len") - values.get("completion_len", 1024)
     if fmt == "trl":
         values["algo"] = "dpo" if "precompute_ref_log_probs" in data else values.get("algo", "grpo")
         if "use_vllm" in data or "vllm_mode" in data:
@@ -144,12 +149,12 @@ def detect_format(data: dict[str, Any]) -> str:
     """Whose configuration `data` is (the table in the module docstring)."""
     if any(k.startswith("actor_rollout_ref.") for k in data):
         return "verl"
-    if {"pretrain", "micro_train_batch_size", "n_samples_per_prompt"} & set(data):
+    if any(k.split(".")[0] in ("actor", "vllm", "ds", "rollout", "train", "algo") for k in data):
         return "openrlhf"
     if {"num_generations", "use_vllm", "vllm_mode", "precompute_ref_log_probs"} & set(data):
         return "trl"
     raise UserError("--from: not a TRL GRPOConfig/DPOConfig, verl or OpenRLHF configuration (none of their keys: "
-                    "num_generations, actor_rollout_ref.*, pretrain)")
+                    "num_generations, actor_rollout_ref.*, actor.* / vllm.* / ds.*)")
 
 
 def _parse(path: Path) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def check_job(job: RLJob) -> TrainerRules:
     if not 0 <= job.margin < 1:
         raise UserError(f"--margin {job.margin} must be in [0, 1)")
     rows = job.setup.batch * job.setup.grad_accum * job.layout.world_size
-    if job.algo in ("grpo", "rloo") and rows % job.num_generations:
+    if rules.name == "trl" and job.algo in ("grpo", "rloo") and rows % job.num_generations:
         raise UserError(f"the generation batch ({job.setup.batch} x {job.setup.grad_accum} steps x "
                         f"{job.layout.world_size} GPUs = {rows}) is not a multiple of --num-generations "
                         f"{job.num_generations}: every prompt's completions must fall in one batch")
@@ -196,12 +196,26 @@ def resolved_sleep(job: RLJob, rules: TrainerRules) -> int:
     return rules.default_sleep_level if job.sleep_level is None else job.sleep_level
 
 
+def loss_kinds(job: RLJob, rules: TrainerRules) -> dict[str, str]:
+    """The trainer's scoring code (`memplan.models.rl_losses`) for its training step, the
+    old policy's pass and the reference's pass: verl's own full-logit code for verl (the
+    actor's entropy except for LoRA), TRL's fused head otherwise."""
+    if rules.name == "verl":
+        old = "verl-ref-logprobs" if job.setup.lora_rank > 0 else "verl-logprobs"
+        return {"train": "verl-ppo", "old": old, "reference": "verl-ref-logprobs"}
+    train = "trl-grpo"
+    if job.algo == "dpo":  # TRL scores the reference inside the step unless it has none
+        train = "trl-dpo" if resolved_reference(job, rules) == "none" else "trl-dpo-ref"
+    return {"train": train, "old": "trl-logprobs", "reference": "trl-logprobs"}
+
+
 def policy_setup(job: RLJob, kind: str) -> TrainingSetup:
     """The policy's setup for the training step (`kind` trl-grpo / trl-dpo) or a
     no-gradient pass (trl-logprobs): `P + C` tokens, the trainer's scoring of C of them."""
     rows = job.setup.batch * (2 if job.algo == "dpo" else 1)
     return replace(job.setup, batch=rows, seq=job.prompt_len + job.completion_len, allow_long_seq=True,
-                   loss=f"{kind}:{job.completion_len}", grad_accum=1 if kind == "trl-logprobs" else job.setup.grad_accum)
+                   loss=f"{kind}:{job.completion_len}",
+                   grad_accum=1 if "logprobs" in kind else job.setup.grad_accum)
 
 
 def phase_options(job: RLJob, rules: TrainerRules) -> PhaseOptions:
@@ -221,12 +235,11 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     if isinstance(config, FactorySpec):
         raise UserError(f"model '{job.model}' is a factory: memplan rl needs a config (registry name, config.json "
                         "or Hub id)")
-    kind = "trl-grpo"
-    if job.algo == "dpo":  # TRL scores the reference inside the step unless it has none
-        kind = "trl-dpo" if resolved_reference(job, rules) == "none" else "trl-dpo-ref"
-    train = train_estimate(config, policy_setup(job, kind), job.layout, job.device, job.gpu)
+    kinds = loss_kinds(job, rules)
+    train = train_estimate(config, policy_setup(job, kinds["train"]), job.layout, job.device, job.gpu)
     rank = max(train.per_rank, key=lambda r: r.device_used_bytes)
-    lp = no_grad_pass(config, policy_setup(job, "trl-logprobs"), job.device, profile)
+    lp = no_grad_pass(config, policy_setup(job, kinds["old"]), job.device, profile)
+    ref_lp = no_grad_pass(config, policy_setup(job, kinds["reference"]), job.device, profile)
     shards = job.layout.world_size if job.layout.zero == 3 else 1
     policy = lp.parameters_bytes // shards
     reference = resolved_reference(job, rules)
@@ -238,13 +251,17 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
         contexts["reward"] = profile.context_bytes()
     if reference == "copy" and "reference" in rules.separate_processes and job.device == "cuda":
         contexts["reference"] = profile.context_bytes()
+    if job.rollout == "vllm-colocate" and "engine" in rules.separate_processes and job.device == "cuda":
+        contexts["engine"] = profile.context_bytes()
     figures = StepFigures(
         outside_bytes=outside, extra_contexts=contexts, policy_bytes=policy,
         optimizer_bytes=rank.breakdown["optimizer_state"],
         reference_bytes=lp.parameters_bytes // shards if reference == "copy" else 0,
         critic_bytes=critic_resident, reward_bytes=reward_resident,
         train_allocated_bytes=rank.peak_allocated_bytes, train_reserved_bytes=rank.peak_reserved_bytes,
-        logprob_transient_bytes=lp.transient_bytes + zero3_block, logprob_cached_bytes=lp.cached_bytes,
+        logprob_transient_bytes=lp.transient_bytes + zero3_block,
+        reference_transient_bytes=ref_lp.transient_bytes + zero3_block,
+        logprob_cached_bytes=max(lp.cached_bytes, ref_lp.cached_bytes),
         reward_transient_bytes=reward_transient, critic_train_extra_bytes=critic_extra,
         sync_gather_bytes=sync_gather_bytes(job, rules, config, lp.parameters_bytes, shards), engine=None)
     engine = _engine(job, rules, figures) if job.rollout == "vllm-colocate" else None
@@ -318,6 +335,8 @@ def engine_flags(job: RLJob, rules: TrainerRules) -> dict[str, Any]:
     tp = int(flags.pop("tp", 1) or 1)
     if rules.max_num_seqs_per_row:
         flags.setdefault("max_num_seqs", job.setup.batch * job.setup.grad_accum * tp)
+    elif rules.max_num_seqs is not None:
+        flags.setdefault("max_num_seqs", rules.max_num_seqs)
     if rules.max_num_batched_tokens is not None:
         flags.setdefault("max_num_batched_tokens", rules.max_num_batched_tokens)
     if flags.get("gpu_memory_utilization") is None:
@@ -361,10 +380,11 @@ def settings(job: RLJob, rules: TrainerRules) -> dict[str, Any]:
 
 
 def assumptions(job: RLJob, rules: TrainerRules) -> list[str]:
+    scorer = {"trl": "TRL's fused chunked head (trl/kernels/chunked_logprob.py)",
+              "verl": "verl's full logits (verl/workers/actor/dp_actor.py, verl/utils/torch_functional.py)",
+              "openrlhf": "TRL's fused chunked head: OpenRLHF's own log-prob code is not reproduced"}[rules.name]
     out = [f"{rules.name} {rules.version}'s placement and phase order (docs/rl.md)",
-           "log-probabilities scored by TRL's fused chunked head (trl/kernels/chunked_logprob.py); "
-           + ("verl's and OpenRLHF's own log-prob code is not reproduced" if rules.name != "trl" else
-              "every completion at its full length, no padding"),
+           f"log-probabilities scored by {scorer}; every completion at its full length, no padding",
            "the optimizer state exists from the second step on: the engine starts without it"]
     if job.rollout == "hf" and job.algo != "dpo":
         out.append(f"rollout: {HF_ROLLOUT_NOTE}")

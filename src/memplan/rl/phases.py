@@ -105,7 +105,8 @@ class StepFigures:
     reward_bytes: int  # a reward model's parameters
     train_allocated_bytes: int  # the training step's allocated peak (its residents included)
     train_reserved_bytes: int
-    logprob_transient_bytes: int  # one no-gradient pass above the parameters
+    logprob_transient_bytes: int  # the old policy's no-gradient pass above the parameters
+    reference_transient_bytes: int  # the reference's
     logprob_cached_bytes: int
     reward_transient_bytes: int
     critic_train_extra_bytes: int  # the critic's step above its residents
@@ -194,7 +195,7 @@ def assemble_phases(f: StepFigures, o: PhaseOptions) -> list[Phase]:
         phases += _rollout_phases(f, o, cache, sleeping)
     base = _trainer_residents(f) + residue
     for wanted, label, transient in ((o.old_logprobs, "policy log-probs", f.logprob_transient_bytes),
-                                     (o.reference_logprobs, "reference log-probs", f.logprob_transient_bytes),
+                                     (o.reference_logprobs, "reference log-probs", f.reference_transient_bytes),
                                      (f.reward_bytes > 0, "reward model scores", f.reward_transient_bytes)):
         if wanted:
             items = base + [Item("activations + scoring", "torch", "transient", transient)]

@@ -21,19 +21,23 @@ file and lines of each):
   (the default) nor for PEFT (the adapter is disabled instead); the old policy's
   log-probabilities are computed with vLLM (importance-sampling correction, on by
   default) or when generation and optimisation steps are misaligned. No PPO trainer.
-- **verl** (`volcengine/verl`): the hybrid engine colocates actor, rollout and
+- **verl** (`volcengine/verl` at b178a3c): the hybrid engine colocates actor, rollout and
   reference in one process per GPU; the rollout's `gpu_memory_utilization` 0.5,
-  `free_cache_engine: True` (sleep level 2 from vLLM 0.8.5), `max_num_batched_tokens`
-  8192; before waking the engine `aggressive_empty_cache`; FSDP parameters streamed one
-  full tensor at a time; `param_offload` / `optimizer_offload` keep the FSDP shards and
-  the optimizer on the host outside their phases; a critic or a reward model runs in its
-  own worker process (its own CUDA context) on the same GPUs.
-- **OpenRLHF** (`OpenRLHF/OpenRLHF`): with `--colocate_all` (hybrid engine) the vLLM
-  engine shares the GPUs; `--vllm_gpu_memory_utilization` 0.95 by default (meant for
-  dedicated GPUs); `--vllm_enable_sleep` sleeps at level 1 (weights to the host); DeepSpeed
-  states offloaded with `--deepspeed_enable_sleep` (optimizer states and fp32 master
-  weights; the 16-bit parameters stay); the reference and the actor are separate Ray
-  actors (separate processes); `init_kl_coef` 0.01 loads a reference.
+  `free_cache_engine: True`, `max_num_batched_tokens` 8192, `max_num_seqs` 256
+  (`verl/trainer/config/rollout/rollout.yaml` L32, L47, L62, L68); sleep level 2 from
+  vLLM 0.8.5 (`verl/third_party/vllm/__init__.py` L33-49); `rollout_mode`
+  (`verl/workers/fsdp_workers.py` L677-756) empties PyTorch's cache
+  (`aggressive_empty_cache`) before waking the weights, streams each FSDP parameter as one
+  full tensor, empties it again and wakes the KV cache; a critic or a reward model runs in
+  a worker process of its own (its own CUDA context) on the same GPUs.
+- **OpenRLHF** (`OpenRLHF/OpenRLHF` at 3c3be62, `openrlhf/cli/train_ppo_ray.py`): with
+  `--train.colocate_all` (L222-227) the vLLM engines share the GPUs, each in a process of
+  its own (a CUDA context); `--vllm.gpu_memory_utilization` 0.95 by default (L251-255,
+  meant for dedicated GPUs); `--vllm.enable_sleep` (L245-249) sleeps at level 1
+  (`openrlhf/trainer/ray/vllm_engine.py` L138-139: `sleep(level=1)`); the weight broadcast
+  wakes the weights without emptying the actor's PyTorch cache
+  (`openrlhf/trainer/ppo_trainer.py` L300-319); actor, reference, critic and reward are
+  separate Ray actors (processes); `--algo.kl.init_coef` 0.01 (L419) loads a reference.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class TrainerRules:
     empty_cache_before_wake: bool
     max_num_batched_tokens: int | None  # what the trainer passes to vLLM (None: vLLM's default)
     max_num_seqs_per_row: bool  # TRL: max_num_seqs = rows the rank generates x engine tp
+    max_num_seqs: int | None  # what the trainer passes otherwise (None: vLLM's default)
     default_beta: float
     separate_processes: tuple[str, ...]  # models that live in a process of their own on the same GPU
     peft_zero3_whole_gather: bool  # PEFT + ZeRO-3 gathers the whole model to merge the adapter
@@ -94,18 +99,19 @@ RULES = {
     "trl": TrainerRules(
         name="trl", version="1.16.0", algos=("grpo", "dpo", "rloo"), rollouts=ROLLOUTS, default_utilization=0.3,
         default_sleep_level=0, sleep_level_when_on=2, empty_cache_before_wake=True, max_num_batched_tokens=4096,
-        max_num_seqs_per_row=True, default_beta=0.0, separate_processes=(), peft_zero3_whole_gather=True,
+        max_num_seqs_per_row=True, max_num_seqs=None, default_beta=0.0, separate_processes=(), peft_zero3_whole_gather=True,
         offload_between_phases=False),
     "verl": TrainerRules(
-        name="verl", version="0.5", algos=("grpo", "ppo", "rloo"), rollouts=("vllm-colocate",),
+        name="verl", version="main@b178a3c", algos=("grpo", "ppo", "rloo"), rollouts=("vllm-colocate",),
         default_utilization=0.5, default_sleep_level=2, sleep_level_when_on=2, empty_cache_before_wake=True,
-        max_num_batched_tokens=8192, max_num_seqs_per_row=False, default_beta=0.001,
+        max_num_batched_tokens=8192, max_num_seqs_per_row=False, max_num_seqs=256, default_beta=0.001,
         separate_processes=("critic", "reward"), peft_zero3_whole_gather=False, offload_between_phases=True),
     "openrlhf": TrainerRules(
-        name="openrlhf", version="0.8", algos=("grpo", "ppo", "rloo", "dpo"), rollouts=("vllm-colocate", "vllm-server"),
-        default_utilization=0.95, default_sleep_level=0, sleep_level_when_on=1, empty_cache_before_wake=True,
-        max_num_batched_tokens=None, max_num_seqs_per_row=False, default_beta=0.01,
-        separate_processes=("reference", "critic", "reward"), peft_zero3_whole_gather=False,
+        name="openrlhf", version="main@3c3be62", algos=("grpo", "ppo", "rloo", "dpo"),
+        rollouts=("vllm-colocate", "vllm-server"), default_utilization=0.95, default_sleep_level=0,
+        sleep_level_when_on=1, empty_cache_before_wake=False, max_num_batched_tokens=None,
+        max_num_seqs_per_row=False, max_num_seqs=None, default_beta=0.01,
+        separate_processes=("reference", "critic", "reward", "engine"), peft_zero3_whole_gather=False,
         offload_between_phases=True),
 }
 
