@@ -82,8 +82,8 @@ def main():
              "| run | phase | measured bytes | memplan bytes | error |", "|---|---|---:|---:|---:|"]
     for run, phase, measured, predicted in rows:
         lines.append(f"| {run} | {phase} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.2%} |")
-    lines += ["", f"`memplan {' '.join(DONE_WHEN[:-1])}`: {cpu:.1f} CPU-s, {wall:.1f} s wall on this machine "
-              f"(2 cores, shared); peak phase {doc['peak_phase']} at {doc['peak_bytes'] / (1 << 30):.1f} GiB, "
+    lines += ["", f"`memplan {' '.join(DONE_WHEN[:-1])}`: {cpu:.1f} CPU-s, {wall:.1f} s wall on 2 cores shared with other jobs"
+              f"; peak phase {doc['peak_phase']} at {doc['peak_bytes'] / (1 << 30):.1f} GiB, "
               f"fits: {doc['fits']}.", "",
               "| phase | device GiB | torch GiB | cumem GiB | outside GiB |", "|---|---:|---:|---:|---:|"]
     for p in doc["phases"]:
