@@ -49,3 +49,12 @@ def test_a_sleep_level_with_a_server_rollout_is_one_line_and_exit_2(tiny, capsys
 def test_a_sleep_level_the_trainer_does_not_have_is_refused(tiny, capsys):
     code = main(["rl", tiny, "--trainer", "trl", "--sleep-level", "1"])
     assert code == 2 and "sleeps its engine at level 2" in capsys.readouterr().err
+
+
+def test_what_fits_finds_the_highest_lower_utilization_that_fits(tiny, capsys):
+    code = main(["rl", tiny, "--prompt-len", "32", "--completion-len", "32", "--num-generations", "1",
+                 "--vllm-gpu-memory-utilization", "0.95", "--what-fits", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and not result["fits"]
+    changes = [c["change"] for c in result["what_fits"]]
+    assert "gpu_memory_utilization 0.9" in changes and all(c["fits"] for c in result["what_fits"])

@@ -149,7 +149,7 @@ def render(r: RLEstimate, report: dict[str, Any] | None) -> None:
              f"micro-batch {s['micro_batch']}, sleep {s['sleep_level']}, reference {s['reference']}")
     rows = []
     for p in r.phases:
-        top = max((i for i in p.items if i.kind != "resident"), key=lambda i: i.bytes, default=None)
+        top = max((i for i in p.items if i.kind == "transient"), key=lambda i: i.bytes, default=None)
         mark = " *" if p is r.peak_phase else ""
         rows.append([p.name + mark, format_bytes(p.device_used_bytes), format_bytes(p.allocator_bytes("torch")),
                      format_bytes(p.allocator_bytes("cumem")), format_bytes(p.allocator_bytes("outside")),

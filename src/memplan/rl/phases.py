@@ -223,7 +223,7 @@ def _rollout_phases(f: StepFigures, o: PhaseOptions, cache: _Cache, sleeping: bo
                       "" if o.hf_generation_bytes else "residents only: generation not modelled")]
     if o.rollout == "vllm-server":
         items = residents + [Item("gathered parameters", "torch", "transient", f.sync_gather_bytes)]
-        return [Phase("weight sync (to the vLLM server)", cache.add(items, _torch_resident(items)
+        return [Phase("weight sync (to a server)", cache.add(items, _torch_resident(items)
                                                                      + f.sync_gather_bytes),
                       "the engine runs on GPUs of its own")]
     if sleeping and o.empty_cache_before_wake:

@@ -25,7 +25,9 @@ UTILIZATION_STEP = 0.05
 
 def what_fits(result: RLEstimate, *, max_traces: int = 2, tried: list[str] | None = None) -> list[dict[str, Any]]:
     """The changes of `result.job` that fit (module docstring), cheapest first; `tried`
-    collects the label of every change estimated."""
+    collects the label of every change estimated. Nothing is tried for a job that fits."""
+    if result.fits:
+        return []
     job = result.job
     rules = trainer_rules(job.trainer)
     candidates: list[tuple[str, RLJob]] = []
@@ -48,14 +50,14 @@ def what_fits(result: RLEstimate, *, max_traces: int = 2, tried: list[str] | Non
         if lowered:
             candidates.append((f"gpu_memory_utilization {lowered[-1][0].split()[-1]} to "
                                f"{lowered[0][0].split()[-1]}", job))
-    traced = [("half the micro-batch", replace(job, setup=replace(job.setup, batch=job.setup.batch // 2,
-                                                                    grad_accum=job.setup.grad_accum * 2)))]
+    traced = []
+    if job.setup.batch >= 2:
+        traced.append(("half the micro-batch", replace(job, setup=replace(job.setup, batch=job.setup.batch // 2,
+                                                                         grad_accum=job.setup.grad_accum * 2))))
     if job.setup.cpu_offload == "none" and job.setup.optimizer in ("adamw", "adam"):
         traced.append(("optimizer state on the host", replace(job, setup=replace(job.setup,
                                                                                  cpu_offload="optimizer"))))
     for label, candidate in traced[:max_traces]:
-        if label == "half the micro-batch" and job.setup.batch < 2:
-            continue
         try:
             out.append(_tried(label, run_job(candidate)))
             candidates.append((label, candidate))
