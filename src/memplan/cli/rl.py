@@ -11,6 +11,7 @@ setting the trainer does not have is a one-line error (exit 2).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from memplan.cli import print_json
@@ -131,8 +132,6 @@ def run(args: argparse.Namespace) -> int:
 def _with_file(setup: Any, layout: Any, values: dict[str, Any], args: argparse.Namespace) -> tuple[Any, Any]:
     """The setup and layout with the `--from` file's fields, then the trainer's defaults
     (TRL: fp32 weights under bf16 autocast, gradient checkpointing), where no flag was typed."""
-    from dataclasses import replace
-
     typed = {a.dest for a in args._parser._actions
              if a.option_strings and getattr(args, a.dest, a.default) != a.default}
     trainer = trainer_rules(values["trainer"])

@@ -81,7 +81,7 @@ def rl_head_loss(kind: str, completion: int, *, triton: bool, beta: float = 0.0,
     (token ids -> final hidden states) runs the reference's forward of `trl-dpo-ref`."""
     if kind in VERL_LOSSES:
         return verl_head_loss(kind, completion, cuda=triton,
-                              objective=lambda log_probs, _: grpo_objective(log_probs, log_probs.detach(), 0.0))
+                              objective=lambda log_probs, _: grpo_objective(log_probs, 0.0))
 
     def compute(head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if completion >= hidden.shape[1]:
@@ -91,8 +91,10 @@ def rl_head_loss(kind: str, completion: int, *, triton: bool, beta: float = 0.0,
         if kind == "trl-logprobs":
             return log_probs.sum()
         if kind == "trl-grpo":
-            entropy = torch.cat([per_token["entropy"][:, -completion:]], dim=0)
-            return grpo_objective(log_probs, entropy, beta)
+            entropy = torch.cat([per_token["entropy"][:, -completion:]], dim=0)  # kept for TRL's metrics
+            loss = grpo_objective(log_probs, beta)
+            del entropy
+            return loss
         if kind == "trl-dpo-ref" and backbone is not None:
             with torch.no_grad():
                 ref_hidden = backbone(input_ids)
@@ -127,12 +129,13 @@ def fused_head_per_token(head: nn.Module, hidden: torch.Tensor, input_ids: torch
     return {k: v.view(mask.shape).masked_fill(~mask, 0) for k, v in fields.items() if v is not None}
 
 
-def grpo_objective(log_probs: torch.Tensor, entropy: torch.Tensor, beta: float) -> torch.Tensor:
+def grpo_objective(log_probs: torch.Tensor, beta: float) -> torch.Tensor:
     """GRPO's loss on [B, C] log-probabilities (grpo_trainer.py L3020-3185, loss_type "dapo",
     TRL's default): the token-level ratio to the old log-probabilities, the clipped
     surrogate, the KL term when `beta != 0`, the sum over completion tokens normalised.
     The old log-probabilities, reference log-probabilities and advantages are the
-    batch's inputs in TRL; here they are made alongside (same shapes)."""
+    batch's inputs in TRL; here they are made alongside (same shapes). The entropy is kept
+    for TRL's metrics and masks, outside the loss (no entropy bonus by default)."""
     mask = torch.ones_like(log_probs)
     advantages = torch.zeros(log_probs.shape[0], 1, dtype=log_probs.dtype, device=log_probs.device)
     old = log_probs.detach()
@@ -144,7 +147,7 @@ def grpo_objective(log_probs: torch.Tensor, entropy: torch.Tensor, beta: float) 
         per_token_kl = torch.exp(ref - log_probs) - (ref - log_probs) - 1
         per_token_loss = per_token_loss + beta * per_token_kl
     normalizer = mask.sum().clamp(min=1.0)
-    return (per_token_loss * mask).sum() / normalizer + 0.0 * entropy.sum()
+    return (per_token_loss * mask).sum() / normalizer
 
 
 def dpo_objective(log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,8 +193,10 @@ def _backward_tile(tile: torch.Tensor, targets: torch.Tensor, log_z: torch.Tenso
                    grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, vocab_start: int,
                    n_cols: int) -> None:
     """trl `_backward_tile` (chunked_logprob.py L256-296): the tile turned into the logits'
-    gradient in place, with torch ops on the whole tile."""
-    z = tile.float() * 1.0 * 1.0
+    gradient in place, with torch ops on the whole tile. `y` (the scaled tile) stays alive to
+    the end, as TRL's local of that name does."""
+    y = tile.float() * 1.0  # y = tile.float() * logit_scale
+    z = y * 1.0  # z = y * inv_t (no soft-cap)
     log_p = z - log_z.unsqueeze(-1)
     p = torch.exp(log_p)
     grad = torch.zeros_like(z)
@@ -202,6 +207,7 @@ def _backward_tile(tile: torch.Tensor, targets: torch.Tensor, log_z: torch.Tenso
         grad -= grad_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
     grad = grad * 1.0
     tile.copy_(grad * 1.0)
+    del y
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -73,7 +73,7 @@ VERL_KEYS: dict[str, Target] = {
     "actor_rollout_ref.model.lora_rank": ("setup", "lora_rank", _int),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("setup", "batch", _int),
     "actor_rollout_ref.actor.use_kl_loss": ("", "reference", lambda v: "copy" if _bool(v) else "none"),
-    "actor_rollout_ref.actor.kl_loss_coef": ("", "beta", _float),
+    "actor_rollout_ref.actor.kl_loss_coef": ("", "kl_loss_coef", _float),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ("setup", "cpu_offload",
                                                               lambda v: "optimizer" if _bool(v) else "none"),
     "actor_rollout_ref.rollout.n": ("", "num_generations", _int),
@@ -125,6 +125,10 @@ def read_rl_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
             raise UserError(f"--from {path}: {key}={value!r} is not a value memplan rl reads") from None
         (values[section] if section else values)[name] = converted
         used.append(f"{key}={value}")
+    if fmt == "verl":  # the coefficient applies only with use_kl_loss (actor.yaml L95-105)
+        coefficient = values.pop("kl_loss_coef", 0.001)
+        if values.get("reference") == "copy":
+            values["beta"] = coefficient
     if fmt == "openrlhf" and "max_len" in values:  # data.max_len is prompt + response
         values["prompt_len"] = values.pop("max_len") - values.get("completion_len", 1024)
     if fmt == "trl":

@@ -18,8 +18,13 @@ The step's figures come from memplan's own engines, each traced or modelled once
    under ZeRO-3 in TRL).
 
 `memplan.rl.phases.assemble_phases` lays them out in the trainer's order with the rules
-of `memplan.rl.trainers`; the verdict is each phase's device memory against the GPU's
-capacity less the margin.
+of `memplan.rl.trainers`; the verdict is what each phase needs (`Phase.needed_bytes`)
+against the GPU's capacity less the margin, and the engine's own refusal at start-up.
+
+Assumes one GPU per rank with the same residents on every rank (the heaviest rank of the
+training estimate stands for all), every completion at its full length, the reference
+sharded as the policy, ZeRO-3 shards without padding, and the trainers' own defaults
+where the job does not say (`memplan.rl.trainers`).
 """
 
 from __future__ import annotations

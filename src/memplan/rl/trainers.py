@@ -29,7 +29,9 @@ file and lines of each):
   (`verl/workers/fsdp_workers.py` L677-756) empties PyTorch's cache
   (`aggressive_empty_cache`) before waking the weights, streams each FSDP parameter as one
   full tensor, empties it again and wakes the KV cache; a critic or a reward model runs in
-  a worker process of its own (its own CUDA context) on the same GPUs.
+  a worker process of its own (its own CUDA context) on the same GPUs; a reference only
+  with `use_kl_loss` (default false, `verl/trainer/config/actor/actor.yaml` L95), whose
+  `kl_loss_coef` (0.001, L105) memplan reads as the KL coefficient.
 - **OpenRLHF** (`OpenRLHF/OpenRLHF` at 3c3be62, `openrlhf/cli/train_ppo_ray.py`): with
   `--train.colocate_all` (L222-227) the vLLM engines share the GPUs, each in a process of
   its own (a CUDA context); `--vllm.gpu_memory_utilization` 0.95 by default (L251-255,
@@ -70,7 +72,6 @@ class TrainerRules:
     default_beta: float
     separate_processes: tuple[str, ...]  # models that live in a process of their own on the same GPU
     peft_zero3_whole_gather: bool  # PEFT + ZeRO-3 gathers the whole model to merge the adapter
-    offload_between_phases: bool  # parameters and optimizer leave the GPU outside their phases when asked
     setup_defaults: tuple[tuple[str, object], ...] = (("dtype", "fp32"), ("autocast", "bf16"),
                                                       ("checkpointing", "full"))
 
@@ -99,20 +100,18 @@ RULES = {
     "trl": TrainerRules(
         name="trl", version="1.16.0", algos=("grpo", "dpo", "rloo"), rollouts=ROLLOUTS, default_utilization=0.3,
         default_sleep_level=0, sleep_level_when_on=2, empty_cache_before_wake=True, max_num_batched_tokens=4096,
-        max_num_seqs_per_row=True, max_num_seqs=None, default_beta=0.0, separate_processes=(), peft_zero3_whole_gather=True,
-        offload_between_phases=False),
+        max_num_seqs_per_row=True, max_num_seqs=None, default_beta=0.0, separate_processes=(), peft_zero3_whole_gather=True),
     "verl": TrainerRules(
         name="verl", version="main@b178a3c", algos=("grpo", "ppo", "rloo"), rollouts=("vllm-colocate",),
         default_utilization=0.5, default_sleep_level=2, sleep_level_when_on=2, empty_cache_before_wake=True,
-        max_num_batched_tokens=8192, max_num_seqs_per_row=False, max_num_seqs=256, default_beta=0.001,
-        separate_processes=("critic", "reward"), peft_zero3_whole_gather=False, offload_between_phases=True),
+        max_num_batched_tokens=8192, max_num_seqs_per_row=False, max_num_seqs=256, default_beta=0.0,
+        separate_processes=("critic", "reward"), peft_zero3_whole_gather=False),
     "openrlhf": TrainerRules(
         name="openrlhf", version="main@3c3be62", algos=("grpo", "ppo", "rloo", "dpo"),
         rollouts=("vllm-colocate", "vllm-server"), default_utilization=0.95, default_sleep_level=0,
         sleep_level_when_on=1, empty_cache_before_wake=False, max_num_batched_tokens=None,
         max_num_seqs_per_row=False, max_num_seqs=None, default_beta=0.01,
-        separate_processes=("reference", "critic", "reward", "engine"), peft_zero3_whole_gather=False,
-        offload_between_phases=True),
+        separate_processes=("reference", "critic", "reward", "engine"), peft_zero3_whole_gather=False),
 }
 
 
