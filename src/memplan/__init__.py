@@ -23,6 +23,7 @@ _LAZY_NAMES = {
     "save_address_plan": "memplan.layout",
     "pack": "memplan.layout",
     "estimate_serving": "memplan.inference",
+    "estimate_rl": "memplan.rl",
 }
 
 

@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "report",
         help="write an offline HTML report (index.html, PNGs, an interactive timeline) from traces, plans and results",
         description="Inputs: .memtrace files or PyTorch snapshot pickles, plan files from "
-        "'memplan plan', and the --json output of estimate, reorder and offload.",
+        "'memplan plan', and the --json output of estimate, reorder, offload and rl.",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR")

@@ -33,8 +33,10 @@ from memplan.models.setup import (
 )
 
 
-def add_setup_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the training-setup flags shared by every subcommand that takes a model."""
+def add_setup_flags(parser: argparse.ArgumentParser, *, model_input: bool = True) -> None:
+    """Add the training-setup flags shared by every subcommand that takes a model;
+    `model_input=False` leaves out `--from` and `--trust-remote-code` (a subcommand that
+    reads its own kind of configuration file)."""
     group = parser.add_argument_group("training setup")
     group.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per micro-batch (default 1)")
     group.add_argument("--seq", type=int, default=None, metavar="N",
@@ -63,7 +65,8 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
                             "(default balanced; worst: every token to the same top-k experts; capacity:F: "
                             "experts filled to F x tokens x k / experts; router: the model's own, real tensors)")
     _add_technique_flags(parser)
-    add_model_input_flags(parser)
+    if model_input:
+        add_model_input_flags(parser)
 
 
 def _add_technique_flags(parser: argparse.ArgumentParser) -> None:

@@ -151,6 +151,7 @@ def estimate_serving(
     sampler: str = "native",
     target_concurrency: float | None = None,
     capacity: int | None = None,
+    resident_bytes: int = 0,
 ) -> ServingEstimate:
     """The memory of serving `model` with `engine` on one `gpu` per rank (see the module
     docstring). Flags are the engine's (`max_num_seqs`, `gpu_memory_utilization`...);
@@ -158,7 +159,10 @@ def estimate_serving(
     serve`, "llm": the `LLM` class), which picks its batch defaults; `sampler` is vLLM's
     top-k/top-p implementation ("native": PyTorch's, "flashinfer" where FlashInfer is
     installed). `target_concurrency` asks for the utilisation that holds that many
-    `max_model_len` requests. `capacity` (bytes) replaces the profile's total memory."""
+    `max_model_len` requests. `capacity` (bytes) replaces the profile's total memory.
+    `resident_bytes`: device memory something else holds when the engine starts (a
+    colocated trainer's tensors), which vLLM V1's start-up check finds missing from the
+    free memory."""
     start = time.perf_counter()
     job = _job(model, engine, gpu, tp, pp, dtype, quantization, kv_cache_dtype, max_model_len, block_size,
                enforce_eager, sampler, entry, capacity)
@@ -166,7 +170,7 @@ def estimate_serving(
         if mem_fraction_static is not None:
             raise UserError("--mem-fraction-static is SGLang's: vLLM takes --gpu-memory-utilization")
         result = _vllm(job, engines.vllm_rules(engine_version), entry, max_num_seqs, max_num_batched_tokens,
-                       gpu_memory_utilization, kv_cache_memory_bytes, target_concurrency)
+                       gpu_memory_utilization, kv_cache_memory_bytes, target_concurrency, resident_bytes)
     else:
         if gpu_memory_utilization is not None or kv_cache_memory_bytes is not None:
             raise UserError("--gpu-memory-utilization and --kv-cache-memory-bytes are vLLM's: SGLang takes "
@@ -265,7 +269,7 @@ def _vllm_batch(job: ServeJob, rules: engines.VllmRules, entry: str, max_num_seq
 
 def _vllm(job: ServeJob, rules: engines.VllmRules, entry: str, max_num_seqs: int | None,
           max_num_batched_tokens: int | None, utilization: float | None, kv_cache_memory_bytes: int | None,
-          target_concurrency: float | None) -> ServingEstimate:
+          target_concurrency: float | None, resident_bytes: int = 0) -> ServingEstimate:
     tokens, seqs = _vllm_batch(job, rules, entry, max_num_seqs, max_num_batched_tokens)
     utilization = rules.default_utilization if utilization is None else utilization
     if not 0 < utilization <= 1:
@@ -283,7 +287,7 @@ def _vllm(job: ServeJob, rules: engines.VllmRules, entry: str, max_num_seqs: int
         non_kv += sum(outside.values())
     available = int(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None else requested - non_kv
     pool = kv_pool(_rank_layers(job), block, tokens)
-    refusal = _vllm_refusal(job, rules, requested, outside, pool, available, utilization)
+    refusal = _vllm_refusal(job, rules, requested, outside, pool, available, utilization, resident_bytes)
     blocks = pool.num_blocks(available) if refusal is None else 0
     kv_bytes = blocks * pool.block_bytes
     used = (sum(outside.values()) + weights.total_bytes + kv_bytes + non_torch + activation.total_bytes
@@ -310,9 +314,9 @@ def _max_positions(job: ServeJob) -> int:
 
 
 def _vllm_refusal(job: ServeJob, rules: engines.VllmRules, requested: int, outside: dict[str, int], pool: KVPool,
-                  available: int, utilization: float) -> str | None:
+                  available: int, utilization: float, resident_bytes: int = 0) -> str | None:
     """The message vLLM stops with, or None when it starts."""
-    free = job.capacity_bytes - sum(outside.values())
+    free = job.capacity_bytes - sum(outside.values()) - resident_bytes
     if rules.v1 and free < requested:
         gib = lambda b: round(b / GIB, 2)  # noqa: E731 - spelt as vLLM's gpu_worker.py L186
         return (f"Free memory on device ({gib(free)}/{gib(job.capacity_bytes)} GiB) on startup is less than desired "

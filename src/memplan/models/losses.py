@@ -14,6 +14,9 @@
   summed over the chunks and divided by the number of labels that are not -100. torchtune
   itself is not a dependency (its package imports datasets, torchdata and tokenizers, and
   its recipes' CUDA streams cannot run here): these lines reproduce the two functions;
+- `trl-grpo:C`, `trl-dpo:C`, `trl-logprobs:C`: an RL trainer's own scoring of the last C
+  tokens of each sequence and its objective (`memplan.models.rl_losses`: TRL's fused
+  chunked log-probability head, GRPO's and DPO's losses);
 - `fused-linear`: Liger-Kernel's fused linear cross-entropy (`LigerFusedLinearCrossEntropyFunction`,
   liger_kernel/ops/fused_linear_cross_entropy.py, v0.8.5), reproduced in PyTorch by
   `FusedLinearCrossEntropy` (its Triton kernels need a GPU). The [B, S, V] logits never
@@ -44,6 +47,7 @@ from torch import nn
 
 from memplan.errors import UserError
 from memplan.models.build import _base_model, forward_loss, is_masked_lm
+from memplan.models.rl_losses import parse_rl_loss, rl_head_loss
 
 IGNORE_INDEX = -100  # Hugging Face's, torchtune's and Liger's ignore_index
 
@@ -66,12 +70,17 @@ def step_loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str = "ful
     if labels is None:
         raise UserError(f"--loss {loss} needs a batch with labels: use --loss full")
     head, name = output_head(model, loss)
+    rl = parse_rl_loss(loss)
+    if rl is not None and not hasattr(head, "weight"):
+        raise UserError(f"--loss {loss} reads the output head's weight, and this head is a {type(head).__name__}")
     if loss == "fused-linear" and type(head) is not nn.Linear:
         raise UserError(f"--loss fused-linear takes the output head's weight, and this head is a "
                         f"{type(head).__name__} (an adapter or a wrapper): use --loss chunked")
     shifted = shift_labels(labels)
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
+        if rl is not None:
+            return rl_head_loss(*rl, triton=cuda, backbone=_backbone(model))(head, hidden, batch["input_ids"])
         if loss == "fused-linear":
             return fused_linear_cross_entropy(head, hidden, shifted, cuda=cuda)
         return chunked_output_loss(head, hidden, shifted, chunks)
@@ -85,6 +94,13 @@ def step_loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str = "ful
                         f"or scaling), which --loss {loss} would skip: use --loss full")
     loss_head.returned = None
     return logits
+
+
+def _backbone(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids -> the final hidden states of the Hugging Face model's own backbone."""
+    hf = _base_model(model)
+    body = getattr(hf, hf.base_model_prefix)
+    return lambda input_ids: body(input_ids=input_ids).last_hidden_state
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,7 @@ from typing import Any
 
 from memplan.errors import UserError
 from memplan.models.moe import parse_routing
+from memplan.models.rl_losses import parse_rl_loss
 
 DTYPES = ("fp32", "bf16", "fp16")
 AUTOCASTS = ("none", "bf16", "fp16")
@@ -239,15 +240,17 @@ class TrainingSetup:
             raise UserError("--activation-offload and --dora are applied to Hugging Face models: use --impl hf")
 
     def loss_chunks(self) -> int:
-        """The number of chunks of a `chunked` loss (1 for `full` and `fused-linear`)."""
-        if self.loss in ("full", "fused-linear"):
+        """The number of chunks of a `chunked` loss (1 for `full`, `fused-linear` and the RL
+        trainers' losses of `memplan.models.rl_losses`)."""
+        if self.loss in ("full", "fused-linear") or parse_rl_loss(self.loss) is not None:
             return 1
         name, _, count = self.loss.partition(":")
         if name == "chunked" and not count:
             return DEFAULT_LOSS_CHUNKS
         if name == "chunked" and count.isdigit() and int(count) >= 1:
             return int(count)
-        raise UserError(f"loss must be full, chunked, chunked:N (N >= 1) or fused-linear, not '{self.loss}'")
+        raise UserError(f"loss must be full, chunked, chunked:N (N >= 1), fused-linear, trl-grpo:C, trl-dpo:C or "
+                        f"trl-logprobs:C, not '{self.loss}'")
 
     def resolved_optimizer_impl(self, device: str) -> str:
         """The optimizer implementation PyTorch would pick for parameters on `device`."""

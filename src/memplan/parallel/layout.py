@@ -23,6 +23,7 @@ from memplan.models.build import sequence_length
 from memplan.models.depth import num_layers
 from memplan.models.moe import experts_of
 from memplan.models.registry import FactorySpec
+from memplan.models.rl_losses import RL_LOSSES
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.deepspeed import DeepSpeedConfig
 
@@ -217,6 +218,8 @@ class Layout:
         if self.tp > 1 and setup.loss == "fused-linear":
             raise UserError("--loss fused-linear takes the whole output weight, which --tp shards over the "
                             "vocabulary: use --loss chunked with --tp")
+        if self.tp > 1 and setup.loss.partition(":")[0] in RL_LOSSES:
+            raise UserError(f"--loss {setup.loss} (an RL trainer's own scoring of the head) is estimated without --tp")
         if self.cp > 1:
             self._check_context_parallel(config, setup)
         self._check_offload(setup)

@@ -1,8 +1,8 @@
 """`memplan report`: one self-contained HTML page with figures, from memplan's outputs.
 
 Inputs are files memplan writes: traces (`.memtrace`, or PyTorch snapshot pickles),
-plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder` and
-`memplan offload`. `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
+plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder`,
+`memplan offload` and `memplan rl` (its phases as a shaded timeline). `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
 PNG per figure beside it, and each trace's interactive timeline (`report/timeline.py`):
 its data inline, drawn by memplan's own `timeline.js` copied beside the page. The page
 loads nothing from the network.
@@ -51,6 +51,7 @@ class ReportInputs:
     offloads: list[tuple[str, dict]] = field(default_factory=list)
     compares: list[tuple[str, dict]] = field(default_factory=list)
     ooms: list[tuple[str, dict]] = field(default_factory=list)
+    rls: list[tuple[str, dict]] = field(default_factory=list)
 
 
 def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
@@ -73,7 +74,7 @@ def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
             if kind is None:
                 raise UserError(
                     f"{path} is JSON memplan does not know: expected a plan, or the --json output of "
-                    "estimate, reorder, offload or compare"
+                    "estimate, reorder, offload, compare or rl"
                 )
             if kind == "plan":
                 inputs.plans.append((path.name, AddressPlan.from_json(doc, source=str(path))))
@@ -103,6 +104,8 @@ def _json_kind(doc: Any) -> str | None:
         return "oom"
     if "per_rank" in doc:
         return "estimate"
+    if "phases" in doc and "algo" in doc:
+        return "rl"
     if "baseline_peak_bytes" in doc:
         return "reorder"
     if "ideal_step_s" in doc or "planned_step_s" in doc:
@@ -266,6 +269,8 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         _compare_section(page, name, doc)
     for name, doc in inputs.ooms:
         _oom_section(page, name, doc)
+    for i, (name, doc) in enumerate(inputs.rls):
+        _rl_section(page, i, name, doc)
     return _write_page(page, paths)
 
 
@@ -344,6 +349,21 @@ def _estimate_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> No
         page.paragraph("Host memory (offloaded optimizer state, parameters and gradients; bitsandbytes' paged "
                        "state in CUDA managed memory) is not in the device figures: its peak over the step, and "
                        "at that peak how much is pinned, pageable and managed.")
+
+
+def _rl_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
+    """An RL step's phases: the shaded timeline and a table of each phase."""
+    page.heading(f"RL step: {doc.get('algo')} on {doc.get('trainer')}, {doc.get('model', name)} ({name})")
+    page.figure(figures.rl_phases(doc), f"rl{i}_phases.png",
+                "Each band is one phase of the step, in order; its bar is the GPU memory it holds, by allocator "
+                "(PyTorch's, vLLM's sleep-mode pool, outside both); the dashed line is the GPU, the dotted one "
+                "what the margin leaves.")
+    page.table(["phase", "device", "torch", "cumem", "outside", "fails"],
+               [[p["name"], format_bytes(p["device_used_bytes"]),
+                 *(format_bytes(p["by_allocator"].get(a, 0)) for a in ("torch", "cumem", "outside")),
+                 p.get("fails") or ""] for p in doc["phases"]])
+    verdict = "fits" if doc.get("fits") else f"does not fit: {doc.get('failing_phase')}"
+    page.paragraph(f"Peak phase: {doc.get('peak_phase')} ({format_bytes(doc.get('peak_bytes', 0))}); {verdict}.")
 
 
 def _reorder_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:

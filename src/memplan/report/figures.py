@@ -215,6 +215,35 @@ def rank_breakdown(per_rank: list[dict[str, Any]], capacity_bytes: int | None, t
     return fig
 
 
+ALLOCATOR_COLORS = {"torch": "#4e79a7", "cumem": "#f28e2b", "outside": "#9c9c9c"}
+RL_PHASE_SHADES = ("#e8f1fa", "#fdf0e6", "#edf6ea", "#fbe8ea", "#f3eefa", "#eef6f6")
+
+
+def rl_phases(doc: dict[str, Any], title: str = "") -> Figure:
+    """An RL step's phases in order (from `memplan rl --json`), each a shaded band with
+    its device memory stacked by the allocator holding it; the GPU and its usable memory
+    as lines."""
+    phases = doc["phases"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(phases) + 2), 3.8), dpi=110)
+    _style(ax)
+    for i, _ in enumerate(phases):
+        ax.axvspan(i - 0.5, i + 0.5, color=RL_PHASE_SHADES[i % len(RL_PHASE_SHADES)], linewidth=0, zorder=0)
+    bottom = np.zeros(len(phases))
+    for allocator, color in ALLOCATOR_COLORS.items():
+        values = np.array([p["by_allocator"].get(allocator, 0) / GIB for p in phases])
+        if values.any():
+            ax.bar(range(len(phases)), values, bottom=bottom, width=0.6, color=color, label=allocator, zorder=2)
+            bottom += values
+    ax.axhline(doc["capacity_bytes"] / GIB, color="#c0392b", linestyle="--", linewidth=1, label="GPU capacity")
+    ax.axhline(doc["usable_bytes"] / GIB, color="#c0392b", linestyle=":", linewidth=1, label="usable (margin)")
+    ax.set_xticks(range(len(phases)), [p["name"] for p in phases], rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("GiB on the GPU")
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_title(title or "RL step, phase by phase", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def before_after(series: dict[str, np.ndarray], ylabel: str, title: str, xlabel: str = "step position") -> Figure:
     """Curves over time, one per variant (e.g. program order vs memplan's order)."""
     fig, ax = plt.subplots(figsize=(10, 3.8), dpi=110)

@@ -1,0 +1,51 @@
+"""What each trainer passes its engine and gathers for the weight sync (hand-computed)."""
+
+import pytest
+
+from memplan.errors import UserError
+from memplan.models.registry import load_config
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import Layout
+from memplan.rl.estimate import RLJob, engine_flags, resolved_reference, sync_gather_bytes
+from memplan.rl.trainers import trainer_rules
+
+
+def job(**over):
+    base = dict(model="qwen2.5-7b", algo="grpo", trainer="trl", rollout="vllm-colocate", prompt_len=512,
+                completion_len=1024, num_generations=8, setup=TrainingSetup(batch=4, grad_accum=2),
+                layout=Layout(world_size=8, zero=3), gpu="h100-80gb")
+    base.update(over)
+    return RLJob(**base)
+
+
+def test_trl_starts_vllm_with_one_sequence_per_generated_row_and_4096_batched_tokens():
+    flags = engine_flags(job(engine={"tp": 2}), trainer_rules("trl"))
+    # per_device_train_batch_size 4 x steps_per_generation 2 x vllm_tensor_parallel_size 2
+    assert flags == {"tp": 2, "max_num_seqs": 16, "max_num_batched_tokens": 4096, "gpu_memory_utilization": 0.3}
+
+
+def test_verl_passes_its_rollout_defaults():
+    flags = engine_flags(job(trainer="verl"), trainer_rules("verl"))
+    assert flags == {"tp": 1, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.5}
+
+
+def test_the_zero3_weight_sync_gathers_the_largest_parameter_and_trl_peft_the_whole_model():
+    config = load_config("qwen2.5-7b")
+    full = 1000
+    largest = config.vocab_size * config.hidden_size * 4  # the fp32 embedding (or head)
+    assert sync_gather_bytes(job(), trainer_rules("trl"), config, full, 8) == largest
+    peft = job(setup=TrainingSetup(batch=4, lora_rank=8))
+    assert sync_gather_bytes(peft, trainer_rules("trl"), config, full, 8) == full - full // 8
+    assert sync_gather_bytes(job(layout=Layout(world_size=8)), trainer_rules("trl"), config, full, 1) == 0
+
+
+def test_trl_keeps_no_reference_at_beta_0_and_disables_the_adapter_for_peft():
+    rules = trainer_rules("trl")
+    assert resolved_reference(job(), rules) == "none"
+    assert resolved_reference(job(beta=0.04), rules) == "copy"
+    assert resolved_reference(job(beta=0.04, setup=TrainingSetup(batch=4, lora_rank=8)), rules) == "peft"
+
+
+def test_trl_has_no_ppo_trainer():
+    with pytest.raises(UserError, match="trl 1.16.0 trains grpo, dpo, rloo"):
+        trainer_rules("trl").check("ppo", "vllm-colocate", None, "none", "qwen2.5-7b")
