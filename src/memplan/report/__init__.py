@@ -209,6 +209,17 @@ def offload_verdict(doc: dict[str, Any]) -> str:
             f"{100 * doc.get('throughput_vs_ideal', 0.0):.1f}% of an unlimited GPU's throughput")
 
 
+def rl_verdict(doc: dict[str, Any]) -> str:
+    """An RL step's verdict: its peak phase against the usable memory, or the phase that fails."""
+    usable = f"{format_bytes(doc.get('usable_bytes', 0))} usable ({format_bytes(doc.get('capacity_bytes', 0))}, " \
+             f"{100 * doc.get('margin', 0):g}% margin)"
+    if doc.get("fits"):
+        return (f"fits on {doc.get('gpu') or doc.get('device')}: peak phase {doc.get('peak_phase')} needs "
+                f"{format_bytes(doc.get('peak_bytes', 0))} of {usable}")
+    return (f"does NOT fit on {doc.get('gpu') or doc.get('device')}: {doc.get('failing_phase')} is over "
+            f"{usable} by {format_bytes(doc.get('over_by_bytes', 0))}")
+
+
 def _summary_section(page: _Page, inputs: ReportInputs) -> None:
     """The page's first lines: each estimate's verdict with its capacity and margin, each
     offload plan's budget, each trace's peak, and which step each one is."""
@@ -219,6 +230,10 @@ def _summary_section(page: _Page, inputs: ReportInputs) -> None:
         lines.append(f"Estimate ({step}): {verdict or 'no capacity given, so no verdict'}")
     for _name, doc in inputs.offloads:
         lines.append(f"Offload ({step_description(doc.get('model'), doc.get('setup'))}): {offload_verdict(doc)}")
+    for _name, doc in inputs.rls:
+        lines.append(f"RL step ({doc.get('algo')} on {doc.get('trainer')}, "
+                     f"{step_description(doc.get('model'), (doc.get('settings') or {}).get('setup'))}): "
+                     f"{rl_verdict(doc)}")
     for name, trace in inputs.traces:
         peak, event = trace.peak()
         lines.append(f"Trace ({step_description(trace.meta.get('model', name), trace.meta.get('setup'))}): "
@@ -362,8 +377,8 @@ def _rl_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:
                [[p["name"], format_bytes(p["device_used_bytes"]),
                  *(format_bytes(p["by_allocator"].get(a, 0)) for a in ("torch", "cumem", "outside")),
                  p.get("fails") or ""] for p in doc["phases"]])
-    verdict = "fits" if doc.get("fits") else f"does not fit: {doc.get('failing_phase')}"
-    page.paragraph(f"Peak phase: {doc.get('peak_phase')} ({format_bytes(doc.get('peak_bytes', 0))}); {verdict}.")
+    page.paragraph(f"Step: {step_description(doc.get('model', name), (doc.get('settings') or {}).get('setup'))}. "
+                   f"{rl_verdict(doc)}.")
 
 
 def _reorder_section(page: _Page, i: int, name: str, doc: dict[str, Any]) -> None:

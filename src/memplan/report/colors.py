@@ -22,6 +22,8 @@ PHASE_COLORS = {
     "optimizer": "#edf6ea",
     "other": "#ffffff",
 }
+ALLOCATOR_COLORS = {"torch": "#4e79a7", "cumem": "#f28e2b", "outside": "#9c9c9c"}  # who holds an RL phase's bytes
+RL_PHASE_SHADES = ("#e8f1fa", "#fdf0e6", "#edf6ea", "#fbe8ea", "#f3eefa", "#eef6f6")  # one band per RL phase
 INFEASIBLE_COLOR = "#c0392b"  # a result that breaks its budget: drawn hatched, in red
 
 def category_colors() -> list[str]:

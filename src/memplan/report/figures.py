@@ -24,7 +24,13 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from memplan.report.colors import CATEGORY_COLORS, INFEASIBLE_COLOR, PHASE_COLORS  # noqa: E402
+from memplan.report.colors import (  # noqa: E402
+    ALLOCATOR_COLORS,
+    CATEGORY_COLORS,
+    INFEASIBLE_COLOR,
+    PHASE_COLORS,
+    RL_PHASE_SHADES,
+)
 from memplan.trace.model import CATEGORIES, PHASES, Trace  # noqa: E402
 
 GIB = float(1 << 30)
@@ -213,10 +219,6 @@ def rank_breakdown(per_rank: list[dict[str, Any]], capacity_bytes: int | None, t
     ax.set_title(title or "Per-rank peak, by category", fontsize=11)
     fig.tight_layout()
     return fig
-
-
-ALLOCATOR_COLORS = {"torch": "#4e79a7", "cumem": "#f28e2b", "outside": "#9c9c9c"}
-RL_PHASE_SHADES = ("#e8f1fa", "#fdf0e6", "#edf6ea", "#fbe8ea", "#f3eefa", "#eef6f6")
 
 
 def rl_phases(doc: dict[str, Any], title: str = "") -> Figure:
