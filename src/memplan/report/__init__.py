@@ -1,8 +1,9 @@
 """`memplan report`: one self-contained HTML page with figures, from memplan's outputs.
 
 Inputs are files memplan writes: traces (`.memtrace`, or PyTorch snapshot pickles),
-plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder` and
-`memplan offload`. `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
+plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder`,
+`memplan offload`, `memplan serve` and `memplan generate` (their panels:
+`report/inference.py`). `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
 PNG per figure beside it, and each trace's interactive timeline (`report/timeline.py`):
 its data inline, drawn by memplan's own `timeline.js` copied beside the page. The page
 loads nothing from the network.
@@ -29,8 +30,18 @@ from memplan.alloc.caching import CachingAllocator
 from memplan.alloc.conf import AllocConf
 from memplan.alloc.simulate import record_replay
 from memplan.errors import UserError
+from memplan.inference.generate import GENERATE_FORMAT
+from memplan.inference.serve import SERVE_FORMAT
 from memplan.layout.plan import AddressPlan
 from memplan.report import figures
+from memplan.report.inference import (
+    generate_section,
+    generation_settings,
+    generation_verdict,
+    serve_section,
+    serving_settings,
+    serving_verdict,
+)
 from memplan.report.timeline import planned_addresses, timeline_section
 from memplan.trace import load
 from memplan.trace.edit import device_view
@@ -51,13 +62,16 @@ class ReportInputs:
     offloads: list[tuple[str, dict]] = field(default_factory=list)
     compares: list[tuple[str, dict]] = field(default_factory=list)
     ooms: list[tuple[str, dict]] = field(default_factory=list)
+    serves: list[tuple[str, dict]] = field(default_factory=list)
+    generates: list[tuple[str, dict]] = field(default_factory=list)
 
 
 def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
     """Load and classify every input; UserError for unknown or mismatched ones."""
     inputs = ReportInputs()
     if not paths:
-        raise UserError("give at least one input: a .memtrace, a plan, or estimate/reorder/offload JSON")
+        raise UserError("give at least one input: a .memtrace, a plan, or estimate/reorder/offload/serve/generate "
+                        "JSON")
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
@@ -73,7 +87,7 @@ def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
             if kind is None:
                 raise UserError(
                     f"{path} is JSON memplan does not know: expected a plan, or the --json output of "
-                    "estimate, reorder, offload or compare"
+                    "estimate, reorder, offload, compare, serve or generate"
                 )
             if kind == "plan":
                 inputs.plans.append((path.name, AddressPlan.from_json(doc, source=str(path))))
@@ -101,6 +115,10 @@ def _json_kind(doc: Any) -> str | None:
         return "compare"
     if doc.get("format") == "memplan-oom":
         return "oom"
+    if doc.get("format") == SERVE_FORMAT:
+        return "serve"
+    if doc.get("format") == GENERATE_FORMAT:
+        return "generate"
     if "per_rank" in doc:
         return "estimate"
     if "baseline_peak_bytes" in doc:
@@ -216,6 +234,10 @@ def _summary_section(page: _Page, inputs: ReportInputs) -> None:
         lines.append(f"Estimate ({step}): {verdict or 'no capacity given, so no verdict'}")
     for _name, doc in inputs.offloads:
         lines.append(f"Offload ({step_description(doc.get('model'), doc.get('setup'))}): {offload_verdict(doc)}")
+    for _name, doc in inputs.serves:
+        lines.append(f"Serving ({serving_settings(doc)}): {serving_verdict(doc)}")
+    for _name, doc in inputs.generates:
+        lines.append(f"Generation ({generation_settings(doc)}): {generation_verdict(doc)}")
     for name, trace in inputs.traces:
         peak, event = trace.peak()
         lines.append(f"Trace ({step_description(trace.meta.get('model', name), trace.meta.get('setup'))}): "
@@ -262,6 +284,10 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         _reorder_section(page, i, name, doc)
     for i, (name, doc) in enumerate(inputs.offloads):
         _offload_section(page, i, name, doc)
+    for i, (name, doc) in enumerate(inputs.serves):
+        serve_section(page, i, name, doc)
+    for i, (name, doc) in enumerate(inputs.generates):
+        generate_section(page, i, name, doc)
     for name, doc in inputs.compares:
         _compare_section(page, name, doc)
     for name, doc in inputs.ooms:

@@ -23,6 +23,23 @@ PHASE_COLORS = {
     "other": "#ffffff",
 }
 INFEASIBLE_COLOR = "#c0392b"  # a result that breaks its budget: drawn hatched, in red
+KV_CACHE_COLOR = "#edc948"
+# the terms of a serving engine's memory budget and of a generate() call's peak; the terms a
+# training step also has take its categories' colours
+SERVING_COLORS = {
+    "non-torch": CATEGORY_COLORS["other"],
+    "weights": CATEGORY_COLORS["parameter"],
+    "activation reserve": CATEGORY_COLORS["activation"],
+    "CUDA graphs": CATEGORY_COLORS["temporary"],
+    "KV pool": KV_CACHE_COLOR,
+    "free": "#ffffff",
+}
+GENERATION_COLORS = {
+    "weights": CATEGORY_COLORS["parameter"],
+    "kv_cache": KV_CACHE_COLOR,
+    "activations": CATEGORY_COLORS["activation"],
+    "other": CATEGORY_COLORS["other"],
+}
 
 def category_colors() -> list[str]:
     """The colours in `CATEGORIES` order (the index a trace stores)."""
