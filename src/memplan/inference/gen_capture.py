@@ -176,11 +176,13 @@ def generation_inputs(config: PretrainedConfig, gen: GenerationSetup, device: st
 
 def run_generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], gen: GenerationSetup) -> torch.Tensor:
     """`model.generate(**inputs, ...)` for `gen` under `torch.no_grad()`, as a real run makes it;
-    a quantised cache built by `gen_caches.hqq_modelled` for HQQ (fake tensors only)."""
+    on fake tensors, a quantised cache built by `gen_caches.hqq_modelled` for HQQ and quanto's
+    codes packed by `gen_caches.quanto_packs_fake_codes`."""
     kwargs = gen.generate_kwargs()
     fake = torch._guards.detect_fake_mode() is not None
-    hqq = fake and kwargs.get("cache_config", {}).get("backend") == "hqq"
-    with torch.no_grad(), gen_caches.hqq_modelled() if hqq else contextlib.nullcontext():
+    backend = kwargs.get("cache_config", {}).get("backend") if fake else None
+    fixes = {"hqq": gen_caches.hqq_modelled, "quanto": gen_caches.quanto_packs_fake_codes}
+    with torch.no_grad(), fixes[backend]() if backend in fixes else contextlib.nullcontext():
         return model.generate(**inputs, **kwargs)
 
 
