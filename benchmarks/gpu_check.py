@@ -624,7 +624,8 @@ def case_tables_markdown(rows: list[dict[str, Any]]) -> list[str]:
 
 def render_section(report: dict[str, Any] | None) -> str:
     """BENCHMARKS.md's "GPU ground truth" section: the run's table, or that none has run yet."""
-    intro = ("Real training steps on one GPU against `memplan estimate` for that GPU's profile: "
+    intro = ("Real training steps on one GPU against `memplan estimate` for that GPU's profile, and "
+             "transformers `generate()` calls (min_new_tokens = max_new_tokens) against `memplan generate`: "
              "`torch.cuda.max_memory_allocated` / `max_memory_reserved` of the step after a warm-up step, and "
              "device used (`mem_get_info`) at its peak, each step in a fresh process; built by memplan's own "
              "step builder from the shipped configs with random weights. Error = (memplan - measured) / "
