@@ -137,7 +137,7 @@ def test_generate_json_is_one_object_whose_breakdown_adds_up_to_the_peak(capsys)
     (["--cache", "offloaded", "--device", "cpu"], "use --device cuda"),
     (["--cache", "sliding"], "has none: use --cache static"),
     (["--beams", "2", "--num-return-sequences", "2"], "not allowed with argument"),
-    (["--tp", "2"], "leave --tp out"),
+    (["--tp", "2"], "no tensor-parallel plan for model type 'gpt2'"),
 ])
 def test_generate_refuses_what_it_cannot_estimate_in_one_line(capsys, argv, message):
     try:
