@@ -278,7 +278,9 @@ def measured_figures(context_bytes: int) -> dict[str, Any]:
 def measure_generation(case: Case) -> dict[str, Any]:
     """A generation case's warm-up `generate()` call, then its measured one, on the GPU: the
     model `memplan generate` builds (random weights), B prompts of L random token ids, exactly
-    N new tokens (min_new_tokens = max_new_tokens); the output's length is checked."""
+    N new tokens (min_new_tokens = max_new_tokens); the output's length is checked. Decoding is
+    eager, as memplan traces it: transformers would compile a static cache's decoding forward
+    on CUDA (its auto-compile, `generation_config.disable_compile` set here)."""
     import torch
 
     from memplan.inference.gen_capture import (
@@ -296,6 +298,7 @@ def measure_generation(case: Case) -> dict[str, Any]:
     context = outside_reserved_bytes()
     config, generation = load_config(case.model), case.generation_setup()
     model = build_generation_model(config, model_setup(case.model_fields()), device="cuda")
+    model.generation_config.disable_compile = True
     inputs = generation_inputs(config, generation, device="cuda")
     torch.cuda.synchronize()
     built = time.perf_counter()

@@ -297,6 +297,10 @@ def assumptions(config: PretrainedConfig, setup: TrainingSetup, generation: Gene
            CACHE_RULES[generation.cache],
            "logits: " + ("the last position only (generate passes logits_to_keep=1)" if traced.trace.meta.get(
                "logits_to_keep") else "every prompt position at the prefill (the model takes no logits_to_keep)")]
+    if generation.cache in ("static", "sliding") and traced.trace.meta.get("device") == "cuda":
+        out.append("eager decoding: on CUDA, generate() compiles the decoding forward for a static cache "
+                   "(transformers' auto-compile, CompileConfig mode reduce-overhead) unless "
+                   "generation_config.disable_compile=True; the compiled forward and its CUDA graphs are not traced")
     if generation.beams > 1:
         out.append(f"beam search over {generation.beams} beams per prompt: the cache holds batch x beams rows")
     elif generation.sampling:
