@@ -20,6 +20,10 @@ tree (no network, no virtual environment: the machine's own `python3`, memplan f
    for the device's profile, run on the same host's CPU (fake tensors, the GPU hidden) in
    parallel processes while the GPU works; a case whose estimate does not fit the device is
    skipped, and said so;
+3b. the `generate()` calls of `GENERATION_CASES` the same way, in a table of their own: the
+   model built by `memplan generate`'s own builder (`memplan.inference.gen_capture`), a
+   warm-up call, then the measured one, each with `min_new_tokens = max_new_tokens` (the
+   fixed-shape rule `memplan.estimate_generation` traces), set against that estimate;
 4. `memplan.watch` on one of those steps and `memplan calibrate` on the step it measured: the
    fitted CUDA context and cuBLAS workspace beside the shipped profile's;
 5. one JSON and one Markdown table under `GPU_CHECK_OUT` (default memplan-out/gpu-check),
@@ -98,11 +102,23 @@ class Case:
     quick: bool = False  # in the `--quick` subset
     timeout_s: int = 120
     fit_check: bool = False  # measured only if its estimate fits the device (waited for)
+    # a generate() call (`GenerationSetup` fields; `setup` then holds the model's fields only)
+    generation: dict[str, Any] | None = None
+    estimate_timeout_s: int = ESTIMATE_TIMEOUT_S
 
     def training_setup(self) -> Any:
         from memplan.models.setup import TrainingSetup
 
         return TrainingSetup(**self.setup)
+
+    def generation_setup(self) -> Any:
+        from memplan.inference.gen_capture import GenerationSetup
+
+        return GenerationSetup(**(self.generation or {}))
+
+    def model_fields(self) -> dict[str, Any]:
+        """The model's fields of a generation case, as `memplan generate` passes them."""
+        return {**self.setup, "seq": self.generation_setup().total_len}
 
 
 # The cases, in the order they run (the quick ones first). bf16-mixed is fp32 weights under
@@ -124,23 +140,33 @@ CASES = (
          {"batch": 1, "seq": 1024, "dtype": "bf16", "lora_rank": 16, "lora_targets": ATTENTION}, dense=False,
          timeout_s=180, fit_check=True),
 )
-# Generation (`memplan generate`: a KV cache, no optimizer) goes here once that command
-# exists: its cases measured the same way (a fresh process, a warm-up call, then the measured
-# one) and set against its estimate, in a table of their own.
-GENERATION_CASES: tuple[Case, ...] = ()
+# Generation (`memplan generate`: a KV cache, no optimizer), measured the same way (a fresh
+# process, a warm-up call, then the measured one) and set against its estimate, in a table of
+# their own; after the training steps. Tracing 256 decode steps takes minutes on one core,
+# hence the longer estimate timeout.
+GENERATION_CALL = {"batch": 8, "input_len": 512, "new_tokens": 256}
+GENERATION_CASES: tuple[Case, ...] = (
+    Case("llama-3.2-1b-gen-dynamic", "llama-3.2-1b", {"dtype": "bf16"},
+         generation={**GENERATION_CALL, "cache": "dynamic"}, estimate_timeout_s=420),
+    Case("llama-3.2-1b-gen-static", "llama-3.2-1b", {"dtype": "bf16"},
+         generation={**GENERATION_CALL, "cache": "static"}, estimate_timeout_s=420),
+)
 WATCH_CASE = "llama-3.2-1b-bf16"  # the step memplan.watch measures and calibrate fits
 
 
 def case_by_name(name: str) -> Case:
-    for case in CASES:
+    for case in CASES + GENERATION_CASES:
         if case.name == name:
             return case
-    raise SystemExit(f"gpu_check: no case {name!r}: {', '.join(c.name for c in CASES)}")
+    raise SystemExit(f"gpu_check: no case {name!r}: {', '.join(c.name for c in CASES + GENERATION_CASES)}")
 
 
 def setup_label(case: Case) -> str:
-    """One short line: precision, batch x sequence, and the techniques on."""
+    """One short line: precision, batch x sequence (or the generate() call), and the techniques on."""
     s = case.setup
+    if case.generation is not None:
+        g = case.generation_setup()
+        return f"{s.get('dtype', 'fp32')}, b{g.batch}, {g.input_len} + {g.new_tokens} tokens, {g.cache} cache"
     precision = {("fp32", "none"): "fp32", ("fp32", "bf16"): "bf16-mixed", ("bf16", "none"): "bf16"}.get(
         (s.get("dtype", "fp32"), s.get("autocast", "none")), f"{s.get('dtype', 'fp32')}+{s.get('autocast')}")
     parts = [precision, f"b{s['batch']} x s{s['seq']}"]
@@ -209,8 +235,10 @@ def measure(case: Case) -> dict[str, Any]:
     import torch
 
     from memplan.capture.step import build_training_step
-    from memplan.watch.cuda import device_used_peak_bytes, outside_reserved_bytes
+    from memplan.watch.cuda import outside_reserved_bytes
 
+    if case.generation is not None:
+        return measure_generation(case)
     start = time.perf_counter()
     torch.cuda.init()
     context = outside_reserved_bytes()  # the CUDA context before any kernel is loaded
@@ -224,18 +252,68 @@ def measure(case: Case) -> dict[str, Any]:
     step.run()
     torch.cuda.synchronize()
     done = time.perf_counter()
+    return {**measured_figures(context), "parameters": step.meta["parameters"],
+            "trainable_parameters": step.meta["trainable_parameters"], "build_s": round(built - start, 2),
+            "warmup_s": round(warm - built, 2), "step_s": round(done - warm, 3)}
+
+
+def measured_figures(context_bytes: int) -> dict[str, Any]:
+    """The figures of what ran since `torch.cuda.reset_peak_memory_stats()`: peak allocated and
+    reserved, device used at the peak, the diagnostic statistics and the GPU's processes."""
+    import torch
+
+    from memplan.watch.cuda import device_used_peak_bytes, outside_reserved_bytes
+
     stats = torch.cuda.memory_stats()
     outside = outside_reserved_bytes()
     return {
         "peak_allocated_bytes": int(stats["allocated_bytes.all.peak"]),
         "peak_reserved_bytes": int(stats["reserved_bytes.all.peak"]),
         "device_used_bytes": device_used_peak_bytes(outside, stats),
-        "outside_reserved_bytes": outside, "context_at_start_bytes": context,
-        "stats": {key: int(stats.get(key, 0)) for key in DIAGNOSTIC_STATS},
-        "parameters": step.meta["parameters"], "trainable_parameters": step.meta["trainable_parameters"],
-        "build_s": round(built - start, 2), "warmup_s": round(warm - built, 2), "step_s": round(done - warm, 3),
-        "gpu_processes": nvidia_smi_processes(),
+        "outside_reserved_bytes": outside, "context_at_start_bytes": context_bytes,
+        "stats": {key: int(stats.get(key, 0)) for key in DIAGNOSTIC_STATS}, "gpu_processes": nvidia_smi_processes(),
     }
+
+
+def measure_generation(case: Case) -> dict[str, Any]:
+    """A generation case's warm-up `generate()` call, then its measured one, on the GPU: the
+    model `memplan generate` builds (random weights), B prompts of L random token ids, exactly
+    N new tokens (min_new_tokens = max_new_tokens); the output's length is checked. Decoding is
+    eager, as memplan traces it: transformers would compile a static cache's decoding forward
+    on CUDA (its auto-compile, `generation_config.disable_compile` set here)."""
+    import torch
+
+    from memplan.inference.gen_capture import (
+        build_generation_model,
+        generation_inputs,
+        model_setup,
+        run_generate,
+    )
+    from memplan.models.quant import weight_count
+    from memplan.models.registry import load_config
+    from memplan.watch.cuda import outside_reserved_bytes
+
+    start = time.perf_counter()
+    torch.cuda.init()
+    context = outside_reserved_bytes()
+    config, generation = load_config(case.model), case.generation_setup()
+    model = build_generation_model(config, model_setup(case.model_fields()), device="cuda")
+    model.generation_config.disable_compile = True
+    inputs = generation_inputs(config, generation, device="cuda")
+    torch.cuda.synchronize()
+    built = time.perf_counter()
+    length = int(run_generate(model, inputs, generation).shape[-1])  # the warm-up's output is dropped
+    if length != generation.total_len:
+        raise RuntimeError(f"generate() returned {length} tokens per sequence, not {generation.total_len}")
+    torch.cuda.synchronize()
+    warm = time.perf_counter()
+    torch.cuda.reset_peak_memory_stats()
+    out = run_generate(model, inputs, generation)
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return {**measured_figures(context), "parameters": int(sum(weight_count(p) for p in model.parameters())),
+            "output_shape": list(out.shape), "build_s": round(built - start, 2), "warmup_s": round(warm - built, 2),
+            "step_s": round(done - warm, 3)}
 
 
 def nvidia_smi_processes() -> list[dict[str, Any]] | None:
@@ -249,14 +327,28 @@ def nvidia_smi_processes() -> list[dict[str, Any]] | None:
 
 
 def estimate_case(case: Case, gpu: str, capacity_bytes: int) -> dict[str, Any]:
-    """`memplan.estimate` of the case for the device's profile (child `--estimate`, or in-process)."""
+    """`memplan.estimate` (a generation case: `memplan.estimate_generation`) of the case for the
+    device's profile (child `--estimate`, or in-process)."""
     from memplan.estimation import estimate
 
+    if case.generation is not None:
+        return estimate_generation_case(case, gpu, capacity_bytes)
     result = estimate(case.model, case.training_setup(), device="cuda", gpu=gpu, capacity=capacity_bytes,
                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)
     out = {key: getattr(result, key) for key in (*FIGURES, "capacity_bytes", "fits", "method", "parameters")}
     out.update(elapsed_s=round(result.elapsed_s, 1), breakdown=result.per_rank[0].breakdown,
                peak_phase=result.per_rank[0].peak_phase, routing=result.routing)
+    return out
+
+
+def estimate_generation_case(case: Case, gpu: str, capacity_bytes: int) -> dict[str, Any]:
+    """`memplan.estimate_generation` of a generation case for the device's profile."""
+    from memplan.inference.generate import estimate_generation
+
+    result = estimate_generation(case.model, case.generation_setup(), case.model_fields(), device="cuda", gpu=gpu,
+                                 capacity=capacity_bytes, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)
+    out = {key: getattr(result, key) for key in (*FIGURES, "capacity_bytes", "fits", "method", "parameters")}
+    out.update(elapsed_s=round(result.elapsed_s, 1), breakdown=result.breakdown, peak_phase=result.peak_phase)
     return out
 
 
@@ -477,15 +569,16 @@ def device_line(report: dict[str, Any]) -> str:
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
-    s = report.get("summary") or {}
     lines = []
-    if s.get("dense_measured"):
-        lines.append(f"Dense cases measured: {s['dense_measured']}, within the per-case goals (allocated ±1%, "
-                     f"reserved ±3%): {s['within_goals']}. Median |error|: allocated "
-                     f"{pct(s.get('median_abs_error_peak_allocated'), '')}, reserved "
-                     f"{pct(s.get('median_abs_error_peak_reserved'), '')}, device used "
-                     f"{pct(s.get('median_abs_error_device_used'), '')} (goal ≤ 2%: "
-                     f"{'met' if s.get('median_goal_met') else 'missed'}).")
+    for key, what in (("summary", "Dense cases"), ("generation_summary", "Generation cases")):
+        s = report.get(key) or {}
+        if s.get("dense_measured"):
+            lines.append(f"{what} measured: {s['dense_measured']}, within the per-case goals (allocated ±1%, "
+                         f"reserved ±3%): {s['within_goals']}. Median |error|: allocated "
+                         f"{pct(s.get('median_abs_error_peak_allocated'), '')}, reserved "
+                         f"{pct(s.get('median_abs_error_peak_reserved'), '')}, device used "
+                         f"{pct(s.get('median_abs_error_device_used'), '')} (goal ≤ 2%: "
+                         f"{'met' if s.get('median_goal_met') else 'missed'}).")
     tests = report.get("pytest")
     if tests:
         lines.append(f"`pytest tests/cuda`: {tests.get('summary') or tests.get('error')}.")
@@ -515,15 +608,27 @@ def calibration_line(c: dict[str, Any]) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """The run as Markdown: the device line, the table, the summary."""
-    lines = ["## GPU ground truth", "", device_line(report), "", *case_rows_markdown(report.get("cases", [])), ""]
+    """The run as Markdown: the device line, the tables (training steps, then generate() calls),
+    the summary."""
+    lines = ["## GPU ground truth", "", device_line(report), "", *case_tables_markdown(report.get("cases", []))]
     lines += [line + "\n" for line in summary_lines(report)]
     return "\n".join(lines).rstrip() + "\n"
 
 
+def case_tables_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The training steps' table, then the generate() calls' (where there are any), each followed by a blank line."""
+    training, generation = split_rows(rows)
+    lines = [*case_rows_markdown(training), ""] if training else []
+    if generation:
+        lines += ["`generate()` calls (peak allocated, reserved and device used over the measured call, "
+                  "against `memplan.estimate_generation`):", "", *case_rows_markdown(generation), ""]
+    return lines
+
+
 def render_section(report: dict[str, Any] | None) -> str:
     """BENCHMARKS.md's "GPU ground truth" section: the run's table, or that none has run yet."""
-    intro = ("Real training steps on one GPU against `memplan estimate` for that GPU's profile: "
+    intro = ("Real training steps on one GPU against `memplan estimate` for that GPU's profile, and "
+             "transformers `generate()` calls (min_new_tokens = max_new_tokens) against `memplan generate`: "
              "`torch.cuda.max_memory_allocated` / `max_memory_reserved` of the step after a warm-up step, and "
              "device used (`mem_get_info`) at its peak, each step in a fresh process; built by memplan's own "
              "step builder from the shipped configs with random weights. Error = (memplan - measured) / "
@@ -533,18 +638,24 @@ def render_section(report: dict[str, Any] | None) -> str:
     head = f"<!-- bench:{SECTION} -->\n## GPU ground truth\n\n{intro}\n\n```\n{COMMAND}\n```\n"
     if report is None or report.get("dry_run") or not report.get("cases"):
         estimated = {row["name"]: row.get("estimate") for row in (report or {}).get("cases", [])}
-        rows = [{**planned_row(case), "estimate": estimated.get(case.name)} for case in CASES]
+        rows = [{**planned_row(case), "estimate": estimated.get(case.name)} for case in CASES + GENERATION_CASES]
         gpu = f" memplan's columns are its estimates for `{report['gpu']}` (`make gpu-check DRY_RUN=1`)." \
             if report and any(estimated.values()) else ""
         body = (f"\nThis check has not run on a GPU yet: the measured columns fill when it does.{gpu}\n\n"
-                + "\n".join(case_rows_markdown(rows)) + "\n")
+                + "\n".join(case_tables_markdown(rows)).rstrip() + "\n")
     else:
         body = "\n" + render_markdown(report).split("\n", 2)[2]
     return head + body + f"<!-- /bench:{SECTION} -->"
 
 
 def planned_row(case: Case) -> dict[str, Any]:
-    return {"name": case.name, "setup_label": setup_label(case), "dense": case.dense, "status": "not run"}
+    return {"name": case.name, "setup_label": setup_label(case), "dense": case.dense, "status": "not run",
+            "generation": case.generation}
+
+
+def split_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training steps, generate() calls): each has a table and a summary of its own."""
+    return [r for r in rows if not r.get("generation")], [r for r in rows if r.get("generation")]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -556,7 +667,9 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     """The JSON and the Markdown table, rewritten whole (each replaced in one rename)."""
-    report["summary"] = summary(report.get("cases", []))
+    training, generation = split_rows(report.get("cases", []))
+    report["summary"] = summary(training)
+    report["generation_summary"] = summary(generation)
     report["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     write_json(out_dir / "gpu_check.json", report)
     tmp = out_dir / "gpu_check.md.tmp"
@@ -589,12 +702,13 @@ def start_estimates(cases: list[Case], gpu: str, capacity: int, out_dir: Path,
                     pool: concurrent.futures.Executor) -> dict[str, concurrent.futures.Future]:
     """Each case's estimate in its own CPU process (the GPU hidden), in parallel."""
     def one(case: Case) -> dict[str, Any]:
-        child = run_mode(["--estimate", case.name, "--gpu", gpu, "--capacity", str(capacity)], ESTIMATE_TIMEOUT_S,
+        child = run_mode(["--estimate", case.name, "--gpu", gpu, "--capacity", str(capacity)], case.estimate_timeout_s,
                          case_file(out_dir, case, "estimate.log"), case_file(out_dir, case, "estimate.json"),
                          hide_gpu=True)
         return child_outcome(child)
 
-    return {case.name: pool.submit(one, case) for case in cases}
+    # the generation cases' estimates take longest and are measured last: they start first
+    return {case.name: pool.submit(one, case) for case in sorted(cases, key=lambda c: c.generation is None)}
 
 
 def run_pytest(out_dir: Path, budget: Budget, timeout_s: float) -> dict[str, Any]:
@@ -628,8 +742,8 @@ def measured_row(case: Case, out_dir: Path, budget: Budget,
     """One case measured, then set against its estimate (waited for after the step). An
     estimate that does not fit the device skips the case: a `fit_check` case waits for it
     first, the others use it if it has finished."""
-    row: dict[str, Any] = {"name": case.name, "model": case.model, "setup": case.setup,
-                           "setup_label": setup_label(case), "dense": case.dense}
+    row: dict[str, Any] = {**planned_row(case), "model": case.model, "setup": case.setup}
+    row.pop("status")
     est = {}
     if estimate is not None and (case.fit_check or estimate.done()):
         with contextlib.suppress(concurrent.futures.TimeoutError):
@@ -696,9 +810,11 @@ def watch_and_calibrate(case: Case, gpu: str, out_dir: Path, budget: Budget) -> 
 
 
 def selected_cases(args: argparse.Namespace) -> list[Case]:
+    """The cases of `--case`, else every training step (the quick ones with `--quick`) and,
+    on a full run, the generation cases after them."""
     if args.case:
         return [case_by_name(name) for name in args.case]
-    return [case for case in CASES if case.quick or not args.quick]
+    return [case for case in CASES + GENERATION_CASES if case.quick or not args.quick]
 
 
 def dry_run(args: argparse.Namespace, out_dir: Path) -> int:

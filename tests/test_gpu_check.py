@@ -191,3 +191,43 @@ def test_the_watched_step_is_calibrated_and_set_beside_the_shipped_profile(gpu_c
     assert out["watch_error_allocated"] == pytest.approx(0.01)
     assert (tmp_path / "cache" / "devices" / "gpu-check.json").is_file()  # under the run's folder, not the user's
     assert "cuBLAS workspace 32 MiB (profile 32 MiB)" in gpu_check.calibration_line(out)
+
+
+def test_the_generation_cases_are_valid_calls_of_shipped_models_run_after_the_training_steps(gpu_check):
+    from memplan.inference.gen_capture import model_setup
+
+    for case in gpu_check.GENERATION_CASES:
+        case.generation_setup()
+        model_setup(case.model_fields())
+        models.load_config(case.model)
+    generation = [case.name for case in gpu_check.GENERATION_CASES]
+    assert {"dynamic", "static"} <= {case.generation["cache"] for case in gpu_check.GENERATION_CASES}
+    full = [case.name for case in gpu_check.selected_cases(gpu_check.parse_args(["--dry-run"]))]
+    assert full[-len(generation):] == generation
+    assert not set(generation) & {c.name for c in gpu_check.selected_cases(gpu_check.parse_args(["--quick"]))}
+
+
+def test_the_dry_run_estimates_a_generation_case_into_a_table_of_its_own(gpu_check, monkeypatch, tmp_path):
+    call = gpu_check.Case("gpt2-gen", "gpt2", {"dtype": "fp32"}, generation={"batch": 1, "input_len": 16,
+                                                                            "new_tokens": 4})
+    monkeypatch.setattr(gpu_check, "GENERATION_CASES", (call,))
+    assert gpu_check.main(["--dry-run", "--case", "gpt2-gen", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["cases"]
+    assert row["generation"] == call.generation and row["estimate"]["ok"]
+    assert 0 < row["estimate"]["peak_allocated_bytes"] <= row["estimate"]["peak_reserved_bytes"]
+    assert row["estimate"]["peak_phase"] == "prefill" or row["estimate"]["peak_phase"].startswith("decode step")
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.index("`generate()` calls") < table.index("| gpt2-gen | fp32, b1, 16 + 4 tokens, dynamic cache |")
+
+
+def test_a_run_sums_up_its_generation_calls_apart_from_its_training_steps(gpu_check, monkeypatch, tmp_path):
+    call = gpu_check.GENERATION_CASES[0].name
+    measured = {"gpt2": figures(1000, 2000, 3000), call: figures(1000, 2000, 3000)}
+    estimated = {"gpt2": figures(1005, 2040, 3100), call: figures(1200, 2000, 3000)}
+    fake_children(gpu_check, monkeypatch, measured, estimated)
+    assert gpu_check.main(["--no-pytest", "--no-watch", "--out", str(tmp_path), "--case", "gpt2", "--case", call]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["summary"]["dense_measured"] == 1 and report["summary"]["median_goal_met"] is True
+    assert report["generation_summary"]["dense_measured"] == 1
+    assert report["generation_summary"]["median_abs_error_peak_allocated"] == pytest.approx(0.2)
+    assert "Generation cases measured: 1" in (tmp_path / "gpu_check.md").read_text()

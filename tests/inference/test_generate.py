@@ -36,6 +36,7 @@ CASES = [
     ("llama-2-7b", {**SHORT, "beams": 3, "num_return_sequences": 2}, {}, {}),
     ("llama-2-7b", {**SHORT, "num_return_sequences": 3}, {}, {}),
     ("llama-2-7b", {**SHORT, "cache": "quantized:fp8"}, {}, {}),
+    ("llama-2-7b", {**SHORT, "cache": "quantized:int4"}, {}, {}),
     ("llama-2-7b", SHORT, {"quant": "nf4", "dtype": "bf16"}, {}),
     ("mistral-7b", SHORT, {}, WINDOW),
     ("mistral-7b", {**SHORT, "cache": "sliding"}, {}, WINDOW),
@@ -78,6 +79,16 @@ def test_the_static_cache_holds_batch_times_beams_rows_of_the_whole_length_from_
     result = estimate_generation(config, generation, device="cpu", allocator="none")
     # 2 layers x K and V x (2 x 3) rows x 4 heads x (16 + 4 - 1) positions x 16 x fp32
     assert result.breakdown["kv_cache"] == 2 * 2 * 6 * 4 * 19 * 16 * 4
+
+
+def test_the_int4_cache_holds_its_codes_two_to_a_byte_with_a_scale_and_a_shift_per_group_of_64():
+    config = models.tiny_config("llama-2-7b")  # 2 layers, 4 KV heads of 16, fp32
+    result = estimate_generation(config, GenerationSetup(**SHORT, cache="quantized:int4"), device="cpu",
+                                 allocator="none")
+    assert result.peak_phase == "prefill"  # the prompt quantised, no token yet in the full-precision window
+    values = 2 * 4 * 16 * 16  # batch 2 x 4 heads x 16 prompt tokens x head dim 16, per layer's keys or values
+    per_tensor = values // 2 + 2 * (values // 64) * 4  # packed codes, then fp32 scale and shift per group
+    assert result.breakdown["kv_cache"] == 2 * 2 * per_tensor  # 2 layers x keys and values
 
 
 def test_the_block_extrapolation_of_a_deep_model_matches_its_full_depth_trace():
@@ -126,7 +137,7 @@ def test_generate_json_is_one_object_whose_breakdown_adds_up_to_the_peak(capsys)
     (["--cache", "offloaded", "--device", "cpu"], "use --device cuda"),
     (["--cache", "sliding"], "has none: use --cache static"),
     (["--beams", "2", "--num-return-sequences", "2"], "not allowed with argument"),
-    (["--tp", "2"], "leave --tp out"),
+    (["--tp", "2"], "no tensor-parallel plan for model type 'gpt2'"),
 ])
 def test_generate_refuses_what_it_cannot_estimate_in_one_line(capsys, argv, message):
     try:

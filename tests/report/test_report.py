@@ -186,3 +186,59 @@ def test_one_colour_per_category_in_the_figures_and_the_timeline(traced):
     assert dict(zip(data["phase_names"], data["phase_colors"])) == PHASE_COLORS
     script = (Path(__file__).resolve().parents[2] / "src/memplan/report/timeline.js").read_text()
     assert "#" not in "".join(line for line in script.splitlines() if "fillStyle = data." in line)
+
+
+@pytest.fixture(scope="module")
+def inference_json(tmp_path_factory):
+    """`memplan serve --json` (vLLM, Llama-3.1-8B on an H100) and `memplan generate --json`
+    (a tiny Llama, 16 + 4 tokens, on an H100 profile), as the CLI writes them."""
+    d = tmp_path_factory.mktemp("inference")
+    paths = {}
+    for kind, argv in (("serve", ["serve", "llama-3.1-8b", "--gpu", "h100-80gb", "--max-model-len", "8192"]),
+                       ("generate", ["generate", "gpt2", "--input-len", "16", "--new-tokens", "4", "--gpu",
+                                     "h100-80gb"])):
+        out = d / f"{kind}.json"
+        with open(out, "w") as fh, __import__("contextlib").redirect_stdout(fh):
+            assert main([*argv, "--json"]) == 0
+        paths[kind] = out
+    return paths
+
+
+def test_serve_and_generate_json_are_read_as_their_own_kinds(inference_json):
+    from memplan.report import read_inputs
+
+    inputs = read_inputs([inference_json["serve"], inference_json["generate"]])
+    assert [n for n, _ in inputs.serves] == ["serve.json"] and [n for n, _ in inputs.generates] == ["generate.json"]
+    assert not inputs.estimates
+
+
+def test_the_kv_pool_panel_draws_the_budget_and_names_the_deployment(inference_json, tmp_path):
+    index = build_report([inference_json["serve"]], tmp_path / "out")
+    page = index.read_text()
+    assert (tmp_path / "out" / "serve0_kv_pool.png").is_file()
+    deployment = ("llama-3.1-8b on vLLM 0.11.0, h100-80gb, TP 1, max_model_len 8192, max_num_seqs 1024, "
+                  "gpu_memory_utilization 0.9")
+    line = re.search(r'<div class="verdict"><p>([^<]*)</p>', page).group(1)
+    assert line.startswith(f"Serving ({deployment}): starts: KV pool ")
+    doc = json.loads(inference_json["serve"].read_text())
+    assert f"{doc['kv']['max_concurrency']:g} requests of max_model_len 8192 at once" in line
+    assert f"Deployment: {deployment}." in page
+
+
+def test_the_generation_panel_puts_the_kv_cache_apart_and_names_the_call_and_the_phase(inference_json, tmp_path):
+    doc = json.loads(inference_json["generate"].read_text())
+    index = build_report([inference_json["generate"]], tmp_path / "out")
+    page = index.read_text()
+    assert (tmp_path / "out" / "generate0_peak.png").is_file()
+    line = re.search(r'<div class="verdict"><p>([^<]*)</p>', page).group(1)
+    assert line.startswith("Generation (gpt2 generate(), batch 1, 16 + 4 tokens, dynamic cache, fp32): fits on "
+                           "h100-80gb: ")
+    assert line.endswith(f"peak in the {doc['peak_phase']}")
+    assert "<td>kv cache</td>" in page
+
+
+def test_a_server_that_does_not_start_says_so_with_the_engines_message():
+    from memplan.report.inference import serving_verdict
+
+    doc = {"starts": False, "refusal": "No available memory for the cache blocks."}
+    assert serving_verdict(doc) == "does NOT start: No available memory for the cache blocks."

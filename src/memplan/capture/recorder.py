@@ -76,8 +76,15 @@ _UNKNOWN = -1  # category decided at finalisation from the lifetime rule
 # weight, in the input's dtype, then calls `F.linear`; CUDA allocates the same buffers
 # (`backends/cuda/ops.py`, `_dequant_linear_fallback`) wherever the batch has more than
 # 1,536 rows, and below that wherever its per-architecture table prefers it to the fused
-# kernel (docs/estimation.md, "Quantised bases").
-COMPOSITE_OPS = frozenset({"bitsandbytes::gemm_4bit"})
+# kernel (docs/estimation.md, "Quantised bases"). optimum-quanto's quantisation
+# (`quanto::quantize_affine`, `quantize_symmetric`, `optimum/quanto/library/quantize.py` at
+# 0.2.7: the `default` kernel is the only one) makes its fp32 quotient, the rounded and the
+# clamped copies before the uint8 codes, which the KV cache of `memplan generate --cache
+# quantized:int4` peaks on when it re-quantises the whole cache; its `unpack` runs a C++ kernel
+# on CPU and CUDA (`extensions/cpp/unpack.cpp`) with the same masks, shift and concatenation
+# as its `default` one (`library/unpack.py`), which is run here.
+COMPOSITE_OPS = frozenset({"bitsandbytes::gemm_4bit", "quanto::quantize_affine", "quanto::quantize_symmetric",
+                           "quanto::unpack"})
 _COMPOSITE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 

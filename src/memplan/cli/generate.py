@@ -52,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     target.add_argument("--gpu", default=None, metavar="NAME", help="device profile, e.g. h100-80gb")
     target.add_argument("--capacity", default=None, metavar="SIZE", help="device memory, e.g. 24GiB")
     target.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="target device (default cuda)")
-    target.add_argument("--tp", type=int, default=1, metavar="T", help="tensor parallelism (1 only, for now)")
+    target.add_argument("--tp", type=int, default=1, metavar="T",
+                        help="tensor parallelism over T GPUs (transformers' TP plan; rank 0's figures)")
     target.add_argument("--allocator", default="caching", metavar="NAME",
                         help="caching (default), expandable or none (tensor bytes only)")
     target.add_argument("--alloc-conf", default=None, metavar="STR", help="a PYTORCH_CUDA_ALLOC_CONF string")
@@ -63,9 +64,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp != 1:
-        raise UserError("--tp: memplan generate traces one GPU's generate() call; tensor-parallel generation "
-                        "is not estimated by this version: leave --tp out")
     if getattr(args, "from_file", None) is not None:
         raise UserError("--from reads a trainer's configuration; memplan generate takes the call's flags")
     generation = GenerationSetup(batch=args.batch, input_len=args.input_len, new_tokens=args.new_tokens,
@@ -77,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         model_arg(args), generation, fields, device=args.device, allocator=args.allocator, alloc_conf=args.alloc_conf,
         capacity=parse_size(args.capacity) if args.capacity is not None else None, gpu=args.gpu,
         cuda_context=parse_size(args.cuda_context) if args.cuda_context is not None else None,
-        extrapolate=not args.full_depth)
+        extrapolate=not args.full_depth, tp=args.tp)
     if args.json:
         print_json(result.to_json())
         return 0
@@ -89,7 +87,8 @@ def render(result: GenerationEstimate) -> None:
     """The estimate as key/value rows, the verdict, then the assumptions."""
     g = result.generation
     title = (f"{result.model} ({result.parameters / 1e9:.2f}B parameters) generate(): batch {g['batch']}, "
-             f"{g['input_len']} + {g['new_tokens']} tokens, {g['cache']} cache on {result.gpu or result.device}")
+             f"{g['input_len']} + {g['new_tokens']} tokens, {g['cache']} cache on {result.gpu or result.device}"
+             + (f", TP {result.tp} (rank 0)" if result.tp > 1 else ""))
     b = result.breakdown
     rows = [("peak allocated", format_bytes(result.peak_allocated_bytes)),
             ("peak reserved", format_bytes(result.peak_reserved_bytes)),

@@ -163,7 +163,8 @@ def rules_to_json(rules: VllmRules | SglangRules) -> dict[str, Any]:
     """The rules as the `--json` object's `engine_rules`."""
     if isinstance(rules, VllmRules):
         return {"version": rules.version, "budget": rules.budget, "budget_rule": rules.budget_rule, "v1": rules.v1,
-                "default_gpu_memory_utilization": rules.default_utilization}
+                "default_gpu_memory_utilization": rules.default_utilization,
+                "context_in_budget": rules.context_in_budget, "graphs_in_budget": rules.graphs_in_budget}
     return {"version": rules.version, "chunked_prefill_size": rules.chunked_prefill_size,
             "cuda_graph_max_bs": rules.cuda_graph_max_bs, "mem_fraction_static": rules.mem_fraction_static,
             "reserved_mib": rules.reserved_mib}

@@ -1,5 +1,5 @@
 """The KV caches of transformers' `generate()` while it is traced: which buffers are the cache,
-and the two caches whose device behaviour a fake cpu trace cannot run by itself.
+and the three caches whose device behaviour a fake cpu trace cannot run by itself.
 
 - **Which buffers are the cache.** `cache_buffers(recorder)` wraps `Cache.update`
   (transformers 5.23, `cache_utils.py` L1540-1590): after each layer's update, every storage
@@ -26,6 +26,12 @@ and the two caches whose device behaviour a fake cpu trace cannot run by itself.
   and a zero per group of `q_group_size` values in the cache's dtype; `dequantize` returns
   the values in the cache's dtype. HQQ's optimiser's own temporaries (fp32 copies of the
   group matrix over up to 20 iterations) are not modelled.
+- **quanto's quantised cache** (`QuantoQuantizedLayer`, L854-906, backend of `quantized:int4`)
+  runs as is, but one check of quanto's cannot see through a fake tensor:
+  `WeightQBitsTensor.__init__` (optimum-quanto 0.2.7 `tensor/weights/qbits.py` L133-136) packs
+  the 4-bit codes two to a byte (`PackedTensor.pack`) only when `type(data) is torch.Tensor`,
+  which a `FakeTensor` is not; unpacked, the cache would hold twice its codes.
+  `quanto_packs_fake_codes()` packs them there as a real tensor's are.
 """
 
 from __future__ import annotations
@@ -162,6 +168,28 @@ def modelled_hqq_layer() -> type:
                 torch.empty(meta["shape"], dtype=meta["dtype"], device=codes.device)
 
     return ModelledHQQLayer
+
+
+@contextlib.contextmanager
+def quanto_packs_fake_codes() -> Iterator[None]:
+    """quanto packs the 4-bit codes of a fake tensor as of a real one (module docstring)."""
+    from optimum.quanto.tensor.packed import PackedTensor
+    from optimum.quanto.tensor.weights.qbits import WeightQBitsTensor
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    init = WeightQBitsTensor.__init__
+
+    def packing_init(self: Any, qtype: Any, axis: int, group_size: int, size: Any, stride: Any, data: Any,
+                     *args: Any, **kwargs: Any) -> None:
+        if type(data) is FakeTensor:
+            data = PackedTensor.pack(data, qtype.bits)
+        init(self, qtype, axis, group_size, size, stride, data, *args, **kwargs)
+
+    WeightQBitsTensor.__init__ = packing_init
+    try:
+        yield
+    finally:
+        WeightQBitsTensor.__init__ = init
 
 
 @contextlib.contextmanager

@@ -32,11 +32,12 @@ from memplan.capture.api import capture
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.capture.recorder import Recorder
 from memplan.errors import UserError
-from memplan.inference import gen_caches
+from memplan.inference import gen_caches, gen_parallel
 from memplan.inference.gen_fixed import FixedShapeAnswers
 from memplan.models.build import build_model, transformer_blocks, transformer_blocks_path
 from memplan.models.quant import weight_count
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.traced import DistributedRecorder
 from memplan.trace.model import Trace
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
@@ -175,11 +176,13 @@ def generation_inputs(config: PretrainedConfig, gen: GenerationSetup, device: st
 
 def run_generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], gen: GenerationSetup) -> torch.Tensor:
     """`model.generate(**inputs, ...)` for `gen` under `torch.no_grad()`, as a real run makes it;
-    a quantised cache built by `gen_caches.hqq_modelled` for HQQ (fake tensors only)."""
+    on fake tensors, a quantised cache built by `gen_caches.hqq_modelled` for HQQ and quanto's
+    codes packed by `gen_caches.quanto_packs_fake_codes`."""
     kwargs = gen.generate_kwargs()
     fake = torch._guards.detect_fake_mode() is not None
-    hqq = fake and kwargs.get("cache_config", {}).get("backend") == "hqq"
-    with torch.no_grad(), gen_caches.hqq_modelled() if hqq else contextlib.nullcontext():
+    backend = kwargs.get("cache_config", {}).get("backend") if fake else None
+    fixes = {"hqq": gen_caches.hqq_modelled, "quanto": gen_caches.quanto_packs_fake_codes}
+    with torch.no_grad(), fixes[backend]() if backend in fixes else contextlib.nullcontext():
         return model.generate(**inputs, **kwargs)
 
 
@@ -198,13 +201,16 @@ class GenerationTrace:
 
 
 def capture_generation(config: PretrainedConfig, setup: TrainingSetup, gen: GenerationSetup,
-                       device: str = "cuda") -> GenerationTrace:
+                       device: str = "cuda", tp: int = 1) -> GenerationTrace:
     """The `generate()` call of `gen` on `config` under the model fields of `setup`, traced on
-    fake tensors for `device` (module docstring)."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    fake tensors for `device` (module docstring); with `tp` > 1, rank 0 of transformers'
+    tensor-parallel model on a fake process group (`memplan.inference.gen_parallel`)."""
+    with gen_parallel.tensor_parallel_rank0(tp), FakeTensorMode(allow_non_fake_inputs=True):
         model = build_generation_model(config, setup)
+        if tp > 1:
+            model = gen_parallel.tensor_parallel_model(model, tp)
         inputs = generation_inputs(config, gen)
-        rec = Recorder(record_flops=True)
+        rec = DistributedRecorder(record_flops=True) if tp > 1 else Recorder(record_flops=True)
         kv: set[int] = set()
         answers = FixedShapeAnswers(gen.total_len)
         forwards = [0]
@@ -227,7 +233,7 @@ def capture_generation(config: PretrainedConfig, setup: TrainingSetup, gen: Gene
         try:
             trace = capture(call, model=model, inputs=inputs, recorder=rec,
                             meta={"generation": gen.to_dict(), "setup": setup.to_dict(), "device": device,
-                                  "fake": True, "fixed_shape": True,
+                                  "fake": True, "fixed_shape": True, "tp": tp,
                                   "logits_to_keep": bool(model._supports_logits_to_keep())})
         finally:
             hook.remove()

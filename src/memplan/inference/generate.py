@@ -54,10 +54,12 @@ from memplan.inference.gen_capture import (
     check_generation,
     model_setup,
 )
+from memplan.inference.gen_parallel import check_tensor_parallel
 from memplan.models.depth import num_layers, with_layers
 from memplan.models.moe import experts_of
 from memplan.models.registry import load_config
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.traced import gloo_staging_buffers
 from memplan.trace import edit as trace_edit
 from memplan.trace.model import CATEGORY, Trace
 
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
     from transformers import PretrainedConfig
 
 GENERATION_BREAKDOWN_KEYS = ("weights", "kv_cache", "activations", "other")
+GENERATE_FORMAT = "memplan-generate"  # the "format" of `to_json()` (`memplan report` reads it)
 
 
 @dataclass
@@ -88,6 +91,7 @@ class GenerationEstimate:
     assumptions: list[str]
     host: HostFigures = field(default_factory=HostFigures)
     elapsed_s: float = 0.0
+    tp: int = 1  # ranks of tensor parallelism; the figures are rank 0's
 
     @property
     def fits(self) -> bool | None:
@@ -100,8 +104,8 @@ class GenerationEstimate:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "model": self.model, "parameters": self.parameters, "setup": self.setup,
-            "generation": self.generation, "device": self.device, "gpu": self.gpu, "allocator": self.allocator,
+            "format": GENERATE_FORMAT, "model": self.model, "parameters": self.parameters, "setup": self.setup,
+            "generation": self.generation, "tp": self.tp, "device": self.device, "gpu": self.gpu, "allocator": self.allocator,
             "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_used_bytes": self.device_used_bytes, "breakdown": dict(self.breakdown),
             "peak_phase": self.peak_phase, "host_peak_bytes": self.host.peak_bytes,
@@ -124,6 +128,7 @@ def estimate_generation(
     cuda_context: int | None = None,
     extrapolate: bool = True,
     progress: bool = False,
+    tp: int = 1,
 ) -> GenerationEstimate:
     """The peak memory of `model.generate(...)` for `generation` (a `GenerationSetup`: batch,
     input length, new tokens, cache, beams) on one `device` ("cuda" or "cpu").
@@ -132,7 +137,9 @@ def estimate_generation(
     double_quant, quant_storage, compute_dtype, routing); the rest is as `memplan.estimate`:
     `allocator` caching, expandable, planned or none (tensor bytes, what torch.profiler shows on
     CPU), `gpu` a device profile, `capacity` overriding its capacity, `cuda_context` its context.
-    `extrapolate=False` traces every block of a deep model.
+    `extrapolate=False` traces every block of a deep model. `tp` > 1: rank 0 of transformers'
+    tensor-parallel model over `tp` GPUs (`memplan.inference.gen_parallel`), NCCL's buffers in
+    device used; on "cpu", gloo's all-gather staging buffers in the peak.
     """
     start = time.perf_counter()
     generation = generation if generation is not None else GenerationSetup()
@@ -146,10 +153,12 @@ def estimate_generation(
     config = load_config(model) if isinstance(model, str) else model
     setup = model_setup(setup)
     check_generation(config, setup, generation, device)
+    check_tensor_parallel(config, setup, generation.cache, tp)
     total = num_layers(config) or 0
     deep = extrapolate and total >= MIN_BLOCKS_TO_EXTRAPOLATE and _identical_blocks(config)
     depths = [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [None]
-    traced = [capture_generation(with_layers(config, d) if d else config, setup, generation, device) for d in depths]
+    traced = [capture_generation(with_layers(config, d) if d else config, setup, generation, device, tp)
+              for d in depths]
     if progress:
         sys.stderr.write(f"traced generate() at {', '.join(str(g.layers) for g in traced)} blocks\n")
     views = [_device_view(g, setup, generation, device, profile) for g in traced]
@@ -160,12 +169,13 @@ def estimate_generation(
                                    layers.block_pattern(traced[0].blocks_path), TRACE_BLOCKS, total)
     if fig is None:
         if deep:
-            traced, views, counters, deep = _full_depth(config, setup, generation, device, profile, allocator, alloc_conf)
+            traced, views, counters, deep = _full_depth(config, setup, generation, device, profile, allocator,
+                                                        alloc_conf, tp)
         fig = figures_full(views[-1], counters[-1])
     breakdown = _breakdown(traced, views, counters, fig, total if deep else None)
     parameters = traced[-1].parameters if not deep else int(round(float(
         layers.extrapolate(traced[0].parameters, traced[1].parameters, TRACE_BLOCKS, total))))
-    context = _context_bytes(profile, cuda_context) if device == "cuda" else 0
+    context = _context_bytes(profile, cuda_context) + _nccl_bytes(profile, tp) if device == "cuda" else 0
     return GenerationEstimate(
         model=name, parameters=parameters, setup=_model_fields(setup), generation=generation.to_dict(),
         device=device, gpu=gpu, allocator=allocator, peak_allocated_bytes=fig.peak_allocated_bytes,
@@ -173,16 +183,16 @@ def estimate_generation(
         breakdown=breakdown, peak_phase=generation_phase(views[-1], fig.peak_events[-1]),
         capacity_bytes=capacity, method="extrapolated" if deep else "full",
         assumptions=assumptions(config, setup, generation, traced[-1]), host=fig.host,
-        elapsed_s=time.perf_counter() - start,
+        elapsed_s=time.perf_counter() - start, tp=tp,
     )
 
 
 def _full_depth(config: PretrainedConfig, setup: TrainingSetup, generation: GenerationSetup, device: str,
-                profile: DeviceProfile | None, allocator: str,
-                alloc_conf: str | None) -> tuple[list[GenerationTrace], list[Trace], list[Counters], bool]:
+                profile: DeviceProfile | None, allocator: str, alloc_conf: str | None,
+                tp: int) -> tuple[list[GenerationTrace], list[Trace], list[Counters], bool]:
     """The call traced at full depth, where the 3- and 4-block traces' regions do not line up."""
     sys.stderr.write("memplan: block extrapolation not applicable here; tracing the full depth\n")
-    traced = [capture_generation(config, setup, generation, device)]
+    traced = [capture_generation(config, setup, generation, device, tp)]
     views = [_device_view(traced[0], setup, generation, device, profile)]
     return traced, views, [replay_counters(trace_edit.without_host(views[0]), allocator, alloc_conf)], False
 
@@ -196,8 +206,11 @@ def _identical_blocks(config: PretrainedConfig) -> bool:
 
 def _device_view(traced: GenerationTrace, setup: TrainingSetup, generation: GenerationSetup, device: str,
                  profile: DeviceProfile | None) -> Trace:
-    """The trace plus what a CUDA device adds (`memplan.estimation.pipeline.gpu_view`)."""
+    """The trace plus what a CUDA device adds (`memplan.estimation.pipeline.gpu_view`), or on
+    a cpu with TP, gloo's all-gather staging buffers (`memplan.parallel.traced`)."""
     if device != "cuda":
+        if traced.trace.meta.get("tp", 1) > 1:
+            return trace_edit.with_extra_buffers(traced.trace, gloo_staging_buffers(traced.trace))
         return traced.trace
     step = StepTrace(traced.trace, traced.blocks_path, traced.parameters, 1, 1, generation.total_len, traced.layers)
     return gpu_view(step, setup, profile)
@@ -208,6 +221,11 @@ def _context_bytes(profile: DeviceProfile | None, override: int | None) -> int:
     if override is not None:
         return int(override)
     return profile.context_bytes() if profile is not None else 0
+
+
+def _nccl_bytes(profile: DeviceProfile | None, tp: int) -> int:
+    """NCCL's buffers of the TP communicator outside PyTorch's allocator (the profile's; 0 without TP)."""
+    return profile.nccl_bytes(1) if profile is not None and tp > 1 else 0
 
 
 def _kv_mask(traced: GenerationTrace, trace: Trace) -> np.ndarray:
@@ -279,11 +297,19 @@ def assumptions(config: PretrainedConfig, setup: TrainingSetup, generation: Gene
            CACHE_RULES[generation.cache],
            "logits: " + ("the last position only (generate passes logits_to_keep=1)" if traced.trace.meta.get(
                "logits_to_keep") else "every prompt position at the prefill (the model takes no logits_to_keep)")]
+    if generation.cache in ("static", "sliding") and traced.trace.meta.get("device") == "cuda":
+        out.append("eager decoding: on CUDA, generate() compiles the decoding forward for a static cache "
+                   "(transformers' auto-compile, CompileConfig mode reduce-overhead) unless "
+                   "generation_config.disable_compile=True; the compiled forward and its CUDA graphs are not traced")
     if generation.beams > 1:
         out.append(f"beam search over {generation.beams} beams per prompt: the cache holds batch x beams rows")
     elif generation.sampling:
         out.append(f"sampling {generation.num_return_sequences} sequences per prompt: the cache holds "
                    "batch x sequences rows")
+    if traced.trace.meta.get("tp", 1) > 1:
+        out.append(f"tensor parallel over {traced.trace.meta['tp']} ranks as transformers applies its TP plan "
+                   "(DistributedConfig(tp_size=T)): rank 0's shards, heads and KV cache; on CUDA, NCCL's buffers "
+                   "of one communicator in device used; on a CPU, gloo's all-gather staging buffers")
     if experts_of(config):
         out.append(f"mixture of experts routed {setup.routing} (memplan.models.moe)")
     if setup.quant != "none":

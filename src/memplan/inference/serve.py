@@ -64,6 +64,7 @@ GRAPH_OVERHEAD_BYTES = 1 << 20  # per captured graph; vLLM 0.21's estimator floo
 DTYPES = {"auto": None, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 ENTRIES = ("server", "llm")
 GIB = 1 << 30
+SERVE_FORMAT = "memplan-serve"  # the "format" of `to_json()` (`memplan report` reads it)
 
 
 @dataclass
@@ -98,7 +99,8 @@ class ServingEstimate:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "model": self.model, "engine": self.engine, "engine_rules": self.engine_rules, "gpu": self.gpu,
+            "format": SERVE_FORMAT, "model": self.model, "engine": self.engine, "engine_rules": self.engine_rules,
+            "gpu": self.gpu,
             "capacity_bytes": self.capacity_bytes, "settings": self.settings, "weights": self.weights.to_json(),
             "activation": self.activation.to_json(), "non_torch_rise_bytes": self.non_torch_rise_bytes,
             "outside_budget_bytes": self.outside_budget_bytes, "cuda_graphs": self.graphs,

@@ -7,7 +7,9 @@ estimate uses (`memplan.parallel.apply`), runs one untraced warm-up step (so the
 optimizer state exists, as in the estimate's traced step) and then measures one step on
 every rank with torch.profiler's memory timeline (`memplan.capture.groundtruth`); the
 step is `memplan.parallel.apply.build_parallel_step`, the one the traced estimate runs.
-It returns, per case, the per-rank peak bytes in rank order. Profile one step per set
+It returns, per case, the per-rank peak bytes in rank order. `measure_rank_calls` is
+the same measurement of any call a module-level function builds on each rank (a
+tensor-parallel `generate()`: `memplan.inference.gen_parallel`). Profile one step per set
 of processes: torch's memory-profiler analysis fails ("version mismatch") on a second
 profiled step in the same process more often than not.
 
@@ -69,14 +71,14 @@ class _SizeMismatches(logging.Handler):
             self.count += 1
 
 
-def _profiled_peak(step: TrainingStep) -> int:
-    """The profiler peak of one step; AssertionError when torch's analysis fails or
-    reports itself inconsistent (see `_measured_step`)."""
+def _profiled_peak(run: Callable[[], Any]) -> int:
+    """The profiler peak of one call of `run`; AssertionError when torch's analysis fails or
+    reports itself inconsistent (see `_measured_call`)."""
     logger = logging.getLogger(PROFILER_LOGGER)
     mismatches = _SizeMismatches()
     logger.addHandler(mismatches)
     try:
-        peak = profiler_peak_bytes(step.run)
+        peak = profiler_peak_bytes(run)
     finally:
         logger.removeHandler(mismatches)
     if mismatches.count:
@@ -84,8 +86,8 @@ def _profiled_peak(step: TrainingStep) -> int:
     return peak
 
 
-def _measured_step(step: TrainingStep, dist: Any) -> int:
-    """Profiler peak of one step. torch's memory-profiler analysis sometimes fails on
+def _measured_call(run: Callable[[], Any], dist: Any) -> int:
+    """Profiler peak of one call of `run` (one step). torch's memory-profiler analysis sometimes fails on
     FSDP2 steps ("version mismatch" assertion, after the step ran), and sometimes
     reports its own timeline inconsistent ("Mismatch between allocation and free": gloo's
     worker thread frees and re-uses an address, and the analysis pairs an allocation with
@@ -93,7 +95,7 @@ def _measured_step(step: TrainingStep, dist: Any) -> int:
     measures one more step together; the value is never chosen among attempts."""
     for _ in range(PROFILER_ATTEMPTS):
         try:
-            peak, ok = _profiled_peak(step), 1
+            peak, ok = _profiled_peak(run), 1
         except AssertionError as exc:
             sys.stderr.write(f"memplan ground truth: rank {dist.get_rank()}: {str(exc)[:100]}; measuring another step\n")
             peak, ok = -1, 0
@@ -104,8 +106,8 @@ def _measured_step(step: TrainingStep, dist: Any) -> int:
     raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times")
 
 
-def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str,
-               prepare: Callable[[TrainingStep], None] | None = None) -> None:
+def _rank_main(rank: int, build_call: Callable[[Any, int], Callable[[], Any]], cases: list[Any], world_size: int,
+               workdir: str) -> None:
     import gc
 
     import torch.distributed as dist
@@ -114,18 +116,26 @@ def _rank_main(rank: int, cases: list[Case], world_size: int, workdir: str,
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
     try:
         peaks = []
-        for config, setup, layout in cases:
-            step = _rank_step(config, setup, layout, rank)
-            if prepare is not None:
-                prepare(step)
-            step.run()  # warm-up: the optimizer state exists
+        for case in cases:
+            run = build_call(case, rank)
+            run()  # warm-up: a training step's optimizer state exists
             dist.barrier()
-            peaks.append(_measured_step(step, dist))
-            del step
+            peaks.append(_measured_call(run, dist))
+            del run
             gc.collect()
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(peaks))
     finally:
         dist.destroy_process_group()
+
+
+def _training_call(case: tuple[PretrainedConfig, TrainingSetup, Layout, Callable[[TrainingStep], None] | None],
+                   rank: int) -> Callable[[], Any]:
+    """`rank`'s training step of `case`, prepared, as the call to measure."""
+    config, setup, layout, prepare = case
+    step = _rank_step(config, setup, layout, rank)
+    if prepare is not None:
+        prepare(step)
+    return step.run
 
 
 def _rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: Layout, rank: int) -> TrainingStep:
@@ -142,20 +152,28 @@ def measure_rank_peaks(cases: list[Case], prepare: Callable[[TrainingStep], None
     the other, in the same set of processes. `prepare` (a module-level function, so that
     the processes can import it) is run on every rank's built step before its warm-up,
     e.g. to give the model trained weights."""
-    import torch.multiprocessing as mp
-
     sizes = {layout.world_size for _, _, layout in cases}
     if len(sizes) != 1:
         raise ValueError(f"one world size per call, not {sorted(sizes)}")
-    world_size = sizes.pop()
+    return measure_rank_calls(_training_call, [(c, s, layout, prepare) for c, s, layout in cases], sizes.pop())
+
+
+def measure_rank_calls(build_call: Callable[[Any, int], Callable[[], Any]], cases: list[Any],
+                       world_size: int) -> list[list[int]]:
+    """Per case, the profiler peak bytes of one call on every rank of a real gloo group of
+    `world_size` processes (rank order): `build_call(case, rank)` (a module-level function, so
+    that the processes can import it) builds the rank's call, which runs once untraced (the
+    warm-up), then once measured, one case after the other in the same processes."""
+    import torch.multiprocessing as mp
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # A failed memory analysis poisons torch's profiler for the rest of the process, so
-    # the in-process retries of `_measured_step` can all fail: then the whole set of
+    # the in-process retries of `_measured_call` can all fail: then the whole set of
     # processes runs again, fresh. A run either measures or fails; no value is chosen.
     for attempt in range(PROFILER_ATTEMPTS):
         with tempfile.TemporaryDirectory(prefix="memplan-gt-") as workdir:
             try:
-                mp.spawn(_rank_main, args=(cases, world_size, workdir, prepare), nprocs=world_size, join=True)
+                mp.spawn(_rank_main, args=(build_call, cases, world_size, workdir), nprocs=world_size, join=True)
             except mp.ProcessRaisedException as exc:
                 if "memory analysis failed" not in str(exc) or attempt == PROFILER_ATTEMPTS - 1:
                     raise

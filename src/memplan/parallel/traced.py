@@ -134,6 +134,10 @@ class DistributedRecorder(Recorder):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor dispatches to local ops, which come back here
+        if _on_meta_device(args, kwargs or {}):
+            # allocates nothing: transformers' TP styles make a meta tensor to learn a
+            # global shape's strides (`TensorParallelLayer._from_local_last_dim_shard`)
+            return func(*args, **(kwargs or {}))
         if func is torch.ops._c10d_functional.wait_tensor.default:
             return self._wait_tensor(func, args, kwargs or {})
         return super().__torch_dispatch__(func, types, args, kwargs)
@@ -158,8 +162,10 @@ class DistributedRecorder(Recorder):
         idx = self._new_buffer(storage, tensor.device, preexisting=False, op=len(self._op_name) - 1)
         self._marked[idx] = CATEGORY["parameter"]  # FSDP2's unsharded (gathered) parameters
 
-    def extra_hooks(self) -> contextlib.AbstractContextManager:
-        return self.fsdp_storage_hooks()
+    @contextlib.contextmanager
+    def extra_hooks(self) -> Iterator[None]:
+        with self.fsdp_storage_hooks(), sharding_propagation_unrecorded():
+            yield
 
     @contextlib.contextmanager
     def fsdp_storage_hooks(self) -> Iterator[None]:
@@ -221,6 +227,43 @@ class DistributedRecorder(Recorder):
             _flat_param._alloc_storage, _flat_param._free_storage = alloc, free
 
 
+def _on_meta_device(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an op makes a tensor on the meta device from meta tensors (or none)."""
+    from torch.utils._pytree import tree_flatten
+
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return False
+    return all(t.device.type == "meta" for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+
+
+@contextlib.contextmanager
+def sharding_propagation_unrecorded() -> Iterator[None]:
+    """DTensor's output-shape propagation run outside the recorder and the trace's fake mode.
+
+    Before an op on DTensors runs locally, DTensor runs it once on global-shape fake tensors to
+    learn its output's shape (`ShardingPropagator._propagate_tensor_meta_non_cached`, torch
+    2.13 `distributed/tensor/_sharding_prop.py` L520-575), under `detect_fake_mode() or
+    FakeTensorMode()`: on real tensors a fresh fake mode, which allocates nothing; inside the
+    trace's own fake mode those global-shape arguments (a whole embedding table for a
+    vocabulary-sharded lookup) would be recorded as allocations. With every mode set aside
+    while it runs, it makes its fresh fake mode, as on a real run."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unrecorded(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return propagate(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = unrecorded
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
 @contextlib.contextmanager
 def fsdp_host_to_device_copies() -> Iterator[None]:
     """FSDP2's copy of each host-resident shard to the GPU before its all-gather, for a
@@ -266,7 +309,7 @@ def _forget_previous_meshes() -> None:
 
 
 @contextlib.contextmanager
-def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """PyTorch's fake process group of `world_size` ranks, joined as `rank`, for the
     duration of the block (module docstring)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -293,7 +336,7 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
     """`rank` of `layout`, its step traced with DDP / FSDP2 / DTensor TP applied on a
     fake process group (see the module docstring)."""
     refuse_compiled_step(setup, "on the ranks of a traced parallel layout (--zero 3, --tp)")
-    with _fake_process_group(rank, layout.world_size):
+    with fake_process_group(rank, layout.world_size):
         mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
         copies = fsdp_host_to_device_copies() if device == "cuda" and setup.cpu_offload == "params" \
             else contextlib.nullcontext()
@@ -337,7 +380,7 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
     rank = stage * layout.dp * layout.tp
     if layout.schedule in MULTI_STAGE_SCHEDULES:
         return _capture_schedule_rank(config, setup, layout, stage, device)
-    with _fake_process_group(0, layout.world_size):
+    with fake_process_group(0, layout.world_size):
         mesh = pipeline_mesh(layout)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = models.build_model(config, setup, device="cpu")
@@ -365,7 +408,7 @@ def _capture_schedule_rank(config: PretrainedConfig, setup: TrainingSetup, layou
                            device: str) -> StepTrace:
     """`capture_stage_step` under a multi-stage schedule (see there)."""
     rank = stage * layout.dp * layout.tp
-    with _fake_process_group(rank, layout.world_size):
+    with fake_process_group(rank, layout.world_size):
         mesh = pipeline_mesh(layout)
         with FakeTensorMode(allow_non_fake_inputs=True):
             step = schedule_rank_step(config, setup, layout, stage, mesh, target_device=device)

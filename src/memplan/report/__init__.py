@@ -2,10 +2,11 @@
 
 Inputs are files memplan writes: traces (`.memtrace`, or PyTorch snapshot pickles),
 plans (`memplan plan`), and the JSON of `memplan estimate`, `memplan reorder`,
-`memplan offload` and `memplan rl` (its phases as a shaded timeline). `build_report(inputs, out_dir)` writes `out_dir/index.html` and one
-PNG per figure beside it, and each trace's interactive timeline (`report/timeline.py`):
-its data inline, drawn by memplan's own `timeline.js` copied beside the page. The page
-loads nothing from the network.
+`memplan offload`, `memplan rl` (its phases as a shaded timeline), `memplan serve` and
+`memplan generate` (their panels: `report/inference.py`). `build_report(inputs, out_dir)`
+writes `out_dir/index.html` and one PNG per figure beside it, and each trace's interactive
+timeline (`report/timeline.py`): its data inline, drawn by memplan's own `timeline.js`
+copied beside the page. The page loads nothing from the network.
 
 Each figure has a one-line caption saying what to look at. Inputs that do not belong
 together (a plan made for another trace) are refused with a UserError before anything
@@ -29,8 +30,18 @@ from memplan.alloc.caching import CachingAllocator
 from memplan.alloc.conf import AllocConf
 from memplan.alloc.simulate import record_replay
 from memplan.errors import UserError
+from memplan.inference.generate import GENERATE_FORMAT
+from memplan.inference.serve import SERVE_FORMAT
 from memplan.layout.plan import AddressPlan
 from memplan.report import figures
+from memplan.report.inference import (
+    generate_section,
+    generation_settings,
+    generation_verdict,
+    serve_section,
+    serving_settings,
+    serving_verdict,
+)
 from memplan.report.timeline import planned_addresses, timeline_section
 from memplan.trace import load
 from memplan.trace.edit import device_view
@@ -52,13 +63,16 @@ class ReportInputs:
     compares: list[tuple[str, dict]] = field(default_factory=list)
     ooms: list[tuple[str, dict]] = field(default_factory=list)
     rls: list[tuple[str, dict]] = field(default_factory=list)
+    serves: list[tuple[str, dict]] = field(default_factory=list)
+    generates: list[tuple[str, dict]] = field(default_factory=list)
 
 
 def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
     """Load and classify every input; UserError for unknown or mismatched ones."""
     inputs = ReportInputs()
     if not paths:
-        raise UserError("give at least one input: a .memtrace, a plan, or estimate/reorder/offload JSON")
+        raise UserError("give at least one input: a .memtrace, a plan, or estimate/reorder/offload/serve/generate "
+                        "JSON")
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
@@ -74,7 +88,7 @@ def read_inputs(paths: list[str | os.PathLike]) -> ReportInputs:
             if kind is None:
                 raise UserError(
                     f"{path} is JSON memplan does not know: expected a plan, or the --json output of "
-                    "estimate, reorder, offload, compare or rl"
+                    "estimate, reorder, offload, compare, rl, serve or generate"
                 )
             if kind == "plan":
                 inputs.plans.append((path.name, AddressPlan.from_json(doc, source=str(path))))
@@ -102,6 +116,10 @@ def _json_kind(doc: Any) -> str | None:
         return "compare"
     if doc.get("format") == "memplan-oom":
         return "oom"
+    if doc.get("format") == SERVE_FORMAT:
+        return "serve"
+    if doc.get("format") == GENERATE_FORMAT:
+        return "generate"
     if "per_rank" in doc:
         return "estimate"
     if "phases" in doc and "algo" in doc:
@@ -234,6 +252,10 @@ def _summary_section(page: _Page, inputs: ReportInputs) -> None:
         lines.append(f"RL step ({doc.get('algo')} on {doc.get('trainer')}, "
                      f"{step_description(doc.get('model'), (doc.get('settings') or {}).get('setup'))}): "
                      f"{rl_verdict(doc)}")
+    for _name, doc in inputs.serves:
+        lines.append(f"Serving ({serving_settings(doc)}): {serving_verdict(doc)}")
+    for _name, doc in inputs.generates:
+        lines.append(f"Generation ({generation_settings(doc)}): {generation_verdict(doc)}")
     for name, trace in inputs.traces:
         peak, event = trace.peak()
         lines.append(f"Trace ({step_description(trace.meta.get('model', name), trace.meta.get('setup'))}): "
@@ -280,6 +302,10 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         _reorder_section(page, i, name, doc)
     for i, (name, doc) in enumerate(inputs.offloads):
         _offload_section(page, i, name, doc)
+    for i, (name, doc) in enumerate(inputs.serves):
+        serve_section(page, i, name, doc)
+    for i, (name, doc) in enumerate(inputs.generates):
+        generate_section(page, i, name, doc)
     for name, doc in inputs.compares:
         _compare_section(page, name, doc)
     for name, doc in inputs.ooms:

@@ -25,6 +25,23 @@ PHASE_COLORS = {
 ALLOCATOR_COLORS = {"torch": "#4e79a7", "cumem": "#f28e2b", "outside": "#9c9c9c"}  # who holds an RL phase's bytes
 RL_PHASE_SHADES = ("#e8f1fa", "#fdf0e6", "#edf6ea", "#fbe8ea", "#f3eefa", "#eef6f6")  # one band per RL phase
 INFEASIBLE_COLOR = "#c0392b"  # a result that breaks its budget: drawn hatched, in red
+KV_CACHE_COLOR = "#edc948"
+# the terms of a serving engine's memory budget and of a generate() call's peak; the terms a
+# training step also has take its categories' colours
+SERVING_COLORS = {
+    "non-torch": CATEGORY_COLORS["other"],
+    "weights": CATEGORY_COLORS["parameter"],
+    "activation reserve": CATEGORY_COLORS["activation"],
+    "CUDA graphs": CATEGORY_COLORS["temporary"],
+    "KV pool": KV_CACHE_COLOR,
+    "free": "#ffffff",
+}
+GENERATION_COLORS = {
+    "weights": CATEGORY_COLORS["parameter"],
+    "kv_cache": KV_CACHE_COLOR,
+    "activations": CATEGORY_COLORS["activation"],
+    "other": CATEGORY_COLORS["other"],
+}
 
 def category_colors() -> list[str]:
     """The colours in `CATEGORIES` order (the index a trace stores)."""

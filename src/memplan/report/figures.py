@@ -27,9 +27,11 @@ from matplotlib.patches import Patch  # noqa: E402
 from memplan.report.colors import (  # noqa: E402
     ALLOCATOR_COLORS,
     CATEGORY_COLORS,
+    GENERATION_COLORS,
     INFEASIBLE_COLOR,
     PHASE_COLORS,
     RL_PHASE_SHADES,
+    SERVING_COLORS,
 )
 from memplan.trace.model import CATEGORIES, PHASES, Trace  # noqa: E402
 
@@ -288,6 +290,88 @@ def bars(values: dict[str, float], ylabel: str, title: str, infeasible: frozense
     plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
     fig.tight_layout()
     return fig
+
+
+def stacked_bar(parts: dict[str, int], colors: dict[str, str], title: str, note: str = "",
+                marks: dict[str, int] | None = None) -> Figure:
+    """One horizontal bar of `parts` (bytes, in order, each labelled with its size), with a
+    dashed vertical line and label per entry of `marks` (bytes) and a `note` under the bar."""
+    fig, ax = plt.subplots(figsize=(10, 2.9), dpi=110)
+    total = float(sum(parts.values())) or 1.0
+    scale, unit = unit_for(max([total, *(marks or {}).values()]))
+    left = 0.0
+    for name, nbytes in parts.items():
+        width = nbytes / scale
+        ax.barh(0, width, left=left, height=0.5, color=colors[name], edgecolor="#555555", linewidth=0.6,
+                label=f"{name} {width:.2f} {unit}")
+        if nbytes / total >= 0.06:  # a label only where it fits inside its segment
+            ax.annotate(name, (left + width / 2, 0), ha="center", va="center", fontsize=8)
+        left += width
+    for i, (label, nbytes) in enumerate((marks or {}).items()):
+        ax.axvline(nbytes / scale, color=INFEASIBLE_COLOR if label == "capacity" else "#333333", linestyle="--",
+                   linewidth=1)
+        ax.annotate(label, (nbytes / scale, 0.3 + 0.12 * i), xytext=(-4, 0), textcoords="offset points",
+                    ha="right", fontsize=8)
+    ax.set_yticks([])
+    ax.set_ylim(-0.45, 0.6)
+    ax.set_xlim(0, max(left, *((m / scale) for m in (marks or {}).values())) * 1.02)
+    ax.set_xlabel(unit)
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=min(len(parts), 6))
+    ax.set_title(title, fontsize=10)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=8, color="#333333")
+    fig.tight_layout(rect=(0, 0.06 if note else 0, 1, 1))
+    return fig
+
+
+def kv_pool_budget(doc: dict[str, Any], title: str) -> Figure:
+    """A serving engine's device memory on one rank (the JSON of `memplan serve`): what lies
+    outside PyTorch (CUDA context, NCCL, the non-torch rise), the weights, the activation
+    reserve of the profile run, the CUDA-graph pool, the KV pool and what is left free, in the
+    order that ends the engine's budget (a line) where the KV pool ends: vLLM counts its budget
+    from start-up (the CUDA context and NCCL before it unless its rules count them, the graphs
+    after it unless they count them too); SGLang's static budget is `mem_fraction_static` of
+    the memory free at start-up, weights and KV pool, the activation and graph headroom after
+    it. The concurrency the pool holds is the note."""
+    outside = sum((doc.get("outside_budget_bytes") or {}).values())
+    terms = {"non-torch": outside + int(doc.get("non_torch_rise_bytes", 0)),
+             "weights": int(doc["weights"]["total_bytes"]),
+             "activation reserve": int(doc["activation"]["total_bytes"]),
+             "CUDA graphs": int((doc.get("cuda_graphs") or {}).get("pool_bytes", 0)),
+             "KV pool": int(doc["kv"]["bytes"])}
+    rules, settings = doc.get("engine_rules") or {}, doc.get("settings") or {}
+    if doc.get("engine") == "sglang":
+        order = ("non-torch", "weights", "KV pool", "activation reserve", "CUDA graphs")
+        budget = outside + int(doc["budget_bytes"] * settings.get("mem_fraction_static", 1.0))
+    else:
+        before_kv = ("CUDA graphs",) if rules.get("graphs_in_budget") else ()
+        order = ("non-torch", "weights", "activation reserve", *before_kv, "KV pool",
+                 *(() if before_kv else ("CUDA graphs",)))
+        budget = int(doc["budget_bytes"]) + (0 if rules.get("context_in_budget") else outside)
+    parts = {name: terms[name] for name in order}
+    capacity = int(doc["capacity_bytes"])
+    parts["free"] = max(capacity - sum(parts.values()), 0)
+    kv = doc["kv"]
+    note = (f"KV pool: {kv.get('tokens', 0):,} tokens; {kv.get('max_concurrency', 0):g} requests of "
+            f"max_model_len {settings.get('max_model_len')} at once")
+    return stacked_bar(parts, SERVING_COLORS, title, note, {"engine budget": budget, "capacity": capacity})
+
+
+def generation_peak(doc: dict[str, Any], title: str) -> Figure:
+    """A `generate()` call's peak allocated memory by class (the JSON of `memplan generate`),
+    the KV cache apart, with the peak reserved, device used and capacity as lines."""
+    parts = {key: int(doc["breakdown"].get(key, 0)) for key in GENERATION_COLORS}
+    used = int(doc["device_used_bytes"])
+    marks = {"reserved": int(doc["peak_reserved_bytes"]), "device used": used}
+    note = f"peak in the {doc.get('peak_phase', '?')}"
+    capacity = doc.get("capacity_bytes")
+    if capacity and capacity <= 2 * used:  # drawn where it is near; far above, it would squash the bar
+        marks["capacity"] = int(capacity)
+    elif capacity:
+        scale, unit = unit_for(capacity)
+        note += f"; capacity {capacity / scale:.1f} {unit} (off the scale)"
+    return stacked_bar(parts, GENERATION_COLORS, title, note, marks)
 
 
 def save_png(fig: Figure, path: Path) -> None:
