@@ -16,12 +16,25 @@ do. docs/run.md explains the method and its policies:
 - `side_effects`: no reporting, no checkpoint of fake tensors, the program's writes under OUT;
 - `recording`, `runner`, `seen`, `estimate`, `api`: one rank traced, what was seen, the figures;
 - `groundtruth`: the same command run for real on the CPU under torch.profiler.
+
+The names below are imported on first use, so that a ground-truth process that needs only
+`steps` does not import the recorder and the estimate.
 """
 
-from memplan.program.api import ProgramRun, run_program
-from memplan.program.groundtruth import measure_program
-from memplan.program.launchers import LAUNCHERS, Launch, parse_command
-from memplan.program.runner import ProgramFailed, ProgramRefused
+import importlib
 
-__all__ = ["LAUNCHERS", "Launch", "ProgramFailed", "ProgramRefused", "ProgramRun", "measure_program",
-           "parse_command", "run_program"]
+_LAZY_NAMES = {
+    "ProgramRun": "memplan.program.api", "run_program": "memplan.program.api",
+    "measure_program": "memplan.program.groundtruth",
+    "LAUNCHERS": "memplan.program.launchers", "Launch": "memplan.program.launchers",
+    "parse_command": "memplan.program.launchers",
+    "ProgramFailed": "memplan.program.runner", "ProgramRefused": "memplan.program.runner",
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - the type depends on the name
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'memplan.program' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)

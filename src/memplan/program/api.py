@@ -129,7 +129,7 @@ def run_program(command: list[str], *, device: str = "cuda", gpu: str | None = N
 
 def _program_run(launch: Launch, runs: list[RankRun], per_rank: list[RankEstimate], profile: DeviceProfile | None,
                  device: str, elapsed_s: float) -> ProgramRun:
-    seen = runs[0].seen.describe()
+    seen = runs[0].facts
     identity = seen["model"]
     layout = {"world_size": launch.world_size, **{k: v for k, v in seen["layout"].items() if k != "world_size"}}
     estimate = Estimate(

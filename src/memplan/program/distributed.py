@@ -123,11 +123,15 @@ def layout_of(models: list[torch.nn.Module]) -> dict[str, Any]:
         facts["fsdp1"] = True
     if any(isinstance(m, DistributedDataParallel) for m in models):
         facts["ddp"] = True
-    meshes = {}
+    meshes: dict[str, list[str]] = {}
     for p in _dtensor_parameters(models):
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-        meshes[str(dict(zip(names, mesh.mesh.shape)))] = [str(pl) for pl in p.placements]
+        key = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.mesh.shape))
+        placements = meshes.setdefault(key, [])
+        for placement in map(str, p.placements):
+            if placement not in placements:
+                placements.append(placement)
     if meshes:
         facts["dtensor_meshes"] = meshes
     return facts

@@ -11,6 +11,12 @@ top-level forward to its stop after `steps + 1` optimizer steps), and the rank's
 peak of the timeline's total on the cpu (`timeline_peak_bytes`). It returns the per-rank
 peaks in rank order.
 
+torch's memory-profiler analysis sometimes fails on an FSDP2 step ("version mismatch"), or
+reports its own timeline inconsistent ("Mismatch between allocation and free": gloo's worker
+thread frees and re-uses an address; `memplan.parallel.groundtruth`): then the whole set of
+processes runs again, fresh, up to `PROFILER_ATTEMPTS` times. A run either measures on every
+rank or is repeated; no value is chosen among runs.
+
 Assumes a program small enough to train for real on the host's CPU, whose device choice falls
 back to the CPU (`"cuda" if torch.cuda.is_available() else "cpu"`) and whose process group
 falls back to gloo there.
@@ -19,6 +25,7 @@ falls back to gloo there.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import runpy
 import socket
@@ -28,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from memplan.parallel.groundtruth import PROFILER_ATTEMPTS, PROFILER_LOGGER, _SizeMismatches
 from memplan.program.launchers import parse_command
 
 
@@ -39,6 +47,17 @@ def _free_port() -> int:
 
 def measure_program(words: list[str], steps: int = 2, timeout_s: float = 600.0) -> list[int]:
     """Per rank, the profiler peak bytes of the real run of `words` (module docstring)."""
+    failures = []
+    for _ in range(PROFILER_ATTEMPTS):
+        peaks, failed = _measured_run(words, steps, timeout_s)
+        if not failed:
+            return peaks
+        failures.append(failed)
+    raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times: {failures}")
+
+
+def _measured_run(words: list[str], steps: int, timeout_s: float) -> tuple[list[int], list[str]]:
+    """One fresh set of processes: the per-rank peaks, and the ranks whose analysis failed."""
     launch = parse_command(words)
     port = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="memplan-run-gt-") as workdir:
@@ -58,8 +77,9 @@ def measure_program(words: list[str], steps: int = 2, timeout_s: float = 600.0) 
                 errors.append(f"rank {rank} exited {proc.returncode}: {err.decode()[-2000:]}")
         if errors:
             raise RuntimeError("the ground-truth run failed:\n" + "\n".join(errors))
-        return [json.loads(Path(workdir, f"rank{r}.json").read_text())["peak_bytes"]
-                for r in range(launch.world_size)]
+        results = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(launch.world_size)]
+    return [r.get("peak_bytes", -1) for r in results], [f"rank {i}: {r['failed']}" for i, r in enumerate(results)
+                                                        if "failed" in r]
 
 
 def measure_rank() -> None:
@@ -89,7 +109,15 @@ def measure_rank() -> None:
     finally:
         window.remove()
     profiler.stop()
-    peak = timeline_peak_bytes(profiler, "cpu")
-    Path(spec["out"]).write_text(json.dumps({"peak_bytes": peak, "steps": window.steps}))
+    logger = logging.getLogger(PROFILER_LOGGER)
+    mismatches = _SizeMismatches()
+    logger.addHandler(mismatches)
+    try:
+        result: dict[str, Any] = {"peak_bytes": timeline_peak_bytes(profiler, "cpu"), "steps": window.steps}
+        if mismatches.count:
+            result = {"failed": f"{mismatches.count} allocation/free size mismatches"}
+    except AssertionError as exc:
+        result = {"failed": str(exc)[:100]}
+    Path(spec["out"]).write_text(json.dumps(result))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -85,6 +85,7 @@ class RankRun:
     ended: str  # "stopped" (after the steps asked for) or "ended" (the program returned first)
     elapsed_s: float
     seen: Seen
+    facts: dict[str, Any]  # `seen.describe()`: what memplan saw, for the report
     reads: dict[str, int] = field(default_factory=dict)
     skipped_writes: list[str] = field(default_factory=list)
     redirected_writes: dict[str, str] = field(default_factory=dict)
@@ -224,6 +225,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
             window.install()
             with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), DeviceRedirect(world):
                 ended = _execute(launch)
+            facts = seen.describe()  # while the process group the program made is there
         except BaseException:
             recording.abandon()
             raise
@@ -239,7 +241,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
         if recording.recorder is not None and recording.recorder.attention is not None:
             meta["attention"] = recording.recorder.attention
         trace = recording.finish(meta)
-    return RankRun(rank, trace, window.steps, ended, time.perf_counter() - start, seen, dict(world.reads.answered),
+    return RankRun(rank, trace, window.steps, ended, time.perf_counter() - start, seen, facts, dict(world.reads.answered),
                    list(writes.skipped), dict(writes.redirected),
                    recording.recorder.attention if recording.recorder is not None else None, groups)
 

@@ -45,6 +45,17 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
     return "foreach" if foreach else "loop"
 
 
+def _class_name(model: torch.nn.Module) -> str:
+    """The program's own class of `model`: FSDP2's `fully_shard` makes the module an instance
+    of a new class `FSDP<Name>` (bases `FSDPModule` and the original)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        cls = next((base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule)), cls)
+    return cls.__name__
+
+
 class Seen:
     """The program's model, optimizer and calls, as the run saw them (module docstring)."""
 
@@ -110,6 +121,8 @@ class Seen:
 
         model = self.models[0] if self.models else None
         identity = model_identity(model) if model is not None else {}
+        if model is not None:
+            identity["class"] = _class_name(model)
         param_dtypes = Counter(_dtype(p.dtype) for p in model.parameters()) if model is not None else Counter()
         setup, unseen = self.setup()
         return {

@@ -11,16 +11,18 @@
 - **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
   `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
-  read that copy; the caches (`~/.cache`, `HF_HOME`, `XDG_CACHE_HOME`, `TORCH_HOME`), `OUT`
-  itself and `/dev` are written where they are (files opened by descriptor, as `tempfile`'s,
-  too).
+  read that copy; the caches (`~/.cache`, Inductor's `torchinductor_USER` in the temporary
+  folder, the folders of `CACHE_ENV`), `OUT` itself and `/dev` are written where they are
+  (files opened by descriptor, as `tempfile`'s, too).
 """
 
 from __future__ import annotations
 
 import builtins
+import getpass
 import io
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,10 @@ REPORTING_ENV = {
 }
 
 
+CACHE_ENV = ("HF_HOME", "XDG_CACHE_HOME", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+             "TORCH_EXTENSIONS_DIR")
+
+
 class WriteLog:
     """What the program tried to write, and where it went."""
 
@@ -47,8 +53,9 @@ class WriteLog:
         self.redirected: dict[str, str] = {}  # the program's path -> where it was written
 
     def keep_in_place(self, path: Path) -> bool:
-        roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir]
-        roots += [Path(os.environ[k]) for k in ("HF_HOME", "XDG_CACHE_HOME", "TORCH_HOME") if os.environ.get(k)]
+        roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir,
+                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"]
+        roots += [Path(os.environ[k]) for k in CACHE_ENV if os.environ.get(k)]
         resolved = path.resolve()
         return any(resolved == root.resolve() or root.resolve() in resolved.parents for root in roots)
 
