@@ -19,6 +19,12 @@ from .conftest import PROGRAMS
 
 PLAIN = str(PROGRAMS / "plain_loop.py")
 PRETRAINED = str(PROGRAMS / "hf_pretrained.py")
+TRAINER = str(PROGRAMS / "hf_trainer.py")
+
+
+def _trainer(checkpoint, data, output_dir, *flags):
+    return ["python", TRAINER, "--model", str(checkpoint), "--data", str(data), "--output_dir", str(output_dir),
+            "--per_device_train_batch_size", "2", "--max_steps", "50", "--logging_steps", "1", *flags]
 
 
 def _within_one_percent(estimated, measured):
@@ -39,6 +45,26 @@ def test_cpu_run_of_a_from_pretrained_loop_matches_the_profiler_of_the_real_run(
     result = run_program(command, device="cpu", out_dir=tmp_path)
     _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
     assert result.seen["model"]["class"] == "LlamaForCausalLM" and result.seen["loss"].startswith("the model's own")
+
+
+@pytest.mark.slow
+def test_cpu_run_of_a_trainer_script_matches_the_profiler_of_the_real_run(text_file, tiny_checkpoint, tmp_path):
+    command = _trainer(tiny_checkpoint, text_file, tmp_path / "trainer")
+    result = run_program(command, device="cpu", out_dir=tmp_path / "run")
+    _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
+
+
+def test_cuda_run_of_a_trainer_script_sees_its_precision_checkpointing_and_optimizer(text_file, tiny_checkpoint,
+                                                                                    tmp_path):
+    output_dir = tmp_path / "trainer"
+    command = _trainer(tiny_checkpoint, text_file, output_dir, "--bf16", "--gradient_checkpointing",
+                       "--report_to", "tensorboard")  # not installed: the run reports nowhere
+    result = run_program(command, device="cuda", out_dir=tmp_path / "run")
+    seen = result.seen
+    assert seen["autocast"] == "bf16" and seen["recomputed_ops"] > 0
+    assert (seen["optimizer"]["class"], seen["optimizer"]["implementation"]) == ("AdamW", "fused")  # Trainer's default
+    assert not output_dir.exists()  # the Trainer's folder went under the run's output
+    assert any("__bool__" in site for site in result.runs[0].reads)  # logging_nan_inf_filter's isnan/isinf
 
 
 def test_cuda_run_prints_one_json_object_with_the_estimate_and_what_it_saw(text_file, tiny_checkpoint, tmp_path,

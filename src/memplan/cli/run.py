@@ -79,6 +79,8 @@ def _seen_rows(result: ProgramRun) -> list[tuple[str, str]]:
     rows += [("batch", f"{setup.get('batch')} x {setup.get('seq')} (first forward), "
                        f"{max(seen['forward_calls_per_step'] or [1])} forward(s) per step"),
              ("loss", seen["loss"] or "?"),
+             ("checkpointing", f"{seen['recomputed_ops']} ops recomputed in backward" if seen["recomputed_ops"]
+              else "none (nothing recomputed in backward)"),
              ("layout", ", ".join(f"{k} {v}" for k, v in seen["layout"].items()))]
     return rows
 

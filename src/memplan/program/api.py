@@ -31,6 +31,7 @@ from memplan.program.estimate import rank_estimate
 from memplan.program.launchers import Launch, parse_command
 from memplan.program.runner import RankRun, RunOptions, run_rank
 from memplan.trace import save
+from memplan.trace.model import PHASE, Trace
 
 DEFAULT_GPU = "h100-80gb"  # the profile a cuda run answers for when --gpu is not given
 
@@ -127,9 +128,14 @@ def run_program(command: list[str], *, device: str = "cuda", gpu: str | None = N
     return result
 
 
+def _recomputed_ops(trace: Trace) -> int:
+    """Ops the trace ran in backward as a module's forward again: activation checkpointing."""
+    return int((trace.ops["phase"] == PHASE["recompute"]).sum()) if trace.num_ops else 0
+
+
 def _program_run(launch: Launch, runs: list[RankRun], per_rank: list[RankEstimate], profile: DeviceProfile | None,
                  device: str, elapsed_s: float) -> ProgramRun:
-    seen = runs[0].facts
+    seen = {**runs[0].facts, "recomputed_ops": _recomputed_ops(runs[0].trace)}
     identity = seen["model"]
     layout = {"world_size": launch.world_size, **{k: v for k, v in seen["layout"].items() if k != "world_size"}}
     estimate = Estimate(

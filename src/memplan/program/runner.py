@@ -214,7 +214,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
         seen = Seen(world)
         recording = _Trace(world, seen)
         window = StepWindow(options.steps + 1, on_open=recording.open, on_call=recording.call,
-                            on_step=recording.step, on_return=seen.note_output,
+                            on_step=recording.step, on_return=seen.note_output, on_first_child=seen.note_autocast,
                             max_seconds=options.max_seconds)
         world.window = window
         writes = side_effects.WriteLog(Path(options.out_dir))

@@ -75,9 +75,15 @@ class Seen:
             self.models.append(module)
         if self.first_call is None:
             self.first_call = (args, kwargs)
-            if torch.is_autocast_enabled("cpu"):
-                self.autocast = ("cuda" if self.world.cuda else "cpu", torch.get_autocast_dtype("cpu"))
+            self.note_autocast()
         self._calls_since_step += 1
+
+    def note_autocast(self, _module: torch.nn.Module | None = None) -> None:
+        """Autocast as the model's code runs: at its first call, and again at the first module
+        it calls (accelerate enters autocast inside the model's `forward`, which it wraps:
+        `Accelerator.prepare_model`)."""
+        if self.autocast is None and torch.is_autocast_enabled("cpu"):
+            self.autocast = ("cuda" if self.world.cuda else "cpu", torch.get_autocast_dtype("cpu"))
 
     def note_output(self, output: Any) -> None:
         if self.model_loss is None:

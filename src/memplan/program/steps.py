@@ -61,9 +61,13 @@ class StepWindow:
     def __init__(self, stop_after: int, *, on_open: Callable[[Call], None] | None = None,
                  on_call: Callable[[Call], None] | None = None,
                  on_step: Callable[[torch.optim.Optimizer, int], None] | None = None,
-                 on_return: Callable[[Any], None] | None = None, max_seconds: float | None = None) -> None:
+                 on_return: Callable[[Any], None] | None = None,
+                 on_first_child: Callable[[torch.nn.Module], None] | None = None,
+                 max_seconds: float | None = None) -> None:
         self.stop_after = stop_after
         self.on_open, self.on_call, self.on_step, self.on_return = on_open, on_call, on_step, on_return
+        self.on_first_child = on_first_child  # the first module called inside the first top-level call
+        self._child_seen = False
         self.max_seconds = max_seconds
         self.depth = 0  # module forwards running
         self.optimizer_depth = 0
@@ -87,6 +91,9 @@ class StepWindow:
                 and torch._C._current_graph_task_id() == -1  # a recomputation in backward is no new call
             if top:
                 window._top_call(module, args, kwargs)
+            elif window.depth == 1 and window.on_first_child is not None and not window._child_seen:
+                window._child_seen = True
+                window.on_first_child(module)
             window.depth += 1
             try:
                 out = original(module, *args, **kwargs)
