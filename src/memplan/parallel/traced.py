@@ -92,6 +92,7 @@ class DistributedRecorder(Recorder):
         super().__init__(record_flops=record_flops)
         self._alias_count: dict[int, int] = {}  # buffer -> extra storages that stand for it
         self._alias_refs: list[weakref.ref] = []
+        self._propagating = 0  # inside DTensor's sharding propagation: its ops are no ops of the step
 
     def _make_free_callback(self, idx: int) -> Any:
         free = super()._make_free_callback(idx)
@@ -132,6 +133,8 @@ class DistributedRecorder(Recorder):
         super().note_saved(tensor)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor dispatches to local ops, which come back here
         if func is torch.ops._c10d_functional.wait_tensor.default:
@@ -159,7 +162,36 @@ class DistributedRecorder(Recorder):
         self._marked[idx] = CATEGORY["parameter"]  # FSDP2's unsharded (gathered) parameters
 
     def extra_hooks(self) -> contextlib.AbstractContextManager:
-        return self.fsdp_storage_hooks()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.fsdp_storage_hooks())
+        stack.enter_context(self.sharding_propagation_unrecorded())
+        return stack
+
+    @contextlib.contextmanager
+    def sharding_propagation_unrecorded(self) -> Iterator[None]:
+        """DTensor derives an op's output metadata the first time it sees the op's shardings by
+        running the op on fake tensors of the *global* shapes
+        (`ShardingPropagator._propagate_tensor_meta_non_cached`,
+        torch/distributed/tensor/_sharding_prop.py): no memory of the rank's, and not recorded.
+        A traced step after a warm-up finds every sharding cached; a program traced from its
+        first step (memplan.program) does not."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        recorder = self
+
+        def unrecorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            recorder._propagating += 1
+            try:
+                return propagate(self, *args, **kwargs)
+            finally:
+                recorder._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = unrecorded
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
     @contextlib.contextmanager
     def fsdp_storage_hooks(self) -> Iterator[None]:

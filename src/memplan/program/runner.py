@@ -48,7 +48,7 @@ from memplan.program.reads import ReadRefused
 from memplan.program.recording import ProgramRecorder
 from memplan.program.seen import Seen
 from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
-from memplan.program.world import DeviceRedirect, World
+from memplan.program.world import DeviceRedirect, World, redirect_in_backward
 from memplan.trace.model import Trace
 
 
@@ -186,8 +186,10 @@ def _visible_rng_state(world: World, patches: Patches) -> None:
     patches.set(torch, "get_rng_state", get_rng_state)
 
 
-def _install(world: World, patches: Patches, launch: Launch, rank: int, options: RunOptions, writes: Any) -> list:
+def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: Launch, rank: int,
+             options: RunOptions, writes: Any) -> list:
     """Every replacement of the run (module docstring); the hook handles to remove."""
+    redirect_in_backward(redirect, patches)
     fakes.patch_checkpoints(world, patches)
     fakes.swappable_fakes(patches)
     side_effects.skip_checkpoints(patches, writes)
@@ -221,9 +223,10 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
         patches, handles = Patches(), []
         ended = "ended"
         try:
-            handles = _install(world, patches, launch, rank, options, writes)
+            redirect = DeviceRedirect(world)
+            handles = _install(world, redirect, patches, launch, rank, options, writes)
             window.install()
-            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), DeviceRedirect(world):
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), redirect:
                 ended = _execute(launch)
             facts = seen.describe()  # while the process group the program made is there
         except BaseException:

@@ -26,6 +26,13 @@ memory is told apart from host memory by the tags above: a fake tensor is device
 unless it was made on the host and never moved (a model built on the CPU before `.to`), a
 real one only when tagged. A CPU job ("cpu") has one memory: every tensor is in it.
 
+A function mode is off while its own handler runs the function it intercepted; for
+`loss.backward()` (`Tensor.backward`, `torch.autograd.backward`, `torch.autograd.grad`) that
+is the whole backward, hooks included (FSDP2's all-gathers and reduce-scatters, a
+checkpoint's recomputation). `redirect_in_backward` enters the mode again around autograd's
+engine (`torch.autograd.graph._engine_run_backward`), whose thread-local state the engine
+carries into every node and hook it runs.
+
 The recorder reads the tags (`on_device`); `in_model_code` is what the factories rule uses.
 """
 
@@ -41,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.models import tracing
+from memplan.program.patches import Patches
 from memplan.program.reads import KNOWN_BOOL_OPS, READS, ReadLog, is_fake_value
 
 Tensor = torch.Tensor
@@ -52,6 +60,24 @@ LIKE_FACTORIES = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like,
 NEW_FACTORIES = frozenset({Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full,
                            Tensor.new_empty_strided})
 _MOVES = frozenset({Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.pin_memory, Tensor.is_pinned})
+
+
+def redirect_in_backward(mode: TorchFunctionMode, patches: Patches) -> None:
+    """`mode` active in autograd's engine, also when it was entered from its own handler
+    (module docstring)."""
+    import torch.autograd.graph
+    from torch.overrides import _get_current_function_mode_stack
+
+    run = torch.autograd.graph._engine_run_backward
+
+    def engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        if any(m is mode for m in _get_current_function_mode_stack()):
+            return run(*args, **kwargs)
+        with mode:
+            return run(*args, **kwargs)
+
+    patches.set(torch.autograd.graph, "_engine_run_backward", engine_run_backward)
+    patches.set(torch.autograd, "_engine_run_backward", engine_run_backward)
 
 
 def is_cuda(device: Any) -> bool:
