@@ -31,10 +31,37 @@ def test_python_m_torch_distributed_run_is_torchrun():
 
 
 def test_an_unknown_launcher_is_refused_naming_those_supported():
-    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs python, torchrun"):
+    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, python, torchrun"):
         parse_command(["deepspeed", "train.py"])
 
 
 def test_torchrun_without_a_number_of_processes_is_refused():
     with pytest.raises(UserError, match="--nproc-per-node gpu"):
         parse_command(["torchrun", "--nproc-per-node", "gpu", "train.py"])
+
+
+FSDP2_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 4
+mixed_precision: bf16
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+"""
+
+
+def test_accelerate_launch_reads_its_config_file_and_gives_each_rank_its_environment(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP2_CONFIG)
+    launch = parse_command(["accelerate", "launch", "--config_file", str(config), "train.py", "--lr", "1"])
+    assert (launch.launcher, launch.world_size, launch.nproc_per_node, launch.args) == ("accelerate", 4, 4, ("--lr", "1"))
+    env = launch.rank_env(3)
+    assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["ACCELERATE_MIXED_PRECISION"], env["RANK"]) == \
+        ("true", "2", "bf16", "3")
+
+
+def test_accelerate_launch_with_deepspeed_is_refused():
+    with pytest.raises(UserError, match="DeepSpeed or TPU"):
+        parse_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "train.py"])

@@ -20,6 +20,7 @@ import pytest
 from memplan.program import measure_program, run_program
 
 from .conftest import PROGRAMS
+from .test_launchers import FSDP2_CONFIG
 
 FSDP2 = str(PROGRAMS / "fsdp2_loop.py")
 
@@ -54,6 +55,21 @@ def test_cuda_run_traces_each_rank_whose_shards_differ_with_nccl_in_device_used(
     assert layout["world_size"] == 2 and layout["fsdp2_modules"] == 3
     assert layout["fsdp2_mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     assert result.seen["parameter_dtypes"] == {"fp32": 20}  # the sharded parameters stay fp32
+
+
+def test_cuda_run_of_a_trainer_under_accelerate_launch_with_an_fsdp2_config(text_file, tiny_checkpoint, tmp_path):
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(FSDP2_CONFIG.replace("num_processes: 4", "num_processes: 2"))
+    command = ["accelerate", "launch", "--config_file", str(config), str(PROGRAMS / "hf_trainer.py"),
+               "--model", str(tiny_checkpoint), "--data", str(text_file), "--output_dir", str(tmp_path / "trainer"),
+               "--per_device_train_batch_size", "2", "--max_steps", "50"]
+    result = run_program(command, device="cuda", steps=1, out_dir=tmp_path / "run")
+    layout, optimizer = result.seen["layout"], result.seen["optimizer"]
+    assert layout["world_size"] == 2 and layout["fsdp2_modules"] >= 3  # accelerate applied fully_shard
+    # accelerate maps each parameter to its shard by data_ptr(): every fake parameter has an address of its own
+    assert optimizer["state_dtypes"] == {"fp32": 40}
+    rank = result.estimate.per_rank[0]
+    assert rank.breakdown["optimizer_state"] >= 155_968 * 8 // 2  # Adam's two states of half the parameters
 
 
 def test_ranks_with_the_same_shards_are_traced_once(tmp_path):

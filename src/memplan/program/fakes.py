@@ -19,8 +19,9 @@
 - **`.to()` of a fake module.** `Module._apply` swaps a fake parameter with its converted
   copy (`torch.utils.swap_tensors`), which refuses a tensor something holds a weak reference
   to; FakeTensorMode's converter memoizes the fake outputs of ops it computes afresh
-  (`FakeTensorConverter.from_meta_and_device`) in a weak-value table. For the run, a swap of
-  two fake tensors first drops them from that table (`swappable_fakes`).
+  (`FakeTensorConverter.from_meta_and_device`) in a weak-value table, and so does every other
+  fake mode that meets them (DTensor's sharding propagation makes its own). For the run, a
+  swap of fake tensors first drops them from every such table (`swappable_fakes`).
 - **torch.load.** The file is memory-mapped where its format allows (`mmap=True`) and every
   floating-point tensor in it is replaced by a fake copy (weights, optimizer states); integer
   and boolean tensors (token ids, masks: data) stay real, so data files load as they are.
@@ -142,6 +143,20 @@ class FakeSafeOpen:
         return {k: self.get_tensor(k) for k in self._entries}
 
 
+def _drop_from_weak_table(ref: Any) -> None:
+    """Remove the entry a `weakref.WeakValueDictionary` keeps through `ref` (a `KeyedRef`,
+    whose callback takes a weak reference to its table as a default argument, CPython's
+    Lib/weakref.py): a converter's memo, a cache."""
+    import weakref
+
+    if not isinstance(ref, weakref.KeyedRef) or ref.__callback__ is None:
+        return
+    for owner in getattr(ref.__callback__, "__defaults__", None) or ():
+        table = owner() if isinstance(owner, weakref.ref) else None
+        if isinstance(table, weakref.WeakValueDictionary):
+            table.pop(ref.key, None)
+
+
 def swappable_fakes(patches: Patches) -> None:
     """`torch.utils.swap_tensors` of fake tensors (module docstring)."""
     import weakref
@@ -151,12 +166,14 @@ def swappable_fakes(patches: Patches) -> None:
 
     swap = torch.utils.swap_tensors
 
+    def forget(t: torch.Tensor) -> None:
+        if isinstance(t, FakeTensor):
+            for ref in weakref.getweakrefs(t):
+                _drop_from_weak_table(ref)
+
     def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        for t in (t1, t2):
-            if isinstance(t, FakeTensor) and weakref.getweakrefcount(t):
-                memo = t.fake_mode.fake_tensor_converter.meta_converter.tensor_memo
-                for key in [k for k, v in list(memo.items()) if v is t]:
-                    del memo[key]
+        forget(t1)  # in a function of its own: its references to the weak references die with it
+        forget(t2)
         swap(t1, t2)
 
     patches.set(torch.utils, "swap_tensors", swap_tensors)

@@ -17,6 +17,14 @@ is read as it reads it:
   GROUP_RANK, MASTER_ADDR, MASTER_PORT; `torch/distributed/elastic/agent/server/
   local_elastic_agent.py`, `_start_workers`).
 
+- `accelerate launch [--config_file F] [options] SCRIPT|-m MODULE ARGS...`: accelerate's own
+  parser and config file (`accelerate.commands.launch`: `launch_command_parser`,
+  `_validate_launch_command`), and the environment its launcher gives each worker
+  (`accelerate.utils.launch.prepare_multi_gpu_env`: `ACCELERATE_USE_FSDP`, `FSDP_*`,
+  `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
+  torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
+  are refused.
+
 `LAUNCHERS` maps each supported first word to its parser; another launcher is one more
 entry (docs/run.md says what each of the others would need). Anything else is a
 `UserError` naming those supported.
@@ -39,7 +47,7 @@ MASTER_PORT = "29500"  # torchrun's default (--master-port)
 class Launch:
     """One training command: what to run, with which arguments, in which world."""
 
-    launcher: str  # "python" or "torchrun"
+    launcher: str  # "python", "torchrun" or "accelerate"
     target: str  # a script path, or a module name when `module`
     args: tuple[str, ...]  # the program's own arguments, as typed
     module: bool = False
@@ -119,9 +127,36 @@ def _torchrun_launch(words: list[str]) -> Launch:
                   world_size=max_nodes * nproc, nproc_per_node=nproc, distributed=True, env=env)
 
 
+def _accelerate_launch(words: list[str]) -> Launch:
+    """`accelerate launch ...`, read by accelerate's own parser and config file."""
+    if words[1:2] != ["launch"]:
+        raise UserError(f"memplan run runs `accelerate launch ...`, not `accelerate {' '.join(words[1:2])}`")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    try:
+        args, _defaults, _mixed_precision_from_config = _validate_launch_command(
+            launch_command_parser().parse_args(words[2:]))
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option; accelerate raises ValueError
+        raise UserError(f"accelerate launch could not read `{' '.join(words[2:])}`: {exc}") from None
+    if args.use_deepspeed or args.tpu:
+        raise UserError("accelerate launch with DeepSpeed or TPU: memplan run does not run these yet "
+                        "(docs/run.md, Launchers)")
+    if args.main_process_port is None:
+        args.main_process_port = 0  # a free port: the check of the default one is no concern of a fake group
+    distributed = bool(args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
+    env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
+    env = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    nproc = int(args.nproc_per_node) if distributed else 1
+    return Launch("accelerate", args.training_script, tuple(args.training_script_args), module=bool(args.module),
+                  world_size=int(args.num_processes) if distributed else 1, nproc_per_node=nproc,
+                  distributed=distributed, env=env)
+
+
 LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
     "python": _python_launch,
     "torchrun": _torchrun_launch,
+    "accelerate": _accelerate_launch,
 }
 
 

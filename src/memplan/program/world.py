@@ -18,7 +18,11 @@ real.** Concretely (`DeviceRedirect`, a `TorchFunctionMode` active for the whole
 - everything else runs as PyTorch runs it: an op with a fake input gives a fake output
   (FakeTensor's own dispatch), an op on real tensors a real one, tagged as device memory
   when one of its inputs is;
-- reading a fake tensor's value follows `memplan.program.reads`.
+- reading a fake tensor's value follows `memplan.program.reads`;
+- `data_ptr()` of a fake tensor is an address of its own: a fake storage has none (PyTorch
+  gives 0, with a warning), and code keys tensors by it (accelerate's FSDP2 preparation maps
+  each original parameter to its sharded one by `data_ptr()`, accelerate/accelerator.py,
+  `prepare_model`): each fake storage gets a distinct base, and a view its offset from it.
 
 A CUDA job ("cuda") is traced on fake *cpu* tensors (a CPU-only PyTorch aborts when autograd
 runs on fake cuda tensors, docs/capture.md), so `tensor.device` is `cpu` everywhere; device
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -59,6 +63,7 @@ LIKE_FACTORIES = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like,
                             torch.rand_like, torch.randn_like, torch.randint_like})
 NEW_FACTORIES = frozenset({Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full,
                            Tensor.new_empty_strided})
+FAKE_ADDRESS_BASE = 1 << 44  # above any address a real CPU allocation of this process has
 _MOVES = frozenset({Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.pin_memory, Tensor.is_pinned})
 
 
@@ -107,6 +112,8 @@ class World:
         self.reads = ReadLog(program_dir)
         self._device_storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real storages on the device
         self._host_fakes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake storages on the host
+        self._fake_addresses: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake storage -> its address
+        self._next_address = FAKE_ADDRESS_BASE
         self.window: Any = None  # the step window (memplan.program.steps): module and optimizer depth
         self.allocated_bytes = 0  # live device tensors the recorder sees (512-byte blocks)
         self.peak_allocated_bytes = 0
@@ -145,6 +152,15 @@ class World:
             self._host_fakes[t.untyped_storage()] = True
         return t
 
+    def fake_address(self, t: Tensor) -> int:
+        """`t.data_ptr()` of a fake tensor (module docstring)."""
+        storage = t.untyped_storage()
+        base = self._fake_addresses.get(storage)
+        if base is None:
+            base = self._fake_addresses[storage] = self._next_address
+            self._next_address += (storage.nbytes() // 4096 + 2) * 4096
+        return base + t.storage_offset() * t.element_size()
+
     def in_model_code(self) -> bool:
         """Inside a module's forward, autograd's backward or an optimizer's step."""
         window = self.window
@@ -181,6 +197,8 @@ class DeviceRedirect(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _MOVES:
             return self._move(func, args, kwargs)
+        if func is Tensor.data_ptr and args and isinstance(args[0], FakeTensor):
+            return self.world.fake_address(args[0])
         if func in SIZE_FACTORIES or func in LIKE_FACTORIES or func in NEW_FACTORIES:
             return self._factory(func, args, kwargs)
         device = kwargs.get("device")
