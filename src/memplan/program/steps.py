@@ -80,6 +80,7 @@ class StepWindow:
         self._handles: list[Any] = []
         self._original_call: Any = None
         self._timer = False
+        self._previous_handler: Any = signal.SIG_DFL
         self._has_parameters: dict[int, bool] = {}
 
     def install(self) -> None:
@@ -117,6 +118,7 @@ class StepWindow:
         self._handles = []
         if self._timer:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous_handler)
             self._timer = False
 
     def _arm_timer(self) -> None:
@@ -127,7 +129,7 @@ class StepWindow:
             raise ProgramTimeout(f"the program took no optimizer step in {self.max_seconds:g} s "
                                  f"(after {self.steps} steps): give --max-seconds more, or check that it trains")
 
-        signal.signal(signal.SIGALRM, expired)
+        self._previous_handler = signal.signal(signal.SIGALRM, expired)
         signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
         self._timer = True
 
