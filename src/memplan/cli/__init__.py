@@ -26,7 +26,7 @@ from memplan.cli.from_file import apply_from_file
 from memplan.errors import BUG_EXIT_CODE, MemplanBug, UserError
 
 # Subcommand modules, in the order `memplan --help` lists them.
-SUBCOMMANDS = ["trace", "show", "simulate", "pack", "plan", "reorder", "estimate", "fit", "generate", "serve", "rl", "compare", "calibrate", "offload", "report", "demo"]
+SUBCOMMANDS = ["run", "trace", "show", "simulate", "pack", "plan", "reorder", "estimate", "fit", "generate", "serve", "rl", "compare", "calibrate", "offload", "report", "demo"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -105,6 +105,13 @@ def render(result: Estimate) -> None:
              + (f", ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")")
     if result.routing is not None:
         title += f", routing {result.routing}"
+    render_figures(result, title)
+
+
+def render_figures(result: Estimate, title: str) -> None:
+    """The per-rank figures under `title` (one rank as key/value rows, several as a table),
+    host memory, and the verdict."""
+    layout = result.layout
     host = result.host_peak_bytes > 0
     header = ["rank", "peak allocated", "peak reserved", "device used", "phase", "params", "grads",
               "optimizer", "activations", "temporaries", "other", *(("host",) if host else ())]

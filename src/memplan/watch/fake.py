@@ -27,8 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from memplan.errors import UserError
-
-ForwardCall = tuple[tuple[Any, ...], dict[str, Any]]
+from memplan.models.live import ForwardCall
 
 
 def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -1,0 +1,211 @@
+"""`torch.cuda` as a program run for a GPU profile sees it, on a machine with no GPU.
+
+For a `cuda` run, `install(world, patches, profile, ...)` answers PyTorch's device queries
+from the device profile (memplan.hardware.devices) and from memplan's own counters, so that
+the program takes the path it takes on that GPU and its own memory logging prints memplan's
+figures:
+
+- availability and identity: `is_available` (True), `device_count` (the launcher's
+  processes per node), `current_device` / `set_device` / `device(...)` (the rank's local
+  device), `get_device_name`, `get_device_capability` (from the profile's generation),
+  `get_device_properties` (name, `total_memory`, capability), `is_bf16_supported`, and the
+  same in `torch.accelerator`;
+- memory: `memory_allocated` / `max_memory_allocated` are the live and peak bytes of the
+  device tensors memplan's recorder sees (each rounded to the caching allocator's 512-byte
+  blocks, memplan.alloc.conf); `memory_reserved` / `max_memory_reserved` answer the same
+  figures (the caching allocator's reserved memory is known only after the run, from the
+  allocator replay of the estimate); `mem_get_info` is (capacity - CUDA context - reserved,
+  capacity); `memory_stats` / `memory_summary` hold these; `reset_peak_memory_stats` resets
+  the peak;
+- no-ops: `synchronize`, `empty_cache`, `ipc_collect`, streams and events (`Stream`,
+  `Event`, `current_stream`, `stream(...)`: memory is traced in program order on one
+  stream), `manual_seed*`, `nvtx` ranges; `get_rng_state` gives a 16-byte host tensor (a
+  Philox seed and offset, as `CUDAGeneratorImpl::get_state`);
+- `torch.autocast("cuda", ...)` (and `torch.cuda.amp.autocast`) runs CPU autocast with
+  CUDA's default dtype (fp16) and CUDA's op lists (`memplan.capture.cuda_kernels
+  .kernels_as_on_cuda`, with SDPA's fused CUDA kernels), as memplan traces every CUDA job;
+- optimizers default to the implementation they take on CUDA (foreach: torch/optim/
+  optimizer.py, `_default_to_fused_or_foreach`, which on a CPU build would choose the
+  per-parameter loop for the fake cpu parameters).
+
+In every run (cuda or cpu) fake tensors count as the plain tensors they stand for where
+PyTorch checks a tensor's type before its foreach paths (`_foreach_supported_types`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memplan.hardware.devices import DeviceProfile
+from memplan.program.patches import Patches
+from memplan.program.world import World
+
+CAPABILITY = {"volta": (7, 0), "turing": (7, 5), "ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0),
+              "blackwell": (10, 0)}
+
+
+class _Stream:
+    """A CUDA stream or event standing in for the real one: every wait is already satisfied."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        self.device = torch.device("cuda", 0)
+
+    def wait_stream(self, *_args: Any) -> None: ...
+    def wait_event(self, *_args: Any) -> None: ...
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _Stream()
+    def record(self, *_args: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        return True
+    def is_capturing(self) -> bool:
+        return False
+    def elapsed_time(self, _other: Any) -> float:
+        return 0.0
+    def __enter__(self) -> _Stream:
+        return self
+    def __exit__(self, *exc: Any) -> None: ...
+
+
+@contextlib.contextmanager
+def _nothing(*_args: Any, **_kwargs: Any) -> Iterator[None]:
+    yield
+
+
+class CudaState:
+    """The facade's answers (module docstring): the profile and the rank's device."""
+
+    def __init__(self, world: World, profile: DeviceProfile, device_count: int, local_rank: int) -> None:
+        self.world = world
+        self.profile = profile
+        self.count = max(1, device_count)
+        self.current = local_rank % self.count
+
+    def set_device(self, device: Any) -> None:
+        index = device.index if isinstance(device, torch.device) else (
+            int(str(device).split(":")[1]) if isinstance(device, str) and ":" in device else device)
+        if isinstance(index, int):
+            self.current = index
+
+    def properties(self, _device: Any = None) -> Any:
+        major, minor = CAPABILITY.get(self.profile.generation, (8, 0))
+        return SimpleNamespace(name=self.profile.name, total_memory=self.profile.capacity_bytes, major=major,
+                               minor=minor, multi_processor_count=0, is_integrated=False,
+                               is_multi_gpu_board=False, uuid="memplan", L2_cache_size=0, gcnArchName="")
+
+    def stats(self, _device: Any = None) -> dict[str, int]:
+        w = self.world
+        return {"allocated_bytes.all.current": w.allocated_bytes, "allocated_bytes.all.peak": w.peak_allocated_bytes,
+                "reserved_bytes.all.current": w.allocated_bytes, "reserved_bytes.all.peak": w.peak_allocated_bytes,
+                "active_bytes.all.current": w.allocated_bytes, "active_bytes.all.peak": w.peak_allocated_bytes,
+                "num_alloc_retries": 0, "num_ooms": 0}
+
+    def summary(self, _device: Any = None, abbreviated: bool = False) -> str:
+        w = self.world
+        return (f"memplan run ({self.profile.name}): allocated {w.allocated_bytes} B, "
+                f"peak {w.peak_allocated_bytes} B (device tensors traced so far)")
+
+    def mem_get_info(self, _device: Any = None) -> tuple[int, int]:
+        total = self.profile.capacity_bytes
+        context = self.profile.cuda_context_bytes or 0
+        return max(0, total - context - self.world.allocated_bytes), total
+
+    def reset_peak(self, _device: Any = None) -> None:
+        self.world.peak_allocated_bytes = self.world.allocated_bytes
+
+
+def _functions(state: CudaState) -> dict[str, Any]:
+    """The `torch.cuda` functions the facade replaces, by name (module docstring)."""
+    w = state.world
+    rng = lambda *_a, **_k: torch.zeros(16, dtype=torch.uint8)  # noqa: E731 - Philox seed + offset
+    return {
+        "is_available": lambda: True, "device_count": lambda: state.count, "is_initialized": lambda: True,
+        "init": lambda: None, "_lazy_init": lambda: None, "current_device": lambda: state.current,
+        "set_device": state.set_device, "get_device_name": lambda *_a: state.profile.name,
+        "get_device_capability": lambda *_a: CAPABILITY.get(state.profile.generation, (8, 0)),
+        "get_device_properties": state.properties, "is_bf16_supported": lambda *_a, **_k:
+            CAPABILITY.get(state.profile.generation, (8, 0)) >= (8, 0),
+        "mem_get_info": state.mem_get_info, "memory_allocated": lambda *_a: w.allocated_bytes,
+        "max_memory_allocated": lambda *_a: w.peak_allocated_bytes, "memory_reserved": lambda *_a: w.allocated_bytes,
+        "max_memory_reserved": lambda *_a: w.peak_allocated_bytes, "memory_stats": state.stats,
+        "memory_summary": state.summary, "reset_peak_memory_stats": state.reset_peak,
+        "reset_max_memory_allocated": state.reset_peak, "reset_accumulated_memory_stats": lambda *_a: None,
+        "synchronize": lambda *_a: None, "empty_cache": lambda: None, "ipc_collect": lambda: None,
+        "manual_seed": lambda *_a: None, "manual_seed_all": lambda *_a: None, "seed": lambda: None,
+        "seed_all": lambda: None, "initial_seed": lambda: 0, "get_rng_state": rng,
+        "get_rng_state_all": lambda: [rng() for _ in range(state.count)], "set_rng_state": lambda *_a, **_k: None,
+        "set_rng_state_all": lambda *_a: None, "Stream": _Stream, "Event": _Stream, "ExternalStream": _Stream,
+        "current_stream": lambda *_a, **_k: _Stream(), "default_stream": lambda *_a, **_k: _Stream(),
+        "set_stream": lambda *_a: None, "stream": _nothing, "device": _nothing, "device_of": _nothing,
+    }
+
+
+def install(world: World, patches: Patches, profile: DeviceProfile, *, device_count: int, local_rank: int) -> None:
+    """Answer `torch.cuda`, `torch.accelerator` and autocast as the GPU of `profile` (module docstring)."""
+    state = CudaState(world, profile, device_count, local_rank)
+    functions = _functions(state)
+    for name, value in functions.items():
+        patches.set(torch.cuda, name, value)
+    for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
+        patches.set(torch.cuda.nvtx, name, lambda *_a, **_k: None)
+    patches.set(torch.cuda.nvtx, "range", _nothing)
+    accelerator = {"is_available": lambda *_a, **_k: True, "device_count": functions["device_count"],
+                   "current_accelerator": lambda *_a, **_k: torch.device("cuda"),
+                   "current_device_index": functions["current_device"],
+                   "set_device_index": state.set_device, "synchronize": lambda *_a: None,
+                   "current_stream": functions["current_stream"], "set_stream": lambda *_a: None}
+    for name, value in accelerator.items():
+        patches.set(torch.accelerator, name, value)
+    _redirect_autocast(patches)
+    _cuda_optimizer_defaults(patches)
+    from torch.utils.data._utils import pin_memory
+
+    patches.set(pin_memory, "pin_memory", lambda data, *_a, **_k: data)  # host copies: not device memory
+
+
+def _redirect_autocast(patches: Patches) -> None:
+    """`torch.autocast("cuda")` as CPU autocast with CUDA's default dtype; its queries likewise."""
+    from torch.amp import autocast_mode
+
+    init = autocast_mode.autocast.__init__
+
+    def autocast_init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True,
+                      cache_enabled: Any = None) -> None:
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype or torch.float16
+        init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    patches.set(autocast_mode.autocast, "__init__", autocast_init)
+    enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    patches.set(torch, "is_autocast_enabled",
+                lambda device_type="cuda": enabled("cpu" if device_type == "cuda" else device_type))
+    patches.set(torch, "get_autocast_dtype",
+                lambda device_type: get_dtype("cpu" if device_type == "cuda" else device_type))
+
+
+def _cuda_optimizer_defaults(patches: Patches) -> None:
+    """Optimizers choose CUDA's default implementation for the fake cpu parameters."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    devices = _foreach_utils._get_foreach_kernels_supported_devices
+    fused = _foreach_utils._get_fused_kernels_supported_devices
+    patches.set(optimizer, "_get_foreach_kernels_supported_devices", lambda: [*devices(), "cpu"])
+    patches.set(optimizer, "_get_fused_kernels_supported_devices", lambda: [*fused(), "cpu"])
+
+
+def count_fakes_as_tensors(patches: Patches) -> None:
+    """Fake tensors pass PyTorch's foreach type checks as the tensors they stand for (module docstring)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for owner in (optimizer, _foreach_utils):
+        types = getattr(owner, "_foreach_supported_types", None)
+        if isinstance(types, list) and FakeTensor not in types:
+            patches.set(owner, "_foreach_supported_types", [*types, FakeTensor])

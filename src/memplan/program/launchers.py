@@ -1,0 +1,184 @@
+"""The command a user types to train, read as its launcher reads it.
+
+`parse_command(["torchrun", "--nproc-per-node", "8", "train.py", "--lr", "1e-4"])` returns a
+`Launch`: the program to run in memplan's own process (a script path or a module name), its
+own arguments (untouched), and the world the launcher would start (`world_size` ranks,
+`nproc_per_node` of them per node), with the environment each rank gets.
+
+Each launcher is parsed with its own parser where it has one, so that every option it takes
+is read as it reads it:
+
+- `python [-u|-O|-B...] SCRIPT|-m MODULE ARGS...` (also `python3`, a path to a Python):
+  one process, no distributed environment;
+- `torchrun ...` and `python -m torch.distributed.run ...`: PyTorch's own parser
+  (`torch.distributed.run.get_args_parser`, torch/distributed/run.py); the world is
+  `--nnodes` (the maximum of `MIN:MAX`) x `--nproc-per-node`, the environment what its
+  elastic agent sets per worker (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+  GROUP_RANK, MASTER_ADDR, MASTER_PORT; `torch/distributed/elastic/agent/server/
+  local_elastic_agent.py`, `_start_workers`).
+
+- `accelerate launch [--config_file F] [options] SCRIPT|-m MODULE ARGS...`: accelerate's own
+  parser and config file (`accelerate.commands.launch`: `launch_command_parser`,
+  `_validate_launch_command`), and the environment its launcher gives each worker
+  (`accelerate.utils.launch.prepare_multi_gpu_env`: `ACCELERATE_USE_FSDP`, `FSDP_*`,
+  `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
+  torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
+  are refused.
+
+`LAUNCHERS` maps each supported first word to its parser; another launcher is one more
+entry (docs/run.md says what each of the others would need). Anything else is a
+`UserError` naming those supported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memplan.errors import UserError
+
+MASTER_ADDR = "127.0.0.1"
+MASTER_PORT = "29500"  # torchrun's default (--master-port)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One training command: what to run, with which arguments, in which world."""
+
+    launcher: str  # "python", "torchrun" or "accelerate"
+    target: str  # a script path, or a module name when `module`
+    args: tuple[str, ...]  # the program's own arguments, as typed
+    module: bool = False
+    world_size: int = 1
+    nproc_per_node: int = 1
+    distributed: bool = False  # whether the launcher sets the distributed environment
+    env: dict[str, str] = field(default_factory=dict)  # the launcher's own settings for every rank
+
+    @property
+    def argv0(self) -> str:
+        """`sys.argv[0]` as the program sees it (`-m`: the module's file is unknown until it runs)."""
+        return self.target if not self.module else "-m"
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The environment the launcher gives rank `rank` (nothing for a plain `python`)."""
+        if not self.distributed:
+            return dict(self.env)
+        local = rank % self.nproc_per_node
+        return {**self.env, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.nproc_per_node), "GROUP_RANK": str(rank // self.nproc_per_node),
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
+                "MASTER_ADDR": self.env.get("MASTER_ADDR", MASTER_ADDR),
+                "MASTER_PORT": self.env.get("MASTER_PORT", MASTER_PORT), "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+
+
+_PYTHON_FLAGS = frozenset("-u -O -OO -B -E -s -S -I -q -b -bb -d -v".split())
+
+
+def _python_launch(words: list[str], launcher: str = "python") -> Launch:
+    """`python [flags] SCRIPT|-m MODULE ARGS...`."""
+    rest = list(words[1:])
+    while rest and rest[0] in _PYTHON_FLAGS:
+        rest.pop(0)
+    if rest and rest[0] in ("-W", "-X"):
+        rest = rest[2:]
+    if not rest:
+        raise UserError(f"`{' '.join(words)}` names no script: give `python train.py ...` or `python -m module ...`")
+    if rest[0] == "-c":
+        raise UserError("`python -c CODE` is not a training program memplan can run: save it as a script")
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            raise UserError("`python -m` names no module")
+        if rest[1] in ("torch.distributed.run", "torch.distributed.launch"):
+            return _torchrun_launch(["torchrun", *rest[2:]])
+        return Launch(launcher, rest[1], tuple(rest[2:]), module=True)
+    if rest[0].startswith("-"):
+        raise UserError(f"python option {rest[0]} is not one memplan run reads: put it in the environment "
+                        "(PYTHONWARNINGS, ...) or leave it out")
+    return Launch(launcher, rest[0], tuple(rest[1:]))
+
+
+def _torchrun_launch(words: list[str]) -> Launch:
+    """`torchrun [options] SCRIPT|-m MODULE ARGS...`, read by PyTorch's own parser."""
+    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        args = parser.parse_args(words[1:])
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option
+        raise UserError(f"torchrun could not read `{' '.join(words[1:])}`: {exc}") from None
+    try:
+        nproc = int(args.nproc_per_node)
+    except ValueError:
+        raise UserError(f"torchrun --nproc-per-node {args.nproc_per_node}: memplan needs the number of processes "
+                        "per node (the GPUs it would start): give a whole number") from None
+    _min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if args.no_python:
+        raise UserError("torchrun --no-python runs a binary, not a Python program memplan can trace")
+    env = {}
+    if args.master_addr:
+        env["MASTER_ADDR"] = str(args.master_addr)
+    if args.master_port:
+        env["MASTER_PORT"] = str(args.master_port)
+    return Launch("torchrun", args.training_script, tuple(args.training_script_args), module=bool(args.module),
+                  world_size=max_nodes * nproc, nproc_per_node=nproc, distributed=True, env=env)
+
+
+def _accelerate_launch(words: list[str]) -> Launch:
+    """`accelerate launch ...`, read by accelerate's own parser and config file."""
+    if words[1:2] != ["launch"]:
+        raise UserError(f"memplan run runs `accelerate launch ...`, not `accelerate {' '.join(words[1:2])}`")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    try:
+        args, _defaults, _mixed_precision_from_config = _validate_launch_command(
+            launch_command_parser().parse_args(words[2:]))
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option; accelerate raises ValueError
+        raise UserError(f"accelerate launch could not read `{' '.join(words[2:])}`: {exc}") from None
+    if args.use_deepspeed or args.tpu:
+        raise UserError("accelerate launch with DeepSpeed or TPU: memplan run does not run these yet "
+                        "(docs/run.md, Launchers)")
+    if args.main_process_port is None:
+        args.main_process_port = 0  # a free port: the check of the default one is no concern of a fake group
+    distributed = bool(args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
+    env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
+    env = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    nproc = int(args.nproc_per_node) if distributed else 1
+    return Launch("accelerate", args.training_script, tuple(args.training_script_args), module=bool(args.module),
+                  world_size=int(args.num_processes) if distributed else 1, nproc_per_node=nproc,
+                  distributed=distributed, env=env)
+
+
+LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
+    "python": _python_launch,
+    "torchrun": _torchrun_launch,
+    "accelerate": _accelerate_launch,
+}
+
+
+def launcher_of(word: str) -> str | None:
+    """The launcher a command's first word names (`python3.11`, `/usr/bin/python` -> python)."""
+    name = Path(word).name
+    if name in LAUNCHERS:
+        return name
+    if name.startswith("python") and name[6:].replace(".", "").isdigit():
+        return "python"
+    return None
+
+
+def parse_command(words: list[str]) -> Launch:
+    """The `Launch` of a training command (module docstring); `UserError` for one memplan cannot run."""
+    if not words:
+        raise UserError("memplan run needs the training command after `--`, e.g. "
+                        "`memplan run -- torchrun --nproc-per-node 8 train.py`")
+    name = launcher_of(words[0])
+    if name is None:
+        if words[0].endswith(".py") and os.path.exists(words[0]):
+            raise UserError(f"`{words[0]}` is a script: give the command that runs it, `python {words[0]} ...`")
+        raise UserError(f"memplan run does not know the launcher `{words[0]}`: it runs "
+                        f"{', '.join(sorted(LAUNCHERS))} commands")
+    return LAUNCHERS[name](words)

@@ -1,0 +1,142 @@
+"""Reading a value out of a fake tensor: the policy, and the refusal.
+
+The program runs with the model's tensors fake (no values), so a Python read of one —
+`loss.item()`, `float(x)`, `x.tolist()`, `if x:`, `f"{loss:.3f}"` — has nothing to read.
+Tensors computed from the program's data alone are real (memplan.program.world) and read
+as they would be. For fake ones the policy is:
+
+- a floating-point read (`item`, `float`, `tolist`, `numpy`, formatting) reads 0.0 for
+  every element: what a training loop does with it is log it (`loss.item()`), add it up,
+  or compare it with a threshold; 0.0 is also the "nothing found" value of the reads
+  PyTorch itself makes, `GradScaler`'s `found_inf.item()` (torch/amp/grad_scaler.py,
+  `_maybe_opt_step`), so a scaled step is taken;
+- the values of the model's tensors are taken to be finite: `isnan` / `isinf` of a fake
+  tensor are all False and `isfinite` all True, carried through `any`, `all`, `~`, `|`, `&`
+  (the checks of `Trainer`'s `logging_nan_inf_filter` and of `clip_grad_norm_`'s
+  `error_if_nonfinite`), and a boolean read of such a result gives that value;
+- any other read (an integer or boolean computed from the weights: a Python branch on a
+  tensor, a size) is refused: `ReadRefused`, naming the op and the program's file:line.
+
+Every read the policy answered is counted by site (`ReadLog`), so the run can say which
+values it made up and where.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+Tensor = torch.Tensor
+
+# the Python reads of a tensor's value (each goes through __torch_function__)
+READS = frozenset({Tensor.item, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.__index__,
+                   Tensor.__complex__, Tensor.tolist, Tensor.numpy, Tensor.__format__, Tensor.__array__})
+_FINITE_CHECKS = {torch.isnan: False, Tensor.isnan: False, torch.isinf: False, Tensor.isinf: False,
+                  torch.isposinf: False, Tensor.isposinf: False, torch.isneginf: False, Tensor.isneginf: False,
+                  torch.isfinite: True, Tensor.isfinite: True}
+_REDUCE = frozenset({torch.any, Tensor.any, torch.all, Tensor.all})
+_NOT = frozenset({torch.logical_not, Tensor.logical_not, Tensor.__invert__, torch.bitwise_not, Tensor.bitwise_not})
+_OR = frozenset({torch.logical_or, Tensor.logical_or, Tensor.__or__, Tensor.__ror__, torch.bitwise_or})
+_AND = frozenset({torch.logical_and, Tensor.logical_and, Tensor.__and__, Tensor.__rand__, torch.bitwise_and})
+KNOWN_BOOL_OPS = frozenset({*_FINITE_CHECKS, *_REDUCE, *_NOT, *_OR, *_AND})
+
+_LIBRARY_PARTS = ("site-packages", "dist-packages", f"{Path(sys.prefix).name}/lib", "<frozen")
+
+
+class ReadRefused(BaseException):  # noqa: N818 - raised through the program: its `except Exception` must not catch it
+    """A read of a fake tensor's value that the policy does not answer (module docstring)."""
+
+
+def is_fake_value(t: Any) -> bool:
+    """Whether `t` is a fake tensor with no value memplan could read (a fake made from a
+    Python scalar keeps it as a constant, and reads as that)."""
+    return isinstance(t, FakeTensor) and t.constant is None
+
+
+def program_site(program_dir: Path | None) -> str:
+    """`file:line` of the innermost frame of the program's own code (under `program_dir`,
+    else outside every installed library and memplan)."""
+    frame = sys._getframe(1)
+    fallback = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if program_dir is not None and name.startswith(str(program_dir)):
+            return f"{_short(name)}:{frame.f_lineno}"
+        if fallback is None and not any(part in name for part in _LIBRARY_PARTS) and "/memplan/" not in name:
+            fallback = f"{_short(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return fallback or "(the program)"
+
+
+def _short(path: str) -> str:
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
+class ReadLog:
+    """The reads the policy answered, and the values of the model's boolean checks."""
+
+    def __init__(self, program_dir: Path | None) -> None:
+        self.program_dir = program_dir
+        self.answered: dict[str, int] = {}  # "file:line: what" -> count
+        self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake bool tensor -> its value
+
+    def note_known(self, func: Any, args: tuple, result: Any) -> None:
+        """Carry the finiteness assumption through `func` (module docstring)."""
+        if not isinstance(result, FakeTensor):
+            return
+        if func in _FINITE_CHECKS:
+            if args and isinstance(args[0], FakeTensor):
+                self.known[result] = _FINITE_CHECKS[func]
+            return
+        values = [self.known.get(a) if isinstance(a, Tensor) else None for a in args[:2]]
+        if func in _REDUCE and values and values[0] is not None:
+            self.known[result] = values[0]
+        elif func in _NOT and values and values[0] is not None:
+            self.known[result] = not values[0]
+        elif func in _OR and len(values) == 2 and None not in values:
+            self.known[result] = values[0] or values[1]
+        elif func in _AND and len(values) == 2 and None not in values:
+            self.known[result] = values[0] and values[1]
+
+    def read(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The value of a read of the fake tensor `args[0]` (module docstring), or `ReadRefused`."""
+        t = args[0]
+        if t.dtype == torch.bool and func in (Tensor.__bool__, Tensor.item) and t in self.known:
+            return self._answer(func, t, self.known[t])
+        if (t.is_floating_point() or t.is_complex()) and func is not Tensor.__bool__:
+            return self._answer(func, t, 0.0, args, kwargs)
+        what = {Tensor.__bool__: "a Python branch on (bool of)", Tensor.__int__: "int() of",
+                Tensor.__index__: "an index or size from"}.get(func, f"{func.__name__}() of")
+        raise ReadRefused(
+            f"{program_site(self.program_dir)}: {what} a {str(t.dtype).removeprefix('torch.')} tensor computed "
+            f"from the model's weights (aten._local_scalar_dense): memplan runs the model on fake tensors, which "
+            "have no values, and reads only floating-point values (as 0.0, for logging) and the finiteness checks "
+            "isnan/isinf/isfinite; compute it from the data, or make it a floating-point value the program logs")
+
+    def _answer(self, func: Any, t: Tensor, value: float | bool, args: tuple = (), kwargs: dict | None = None) -> Any:
+        site = f"{program_site(self.program_dir)}: {func.__name__}"
+        self.answered[site] = self.answered.get(site, 0) + 1
+        if func is Tensor.tolist:
+            return torch.zeros(t.shape, dtype=torch.float64).tolist() if t.dim() else float(value)
+        if func in (Tensor.numpy, Tensor.__array__):
+            import numpy as np
+
+            return np.zeros(tuple(t.shape), dtype=np.float64)
+        if func is Tensor.__format__:
+            return format(float(value), args[1] if len(args) > 1 else "")
+        if func in (Tensor.__int__, Tensor.__index__):
+            return int(value)
+        if func is Tensor.__complex__:
+            return complex(value)
+        if t.numel() != 1:
+            raise ReadRefused(f"{program_site(self.program_dir)}: {func.__name__}() of a tensor of "
+                              f"{t.numel()} elements (only one-element tensors convert to Python scalars)")
+        return value

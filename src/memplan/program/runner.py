@@ -1,0 +1,282 @@
+"""One rank of the user's program, run in memplan's process and traced.
+
+`run_rank(launch, rank, options)` runs the program as its launcher would start rank `rank`
+(`runpy`, `sys.argv` and the launcher's environment; the script's folder first on
+`sys.path`; the working directory unchanged), inside the device world
+(memplan.program.world) with the CUDA facade for a `cuda` run (memplan.program.cuda_api),
+fake weights and checkpoints (memplan.program.fakes), no reporting and no writes outside
+`OUT` (memplan.program.side_effects), and, for a distributed launch, the fake process
+group (memplan.program.distributed). `StepWindow` (memplan.program.steps) opens the trace
+at the program's first top-level forward and stops the program after `steps + 1`
+optimizer steps (the first, which makes the optimizer state, and `steps` more).
+
+What it returns (`RankRun`): the trace of every iteration run (one `.memtrace`), how the
+program ended, and what memplan saw it do (memplan.program.seen). Everything it changed is
+put back when the rank ends, whatever the program did; the modules of the program's own
+folder are unloaded, so the next rank imports them afresh.
+
+A program that raises on its own ends the run with `ProgramFailed` (its exception and the
+traceback of its own frames); a read the policy refuses (memplan.program.reads) with
+`ProgramRefused` (a `UserError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memplan.capture import LiveCapture
+from memplan.capture.cuda_kernels import kernels_as_on_cuda
+from memplan.errors import UserError
+from memplan.hardware.devices import DeviceProfile
+from memplan.models import tracing
+from memplan.program import cuda_api, distributed, fakes, side_effects
+from memplan.program.launchers import Launch
+from memplan.program.patches import Patches
+from memplan.program.reads import ReadRefused
+from memplan.program.recording import ProgramRecorder
+from memplan.program.seen import Seen
+from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
+from memplan.program.world import DeviceRedirect, World, redirect_in_backward
+from memplan.trace.model import Trace
+
+
+class ProgramFailed(Exception):
+    """The program raised an exception of its own (not memplan's stop)."""
+
+    def __init__(self, message: str, program_traceback: str) -> None:
+        super().__init__(message)
+        self.program_traceback = program_traceback
+
+
+class ProgramRefused(UserError):
+    """The program did something memplan cannot run on fake tensors (memplan.program.reads)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a program is run: the device it is run for, its profile, the steps, the limits."""
+
+    device: str = "cuda"
+    profile: DeviceProfile | None = None
+    steps: int = 2  # optimizer steps after the first
+    max_seconds: float | None = 600.0
+    out_dir: Path = Path("memplan-run")
+
+
+@dataclass
+class RankRun:
+    """One rank's run: its trace, how it ended, what was seen."""
+
+    rank: int
+    trace: Trace | None
+    steps: int  # optimizer steps the program took
+    ended: str  # "stopped" (after the steps asked for) or "ended" (the program returned first)
+    elapsed_s: float
+    seen: Seen
+    facts: dict[str, Any]  # `seen.describe()`: what memplan saw, for the report
+    reads: dict[str, int] = field(default_factory=dict)
+    skipped_writes: list[str] = field(default_factory=list)
+    redirected_writes: dict[str, str] = field(default_factory=dict)
+    attention: dict[str, Any] | None = None
+    process_groups: int = 0  # process groups of more than one rank the program made
+
+
+class _Trace:
+    """The recording of one rank, driven by the step window's events."""
+
+    def __init__(self, world: World, seen: Seen) -> None:
+        self.world = world
+        self.seen = seen
+        self.recorder: ProgramRecorder | None = None
+        self.live: LiveCapture | None = None
+
+    def open(self, call: Call) -> None:
+        module, args, kwargs = call
+        self.recorder = ProgramRecorder(self.world)
+        self.live = LiveCapture([module], [], recorder=self.recorder)
+        self.live.begin(inputs=(args, kwargs))
+
+    def call(self, call: Call) -> None:
+        module, args, kwargs = call
+        self.seen.note_call(module, args, kwargs)
+        if self.recorder is not None:
+            for t in (x for x in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)):
+                self.recorder.mark(t, "input")
+
+    def step(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
+        self.seen.note_step(optimizer)
+        if self.recorder is not None:
+            self.recorder.iteration = steps
+            self.recorder.reset_phase()
+
+    def finish(self, meta: dict[str, Any]) -> Trace | None:
+        if self.live is None or not self.live.recording:
+            return None
+        return self.live.end(meta=meta)
+
+    def abandon(self) -> None:
+        if self.live is not None:
+            self.live.abandon()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _program_argv(launch: Launch) -> Iterator[Path]:
+    """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them; the program's folder."""
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    before = set(sys.modules)
+    if launch.module:
+        folder = Path.cwd()
+        sys.argv = [launch.target, *launch.args]
+    else:
+        script = Path(launch.target)
+        if not script.is_file():
+            raise UserError(f"the program's script {launch.target} does not exist (relative to {Path.cwd()})")
+        folder = script.resolve().parent
+        sys.argv = [launch.target, *launch.args]
+    sys.path.insert(0, str(folder) if not launch.module else "")
+    try:
+        yield folder
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        for name in set(sys.modules) - before:
+            path = getattr(sys.modules.get(name), "__file__", None) or ""
+            if path.startswith(str(folder)) and "site-packages" not in path:
+                sys.modules.pop(name, None)
+
+
+def _visible_rng_state(world: World, patches: Patches) -> None:
+    """`torch.get_rng_state()` (what `torch.utils.checkpoint` saves per checkpointed call)
+    made by an op the recorder sees: the CPU generator's state is made in C++, outside the
+    dispatcher. It is host memory in a cuda job."""
+    get_state = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = get_state()
+        with torch._C.DisableTorchFunction():
+            out = torch.empty(state.shape, dtype=state.dtype)
+        with _disable_current_modes():
+            out.copy_(state)
+        if world.cuda:
+            tracing.mark_host(out, "pageable")
+        return out
+
+    patches.set(torch, "get_rng_state", get_rng_state)
+
+
+def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: Launch, rank: int,
+             options: RunOptions, writes: Any) -> list:
+    """Every replacement of the run (module docstring); the hook handles to remove."""
+    redirect_in_backward(redirect, patches)
+    fakes.patch_checkpoints(world, patches)
+    fakes.swappable_fakes(patches)
+    side_effects.skip_checkpoints(patches, writes)
+    side_effects.redirect_writes(patches, writes)
+    side_effects.no_reporting(patches)
+    cuda_api.count_fakes_as_tensors(patches)
+    _visible_rng_state(world, patches)
+    if world.cuda:
+        if options.profile is None:
+            raise UserError("a cuda run needs a device profile (--gpu NAME)")
+        cuda_api.install(world, patches, options.profile, device_count=launch.nproc_per_node,
+                         local_rank=rank % launch.nproc_per_node)
+    if launch.distributed:
+        distributed.install(world, patches, rank=rank, world_size=launch.world_size)
+    return fakes.module_hooks(world)
+
+
+def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
+    """Run rank `rank` of the program and trace it (module docstring)."""
+    start = time.perf_counter()
+    env = {**launch.rank_env(rank), **side_effects.REPORTING_ENV, **fakes.FAKE_ENV}
+    with _environment(env), _program_argv(launch) as folder:
+        world = World(options.device, folder)
+        seen = Seen(world)
+        recording = _Trace(world, seen)
+        window = StepWindow(options.steps + 1, on_open=recording.open, on_call=recording.call,
+                            on_step=recording.step, on_return=seen.note_output, on_first_child=seen.note_autocast,
+                            max_seconds=options.max_seconds)
+        world.window = window
+        writes = side_effects.WriteLog(Path(options.out_dir))
+        patches, handles = Patches(), []
+        ended = "ended"
+        try:
+            redirect = DeviceRedirect(world)
+            handles = _install(world, redirect, patches, launch, rank, options, writes)
+            window.install()
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), redirect:
+                ended = _execute(launch)
+            facts = seen.describe()  # while the process group the program made is there
+        except BaseException:
+            recording.abandon()
+            raise
+        finally:
+            window.remove()
+            for handle in handles:
+                handle.remove()
+            groups = distributed.teardown() if launch.distributed else 0
+            patches.restore()
+        meta = {**seen.meta(), "rank": rank, "world_size": launch.world_size, "device": options.device,
+                "program": " ".join([launch.launcher, launch.target, *launch.args]), "steps": window.steps,
+                "torch_version": str(torch.__version__), "fake": True}
+        if recording.recorder is not None and recording.recorder.attention is not None:
+            meta["attention"] = recording.recorder.attention
+        trace = recording.finish(meta)
+    return RankRun(rank, trace, window.steps, ended, time.perf_counter() - start, seen, facts, dict(world.reads.answered),
+                   list(writes.skipped), dict(writes.redirected),
+                   recording.recorder.attention if recording.recorder is not None else None, groups)
+
+
+def _execute(launch: Launch) -> str:
+    """Run the program; "stopped" when memplan stopped it, "ended" when it returned."""
+    try:
+        if launch.module:
+            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(launch.target, run_name="__main__")
+    except ProgramStop:
+        return "stopped"
+    except ReadRefused as exc:
+        raise ProgramRefused(str(exc)) from None
+    except ProgramTimeout as exc:
+        raise ProgramRefused(str(exc)) from None
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise ProgramFailed(f"the program exited with status {exc.code}", "") from None
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # the program's own error, said to be the program's
+        raise ProgramFailed(f"the program raised {type(exc).__name__}: {exc}", _program_traceback(exc)) from None
+    return "ended"
+
+
+_MEMPLAN_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def _program_traceback(exc: BaseException) -> str:
+    """The traceback of `exc` without memplan's frames."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_MEMPLAN_DIR)
+              and "runpy" not in f.filename]
+    return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(type(exc), exc))

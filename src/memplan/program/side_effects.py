@@ -1,0 +1,155 @@
+"""What a program run must not do: report over the network, or write where the program writes.
+
+- **Reporting.** The environment of the run turns the reporting libraries off and the
+  Hugging Face libraries offline (`REPORTING_ENV`: wandb's `WANDB_MODE=disabled`,
+  `HF_HUB_OFFLINE=1`, ...); `TrainingArguments.report_to` is emptied after the program's own
+  arguments are parsed (transformers/training_args.py, `__post_init__`), so `Trainer`
+  starts no integration.
+- **Checkpoints.** `torch.save` of anything that holds a fake tensor, and the safetensors
+  writers (`save_file`, `save`), write nothing: a file of fake tensors is no checkpoint.
+  Each skipped write is listed.
+- **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
+  `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
+  absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
+  read that copy; the caches (`~/.cache`, Inductor's `torchinductor_USER` in the temporary
+  folder, the folders of `CACHE_ENV`), `OUT` itself and `/dev` are written where they are
+  (files opened by descriptor, as `tempfile`'s, too).
+"""
+
+from __future__ import annotations
+
+import builtins
+import getpass
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._pytree import tree_flatten
+
+from memplan.program.patches import Patches
+
+REPORTING_ENV = {
+    "WANDB_MODE": "disabled", "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1", "DISABLE_MLFLOW_INTEGRATION": "TRUE", "COMET_MODE": "DISABLED",
+    "NEPTUNE_MODE": "debug", "CLEARML_OFFLINE_MODE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
+
+CACHE_ENV = ("HF_HOME", "XDG_CACHE_HOME", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+             "TORCH_EXTENSIONS_DIR")
+
+
+class WriteLog:
+    """What the program tried to write, and where it went."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.files_dir = out_dir / "files"
+        self.out_dir = out_dir
+        self.skipped: list[str] = []  # checkpoints of fake tensors, not written
+        self.redirected: dict[str, str] = {}  # the program's path -> where it was written
+
+    def keep_in_place(self, path: Path) -> bool:
+        roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir,
+                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"]
+        roots += [Path(os.environ[k]) for k in CACHE_ENV if os.environ.get(k)]
+        resolved = path.resolve()
+        return any(resolved == root.resolve() or root.resolve() in resolved.parents for root in roots)
+
+    def target(self, path: Any) -> Any:
+        """Where a write to `path` goes (module docstring)."""
+        if not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
+            return path
+        absolute = Path(os.path.abspath(os.fspath(path)))
+        if self.keep_in_place(absolute):
+            return path
+        redirected = self.files_dir / absolute.relative_to(absolute.anchor)
+        self.redirected[str(absolute)] = str(redirected)
+        return str(redirected)
+
+    def source(self, path: Any) -> Any:
+        """Where a read of `path` reads: the copy the program wrote, if it wrote one."""
+        if not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
+            return path
+        return self.redirected.get(os.path.abspath(os.fspath(path)), path)
+
+
+def _writes(mode: str) -> bool:
+    return any(c in mode for c in "wax+")
+
+
+def redirect_writes(patches: Patches, log: WriteLog) -> None:
+    """The program's file writes go under `OUT/files/` (module docstring)."""
+    original_open, makedirs, mkdir = builtins.open, os.makedirs, os.mkdir
+
+    def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if _writes(mode):
+            file = log.target(file)
+            if isinstance(file, str):
+                makedirs(os.path.dirname(file) or ".", exist_ok=True)
+        else:
+            file = log.source(file)
+        return original_open(file, mode, *args, **kwargs)
+
+    def makedirs_(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
+        makedirs(log.target(name), mode, exist_ok)
+
+    def mkdir_(path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
+        mkdir(log.target(path), mode, *args, **kwargs)
+
+    patches.set(builtins, "open", open_)
+    patches.set(io, "open", open_)
+    patches.set(os, "makedirs", makedirs_)
+    patches.set(os, "mkdir", mkdir_)
+
+
+def skip_checkpoints(patches: Patches, log: WriteLog) -> None:
+    """No file of fake tensors is written (module docstring)."""
+    import safetensors.torch
+
+    save = torch.save
+
+    def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if any(isinstance(t, torch.Tensor) and is_fake(t) for t in tree_flatten(obj)[0]) or _holds_fake(obj):
+            log.skipped.append(f"torch.save -> {f if isinstance(f, (str, os.PathLike)) else type(f).__name__}")
+            return None
+        return save(obj, f, *args, **kwargs)
+
+    def save_file(_tensors: Any, filename: Any, *args: Any, **kwargs: Any) -> None:
+        log.skipped.append(f"safetensors.save_file -> {filename}")
+
+    def save_bytes(_tensors: Any, *args: Any, **kwargs: Any) -> bytes:
+        log.skipped.append("safetensors.save")
+        return b""
+
+    patches.set(torch, "save", torch_save)
+    patches.everywhere(safetensors.torch.save_file, save_file, ("safetensors", "transformers", "accelerate",
+                                                                 "peft", "huggingface_hub"))
+    patches.set(safetensors.torch, "save", save_bytes)
+
+
+def _holds_fake(obj: Any) -> bool:
+    """A module or optimizer (what `torch.save(model)` takes) with a fake tensor."""
+    if isinstance(obj, torch.nn.Module):
+        return any(is_fake(t) for t in obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(is_fake(p) for group in obj.param_groups for p in group["params"])
+    return False
+
+
+def no_reporting(patches: Patches) -> None:
+    """`TrainingArguments.report_to` emptied after the program's arguments are parsed."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return
+    post_init = TrainingArguments.__post_init__
+
+    def post_init_without_reporting(self: Any) -> None:
+        post_init(self)
+        self.report_to = []
+
+    patches.set(TrainingArguments, "__post_init__", post_init_without_reporting)

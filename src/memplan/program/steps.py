@@ -1,0 +1,174 @@
+"""Where a running program's training steps begin and end, and when it is stopped.
+
+`StepWindow` sees every module call (`torch.nn.Module._call_impl`, wrapped: a global
+forward pre-hook would not see the call's keyword arguments, which are a Hugging Face
+model's batch) and PyTorch's global optimizer step pre-/post-hooks
+(`torch.optim.optimizer.register_optimizer_step_pre_hook`), the same events `memplan.watch`
+counts iterations by (docs/watch.md). In the program's terms:
+
+- a *top-level call* is a forward of a module with parameters that no other module's
+  forward is running around (`model(batch)`, not its blocks);
+- the window opens at the first top-level call (`on_open`), before anything of the step
+  has run: what exists then (parameters, the batch) is what the step starts with. Python's
+  cycle collector runs first (`gc.collect()`): what the program left unreachable while
+  loading (transformers' `safe_open` handles, a file's bytes) would otherwise be freed at
+  whatever point of the step the collector next runs, differently in every run;
+- iteration k ends with the program's k-th optimizer step (`on_step`); gradient
+  accumulation is every top-level call between two steps;
+- after `stop_after` optimizer steps, the program is stopped at its next top-level call or
+  optimizer step (`ProgramStop`), so the last iteration's `zero_grad`, logging and next
+  batch have run, as in the watch's iterations;
+- `max_seconds`: a program that takes no optimizer step for that long (its first included,
+  data loading counted) is stopped with `ProgramTimeout` (a real-time interval timer,
+  `signal.setitimer`, reset at each step; in the main thread only).
+
+The same window drives memplan's trace of the program (memplan.program.runner) and the
+profiler of its real run (memplan.program.groundtruth), so both cover the same steps.
+Both exceptions derive from `BaseException`: a program's own `except Exception` does not
+swallow them.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+
+class ProgramStop(BaseException):  # noqa: N818 - a stop, not an error
+    """The program took the optimizer steps asked for: memplan stops it here."""
+
+
+class ProgramTimeout(BaseException):  # noqa: N818 - raised through the program
+    """The program took no optimizer step within `max_seconds`."""
+
+
+Call = tuple[torch.nn.Module, tuple, dict]
+
+
+class StepWindow:
+    """The program's iterations and its stop (module docstring)."""
+
+    def __init__(self, stop_after: int, *, on_open: Callable[[Call], None] | None = None,
+                 on_call: Callable[[Call], None] | None = None,
+                 on_step: Callable[[torch.optim.Optimizer, int], None] | None = None,
+                 on_return: Callable[[Any], None] | None = None,
+                 on_first_child: Callable[[torch.nn.Module], None] | None = None,
+                 max_seconds: float | None = None) -> None:
+        self.stop_after = stop_after
+        self.on_open, self.on_call, self.on_step, self.on_return = on_open, on_call, on_step, on_return
+        self.on_first_child = on_first_child  # the first module called inside the first top-level call
+        self._child_seen = False
+        self.max_seconds = max_seconds
+        self.depth = 0  # module forwards running
+        self.optimizer_depth = 0
+        self.steps = 0
+        self.calls = 0  # top-level calls
+        self.opened = False
+        self.stopped = False
+        self.started_s = time.perf_counter()
+        self.first_step_s: float | None = None  # seconds from the start to the first optimizer step
+        self._handles: list[Any] = []
+        self._original_call: Any = None
+        self._timer = False
+        self._previous_handler: Any = signal.SIG_DFL
+        self._has_parameters: dict[int, bool] = {}
+
+    def install(self) -> None:
+        original = self._original_call = torch.nn.Module._call_impl
+        window = self
+
+        def call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            top = window.depth == 0 and window.optimizer_depth == 0 and window._top_level(module) \
+                and torch._C._current_graph_task_id() == -1  # a recomputation in backward is no new call
+            if top:
+                window._top_call(module, args, kwargs)
+            elif window.depth == 1 and window.on_first_child is not None and not window._child_seen:
+                window._child_seen = True
+                window.on_first_child(module)
+            window.depth += 1
+            try:
+                out = original(module, *args, **kwargs)
+            finally:
+                window.depth -= 1
+            if top and window.on_return is not None:
+                window.on_return(out)
+            return out
+
+        torch.nn.Module._call_impl = call_impl
+        self._handles = [register_optimizer_step_pre_hook(self._pre_step),
+                         register_optimizer_step_post_hook(self._post_step)]
+        self._arm_timer()
+
+    def remove(self) -> None:
+        if self._original_call is not None:
+            torch.nn.Module._call_impl = self._original_call
+            self._original_call = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous_handler)
+            self._timer = False
+
+    def _arm_timer(self) -> None:
+        if not self.max_seconds or threading.current_thread() is not threading.main_thread():
+            return
+
+        def expired(_signum: int, _frame: Any) -> None:
+            raise ProgramTimeout(f"the program took no optimizer step in {self.max_seconds:g} s "
+                                 f"(after {self.steps} steps): give --max-seconds more, or check that it trains")
+
+        self._previous_handler = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
+        self._timer = True
+
+    def _top_level(self, module: torch.nn.Module) -> bool:
+        key = id(module)
+        if key not in self._has_parameters:
+            self._has_parameters[key] = next(module.parameters(), None) is not None
+        return self._has_parameters[key]
+
+    def _stop_if_done(self) -> None:
+        if self.steps >= self.stop_after and not self.stopped:
+            self.stopped = True
+            raise ProgramStop()
+
+    def _top_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._stop_if_done()
+        self.calls += 1
+        call = (module, args, kwargs)
+        if not self.opened:
+            self.opened = True
+            gc.collect()
+            if self.on_open is not None:
+                self.on_open(call)
+        if self.on_call is not None:
+            self.on_call(call)
+
+    def _pre_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self.optimizer_depth == 0:
+            self._stop_if_done()
+        self.optimizer_depth += 1
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self.optimizer_depth = max(0, self.optimizer_depth - 1)
+        if self.optimizer_depth:
+            return  # an inner optimizer of a wrapper that is itself an Optimizer
+        self.steps += 1
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.started_s
+        if self._timer:
+            signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
+        if self.on_step is not None:
+            self.on_step(optimizer, self.steps)

@@ -1,0 +1,287 @@
+"""The device world the program runs in: which tensors are fake, which are on the device.
+
+A program that trains on a GPU builds its model, moves it and its batches to `cuda`, and
+runs. memplan runs it unmodified on the CPU with one rule: **what lives on the device and
+is computed from the model is fake; what is computed from the program's data alone is
+real.** Concretely (`DeviceRedirect`, a `TorchFunctionMode` active for the whole run):
+
+- every parameter and buffer a module registers is a fake tensor (memplan.program.fakes):
+  a model built on the CPU takes no memory, at any size;
+- `.to("cuda")`, `.cuda()`, `device="cuda"` go to the CPU: a fake tensor's copy stays
+  fake, a real tensor's copy (a batch) stays real and is tagged as device memory, so its
+  values are the program's own (a token count read with `.item()` is exact);
+- factories that make a tensor of a given size with no data (`empty`, `zeros`, `ones`,
+  `full`, `rand*`, their `_like` and `new_*` forms) make a fake tensor when they are for
+  the device or run inside the model's code (a module's forward, autograd's backward, an
+  optimizer's step, where `device=x.device` names the cpu the fake stands on); factories
+  of values (`tensor`, `arange`, `linspace`, `eye`) stay real;
+- everything else runs as PyTorch runs it: an op with a fake input gives a fake output
+  (FakeTensor's own dispatch), an op on real tensors a real one, tagged as device memory
+  when one of its inputs is;
+- reading a fake tensor's value follows `memplan.program.reads`;
+- `data_ptr()` of a fake tensor is an address of its own: a fake storage has none (PyTorch
+  gives 0, with a warning), and code keys tensors by it (accelerate's FSDP2 preparation maps
+  each original parameter to its sharded one by `data_ptr()`, accelerate/accelerator.py,
+  `prepare_model`): each fake storage gets a distinct base, and a view its offset from it.
+
+A CUDA job ("cuda") is traced on fake *cpu* tensors (a CPU-only PyTorch aborts when autograd
+runs on fake cuda tensors, docs/capture.md), so `tensor.device` is `cpu` everywhere; device
+memory is told apart from host memory by the tags above: a fake tensor is device memory
+unless it was made on the host and never moved (a model built on the CPU before `.to`), a
+real one only when tagged. A CPU job ("cpu") has one memory: every tensor is in it.
+
+A function mode is off while its own handler runs the function it intercepted; for
+`loss.backward()` (`Tensor.backward`, `torch.autograd.backward`, `torch.autograd.grad`) that
+is the whole backward, hooks included (FSDP2's all-gathers and reduce-scatters, a
+checkpoint's recomputation). `redirect_in_backward` enters the mode again around autograd's
+engine (`torch.autograd.graph._engine_run_backward`), whose thread-local state the engine
+carries into every node and hook it runs.
+
+The recorder reads the tags (`on_device`); `in_model_code` is what the factories rule uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memplan.models import tracing
+from memplan.program.patches import Patches
+from memplan.program.reads import KNOWN_BOOL_OPS, READS, ReadLog, is_fake_value
+
+Tensor = torch.Tensor
+
+SIZE_FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
+                            torch.randint, torch.empty_strided, torch.normal})
+LIKE_FACTORIES = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+                            torch.rand_like, torch.randn_like, torch.randint_like})
+NEW_FACTORIES = frozenset({Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full,
+                           Tensor.new_empty_strided})
+FAKE_ADDRESS_BASE = 1 << 44  # above any address a real CPU allocation of this process has
+_MOVES = frozenset({Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.pin_memory, Tensor.is_pinned})
+
+
+def redirect_in_backward(mode: TorchFunctionMode, patches: Patches) -> None:
+    """`mode` active in autograd's engine, also when it was entered from its own handler
+    (module docstring)."""
+    import torch.autograd.graph
+    from torch.overrides import _get_current_function_mode_stack
+
+    run = torch.autograd.graph._engine_run_backward
+
+    def engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        if any(m is mode for m in _get_current_function_mode_stack()):
+            return run(*args, **kwargs)
+        with mode:
+            return run(*args, **kwargs)
+
+    patches.set(torch.autograd.graph, "_engine_run_backward", engine_run_backward)
+    patches.set(torch.autograd, "_engine_run_backward", engine_run_backward)
+
+
+def is_cuda(device: Any) -> bool:
+    """Whether a `device=` value names a CUDA device (`"cuda"`, `"cuda:1"`, `torch.device`, an index)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _real_tensors(value: Any) -> list[Tensor]:
+    if type(value) is Tensor or (isinstance(value, Tensor) and not is_fake(value)):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for t in value if isinstance(t, Tensor) and not is_fake(t)]
+    return []
+
+
+class World:
+    """One program run's device world (module docstring): the fake mode, the tags, the
+    model-code regions and the reads."""
+
+    def __init__(self, device: str, program_dir: Path | None) -> None:
+        self.device = device
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.reads = ReadLog(program_dir)
+        self._device_storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real storages on the device
+        self._host_fakes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake storages on the host
+        self._fake_addresses: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake storage -> its address
+        self._next_address = FAKE_ADDRESS_BASE
+        self.window: Any = None  # the step window (memplan.program.steps): module and optimizer depth
+        self.allocated_bytes = 0  # live device tensors the recorder sees (512-byte blocks)
+        self.peak_allocated_bytes = 0
+
+    # --- tags ------------------------------------------------------------------------
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def on_device(self, t: Tensor) -> bool:
+        """Whether `t`'s storage is device memory (a cpu job: always)."""
+        if not self.cuda:
+            return True
+        storage = t.untyped_storage()
+        if is_fake(t):
+            return storage not in self._host_fakes
+        return storage in self._device_storages
+
+    def storage_on_device(self, storage: Any, fake: bool) -> bool:
+        if not self.cuda:
+            return True
+        return storage not in self._host_fakes if fake else storage in self._device_storages
+
+    def tag_device(self, t: Tensor) -> Tensor:
+        if self.cuda and isinstance(t, Tensor):
+            storage = t.untyped_storage()
+            if is_fake(t):
+                self._host_fakes.pop(storage, None)
+            else:
+                self._device_storages[storage] = True
+        return t
+
+    def tag_host(self, t: Tensor) -> Tensor:
+        """A fake tensor made on the host (a parameter of a model built on the CPU)."""
+        if self.cuda and is_fake(t):
+            self._host_fakes[t.untyped_storage()] = True
+        return t
+
+    def fake_address(self, t: Tensor) -> int:
+        """`t.data_ptr()` of a fake tensor (module docstring)."""
+        storage = t.untyped_storage()
+        base = self._fake_addresses.get(storage)
+        if base is None:
+            base = self._fake_addresses[storage] = self._next_address
+            self._next_address += (storage.nbytes() // 4096 + 2) * 4096
+        return base + t.storage_offset() * t.element_size()
+
+    def in_model_code(self) -> bool:
+        """Inside a module's forward, autograd's backward or an optimizer's step."""
+        window = self.window
+        if window is not None and (window.depth > 0 or window.optimizer_depth > 0):
+            return True
+        return torch._C._current_graph_task_id() != -1
+
+    def fake(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """`func(*args, **kwargs)` under the run's fake mode."""
+        with self.fake_mode:
+            return func(*args, **kwargs)
+
+    def fake_like(self, t: Tensor) -> Tensor:
+        """A fake tensor of `t`'s shape, strides and dtype, made by a factory: a fake made by
+        `FakeTensorMode.from_tensor` is weakly referenced by the mode's converter, and
+        `Module._apply` (`.to()`) swaps fake parameters with `torch.utils.swap_tensors`,
+        which refuses a tensor with a weak reference."""
+        with self.fake_mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+
+
+class DeviceRedirect(TorchFunctionMode):
+    """The function mode of `World` (module docstring)."""
+
+    def __init__(self, world: World) -> None:
+        super().__init__()
+        self.world = world
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in READS:
+            if args and is_fake_value(args[0]):
+                return self.world.reads.read(func, args, kwargs)
+            return func(*args, **kwargs)
+        if func in _MOVES:
+            return self._move(func, args, kwargs)
+        if func is Tensor.data_ptr and args and isinstance(args[0], FakeTensor):
+            return self.world.fake_address(args[0])
+        if func in SIZE_FACTORIES or func in LIKE_FACTORIES or func in NEW_FACTORIES:
+            return self._factory(func, args, kwargs)
+        device = kwargs.get("device")
+        if device is not None and is_cuda(device) and self.world.cuda:
+            kwargs = {**kwargs, "device": "cpu"}
+            kwargs.pop("pin_memory", None)
+            return self._tagged(func(*args, **kwargs))
+        result = func(*args, **kwargs)
+        if func in KNOWN_BOOL_OPS:
+            self.world.reads.note_known(func, args, result)
+        elif self.world.cuda and _real_tensors(result) and any(
+                self.world.on_device(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)):
+            self._tagged(result)
+        return result
+
+    def _tagged(self, result: Any) -> Any:
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, Tensor):
+                self.world.tag_device(t)
+        return result
+
+    def _factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A tensor of a given size with no data (module docstring)."""
+        world = self.world
+        kwargs = dict(kwargs)
+        for_device = is_cuda(kwargs.get("device")) and world.cuda
+        if for_device:
+            kwargs = {**kwargs, "device": "cpu"}
+        if world.cuda:
+            kwargs.pop("pin_memory", None)
+        source = args[0] if func in NEW_FACTORIES or func in LIKE_FACTORIES else None
+        if source is not None and is_fake(source):
+            out = func(*args, **kwargs)
+            return world.tag_device(out) if for_device or world.on_device(source) else out
+        if for_device or world.in_model_code():
+            return world.fake(func, *args, **kwargs)
+        out = func(*args, **kwargs)
+        if source is not None and world.cuda and world.on_device(source):
+            world.tag_device(out)
+        return out
+
+    def _move(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`.to`, `.cuda`, `.cpu`, `.pin_memory`, `.is_pinned` (module docstring)."""
+        world = self.world
+        t = args[0]
+        if not world.cuda:
+            if func is Tensor.pin_memory:
+                return t
+            if func is Tensor.is_pinned:
+                return False
+            return func(*args, **kwargs)
+        if func is Tensor.is_pinned:
+            return tracing.host_kind(t.untyped_storage()) == "pinned"
+        if func is Tensor.pin_memory:
+            out = t.clone()
+            tracing.mark_host(out, "pinned")
+            return out
+        if func is Tensor.cuda:
+            return self._to_device(t, None, kwargs.get("non_blocking", False), copy=False)
+        if func is Tensor.cpu:
+            return self._to_host(t, None) if world.on_device(t) else t
+        if args[1:] and isinstance(args[1], Tensor):
+            target_device = "cuda" if world.on_device(args[1]) else "cpu"
+            dtype, copy = args[1].dtype, kwargs.get("copy", False)
+        else:
+            device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+            target_device = "cuda" if device is not None and device.type == "cuda" else (
+                "cpu" if device is not None else None)
+            copy = kwargs.get("copy", False) or (len(args) > 3 and args[3] is True)
+        if target_device == "cuda":
+            return self._to_device(t, dtype, False, copy=copy)
+        if target_device == "cpu" and world.on_device(t):
+            return self._to_host(t, dtype)
+        return func(*args, **kwargs)
+
+    def _to_device(self, t: Tensor, dtype: torch.dtype | None, non_blocking: bool, *, copy: bool) -> Tensor:
+        if self.world.on_device(t) and not copy:
+            return t if dtype is None or dtype == t.dtype else t.to(dtype)
+        out = t.to("cpu", dtype=dtype or t.dtype, copy=True, non_blocking=non_blocking)
+        return self.world.tag_device(out)
+
+    def _to_host(self, t: Tensor, dtype: torch.dtype | None) -> Tensor:
+        out = t.to("cpu", dtype=dtype or t.dtype, copy=True)
+        if is_fake(out):
+            self.world.tag_host(out)
+        return out

@@ -1,0 +1,67 @@
+"""The training command as its launcher reads it."""
+
+import pytest
+
+from memplan.errors import UserError
+from memplan.program.launchers import parse_command
+
+
+def test_python_runs_its_script_with_the_arguments_as_typed():
+    launch = parse_command(["python3", "-u", "train.py", "--lr", "1e-4", "--data", "x y"])
+    assert (launch.launcher, launch.target, launch.args) == ("python", "train.py", ("--lr", "1e-4", "--data", "x y"))
+    assert launch.world_size == 1 and launch.rank_env(0) == {}
+
+
+def test_python_m_runs_a_module():
+    launch = parse_command(["python", "-m", "trainer.main", "--epochs", "1"])
+    assert launch.module and launch.target == "trainer.main" and launch.args == ("--epochs", "1")
+
+
+def test_torchrun_world_is_nodes_times_processes_per_node():
+    launch = parse_command(["torchrun", "--nnodes", "4", "--nproc-per-node", "8", "train.py", "--bf16"])
+    assert (launch.world_size, launch.nproc_per_node, launch.target, launch.args) == (32, 8, "train.py", ("--bf16",))
+    env = launch.rank_env(9)
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == \
+        ("9", "1", "1", "32", "8")
+
+
+def test_python_m_torch_distributed_run_is_torchrun():
+    launch = parse_command(["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"])
+    assert launch.launcher == "torchrun" and launch.world_size == 2
+
+
+def test_an_unknown_launcher_is_refused_naming_those_supported():
+    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, python, torchrun"):
+        parse_command(["deepspeed", "train.py"])
+
+
+def test_torchrun_without_a_number_of_processes_is_refused():
+    with pytest.raises(UserError, match="--nproc-per-node gpu"):
+        parse_command(["torchrun", "--nproc-per-node", "gpu", "train.py"])
+
+
+FSDP2_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 4
+mixed_precision: bf16
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+"""
+
+
+def test_accelerate_launch_reads_its_config_file_and_gives_each_rank_its_environment(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP2_CONFIG)
+    launch = parse_command(["accelerate", "launch", "--config_file", str(config), "train.py", "--lr", "1"])
+    assert (launch.launcher, launch.world_size, launch.nproc_per_node, launch.args) == ("accelerate", 4, 4, ("--lr", "1"))
+    env = launch.rank_env(3)
+    assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["ACCELERATE_MIXED_PRECISION"], env["RANK"]) == \
+        ("true", "2", "bf16", "3")
+
+
+def test_accelerate_launch_with_deepspeed_is_refused():
+    with pytest.raises(UserError, match="DeepSpeed or TPU"):
+        parse_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "train.py"])

@@ -1,0 +1,122 @@
+"""`memplan run -- COMMAND`: the user's own program, run on fake weights and real data.
+
+Ground truth: the same command run for real on the CPU in a fresh process, measured by
+torch.profiler's memory timeline over the same optimizer steps
+(`memplan.program.groundtruth.measure_program`), against `memplan run --device cpu`'s
+peak: within 1% (measured: +0 B on the plain loop, +32 B on `from_pretrained`).
+"""
+
+import json
+import sys
+
+import pytest
+
+from memplan.cli import main
+from memplan.program import measure_program, run_program
+from memplan.trace import load
+
+from .conftest import PROGRAMS
+
+PLAIN = str(PROGRAMS / "plain_loop.py")
+PRETRAINED = str(PROGRAMS / "hf_pretrained.py")
+TRAINER = str(PROGRAMS / "hf_trainer.py")
+
+
+def _trainer(checkpoint, data, output_dir, *flags):
+    return ["python", TRAINER, "--model", str(checkpoint), "--data", str(data), "--output_dir", str(output_dir),
+            "--per_device_train_batch_size", "2", "--max_steps", "50", "--logging_steps", "1", *flags]
+
+
+def _within_one_percent(estimated, measured):
+    assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [[], ["--checkpoint"]], ids=["plain", "checkpointed"])
+def test_cpu_run_of_a_plain_loop_matches_the_profiler_of_the_real_run(text_file, tmp_path, flags):
+    command = [sys.executable, PLAIN, "--data", str(text_file), *flags]
+    result = run_program(command, device="cpu", out_dir=tmp_path)
+    _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
+
+
+@pytest.mark.slow
+def test_cpu_run_of_a_from_pretrained_loop_matches_the_profiler_of_the_real_run(text_file, tiny_checkpoint, tmp_path):
+    command = ["python", PRETRAINED, "--model", str(tiny_checkpoint), "--data", str(text_file)]
+    result = run_program(command, device="cpu", out_dir=tmp_path)
+    _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
+    assert result.seen["model"]["class"] == "LlamaForCausalLM" and result.seen["loss"].startswith("the model's own")
+
+
+@pytest.mark.slow
+def test_cpu_run_of_a_trainer_script_matches_the_profiler_of_the_real_run(text_file, tiny_checkpoint, tmp_path):
+    command = _trainer(tiny_checkpoint, text_file, tmp_path / "trainer")
+    result = run_program(command, device="cpu", out_dir=tmp_path / "run")
+    _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
+
+
+def test_cuda_run_of_a_trainer_script_sees_its_precision_checkpointing_and_optimizer(text_file, tiny_checkpoint,
+                                                                                    tmp_path):
+    output_dir = tmp_path / "trainer"
+    command = _trainer(tiny_checkpoint, text_file, output_dir, "--bf16", "--gradient_checkpointing",
+                       "--report_to", "tensorboard")  # not installed: the run reports nowhere
+    result = run_program(command, device="cuda", out_dir=tmp_path / "run")
+    seen = result.seen
+    assert seen["autocast"] == "bf16" and seen["recomputed_ops"] > 0
+    assert (seen["optimizer"]["class"], seen["optimizer"]["implementation"]) == ("AdamW", "fused")  # Trainer's default
+    assert not output_dir.exists()  # the Trainer's folder went under the run's output
+    assert any("__bool__" in site for site in result.runs[0].reads)  # logging_nan_inf_filter's isnan/isinf
+
+
+def test_cuda_run_prints_one_json_object_with_the_estimate_and_what_it_saw(text_file, tiny_checkpoint, tmp_path,
+                                                                           capsys):
+    code = main(["run", "--json", "-o", str(tmp_path), "--", "python", PRETRAINED, "--model", str(tiny_checkpoint),
+                 "--data", str(text_file), "--autocast"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    doc = json.loads(out)
+    rank = doc["per_rank"][0]
+    assert doc["device"] == "cuda" and doc["gpu"] == "h100-80gb" and doc["fits"] is True
+    assert rank["device_used_bytes"] > rank["peak_reserved_bytes"] >= rank["peak_allocated_bytes"] > 0
+    seen = doc["seen"]
+    assert (seen["autocast"], seen["optimizer"]["class"], seen["optimizer"]["implementation"]) == \
+        ("bf16", "AdamW", "foreach")  # CUDA's default for AdamW
+    assert (seen["setup"]["batch"], seen["setup"]["seq"]) == (2, 32)
+    assert doc["runs"][0]["steps"] == 3 and doc["runs"][0]["ended"] == "stopped"
+    assert "step 2: loss 0.0000, allocated" in err  # the program's own logging, on stderr
+    assert load(doc["files"]["rank0"]).meta["device"] == "cuda"
+
+
+def test_program_writes_go_under_the_output_folder_and_fake_checkpoints_are_skipped(text_file, tmp_path):
+    save = tmp_path / "save"
+    out = tmp_path / "out"
+    result = run_program(["python", PLAIN, "--data", str(text_file), "--save", str(save)], device="cpu", out_dir=out)
+    assert not save.exists()
+    assert len((out / "files" / save.relative_to("/") / "log.txt").read_text().splitlines()) == 3
+    assert result.runs[0].skipped_writes == [f"torch.save -> {save / 'ckpt.pt'}"]
+
+
+def test_a_program_that_fails_on_its_own_exits_1_with_its_error(tmp_path, capsys):
+    code = main(["run", "-o", str(tmp_path), "--", "python", str(PROGRAMS / "fails.py")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the program raised ValueError: no data found in ./data: give --data" in err
+    assert 'fails.py", line 6' in err and "memplan/program" not in err
+
+
+def test_a_python_branch_on_the_loss_is_refused_naming_its_line(tmp_path, capsys):
+    code = main(["run", "-o", str(tmp_path), "--", "python", str(PROGRAMS / "branches_on_loss.py")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "branches_on_loss.py:10: a Python branch on (bool of) a bool tensor computed from the model's weights" \
+        in err
+
+
+def test_a_program_that_takes_no_optimizer_step_is_stopped_after_max_seconds(tmp_path, capsys):
+    code = main(["run", "--max-seconds", "2", "-o", str(tmp_path), "--", "python", str(PROGRAMS / "never_steps.py")])
+    assert code == 2
+    assert "took no optimizer step in 2 s" in capsys.readouterr().err
+
+
+def test_an_unknown_launcher_exits_2_naming_those_supported(capsys):
+    assert main(["run", "--", "deepspeed", "train.py"]) == 2
+    assert "it runs accelerate, python, torchrun commands" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""The device world of a program run: which tensors are fake, which are device memory."""
+
+import json
+import struct
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from memplan.program import fakes
+from memplan.program.patches import Patches
+from memplan.program.world import DeviceRedirect, World
+
+
+def test_parameters_and_buffers_a_module_registers_are_fake():
+    world = World("cpu", None)
+    hooks = fakes.module_hooks(world)
+    try:
+        norm = torch.nn.BatchNorm1d(4)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert is_fake(norm.weight) and isinstance(norm.weight, torch.nn.Parameter) and norm.weight.requires_grad
+    assert is_fake(norm.running_mean) and norm.running_mean.shape == (4,)
+
+
+def test_a_batch_moved_to_cuda_stays_real_and_is_device_memory():
+    world = World("cuda", None)
+    batch = torch.arange(6).view(2, 3)
+    with DeviceRedirect(world):
+        moved = batch.to("cuda")
+        count = int((moved > 2).sum())
+    assert not is_fake(moved) and moved is not batch and world.on_device(moved)
+    assert not world.on_device(batch) and count == 3  # values are the program's own
+
+
+def test_a_factory_for_cuda_makes_a_fake_device_tensor():
+    world = World("cuda", None)
+    with DeviceRedirect(world):
+        big = torch.zeros(1 << 20, 1 << 10, device="cuda")
+    assert is_fake(big) and world.on_device(big) and big.nbytes == 4 << 30
+
+
+def test_a_model_built_on_the_host_is_device_memory_once_moved():
+    world = World("cuda", None)
+    hooks, patches = fakes.module_hooks(world), Patches()
+    fakes.swappable_fakes(patches)
+    try:
+        with DeviceRedirect(world):
+            model = torch.nn.Linear(4, 4)
+            on_host = world.on_device(model.weight)
+            model.to("cuda")
+    finally:
+        patches.restore()
+        for h in hooks:
+            h.remove()
+    assert not on_host and world.on_device(model.weight) and is_fake(model.weight)
+
+
+def test_safetensors_weights_are_fake_tensors_read_from_the_header(tmp_path):
+    header = {"w": {"dtype": "BF16", "shape": [3, 5], "data_offsets": [0, 30]}, "__metadata__": {"format": "pt"}}
+    body = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * 30)
+    world = World("cpu", None)
+    opened = fakes.FakeSafeOpen(world, path)
+    w = opened.get_slice("w")[...]
+    assert opened.keys() == ["w"] and is_fake(w) and w.shape == (3, 5) and w.dtype == torch.bfloat16
