@@ -53,3 +53,14 @@ def test_a_value_of_the_wrong_type_is_refused(tmp_path):
     path.write_text(json.dumps({"num_generations": "eight"}))
     with pytest.raises(UserError, match="num_generations='eight'"):
         read_rl_config(path)
+
+
+def test_trls_generation_settings_are_read_and_generation_kwargs_win(tmp_path):
+    path = tmp_path / "grpo.json"
+    path.write_text(json.dumps({"generation_kwargs": {"top_k": 50, "min_new_tokens": 8}, "num_generations": 4,
+                                "top_k": 20, "temperature": 0.7, "cache_implementation": "static",
+                                "ds3_gather_for_generation": False}))
+    values, report = read_rl_config(path)
+    assert values["generation"] == {"top_k": 50, "temperature": 0.7, "cache_implementation": "static",
+                                    "ds3_gather_for_generation": False}
+    assert report["ignored"] == ["generation_kwargs.min_new_tokens"]

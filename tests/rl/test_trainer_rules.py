@@ -6,7 +6,14 @@ from memplan.errors import UserError
 from memplan.models.registry import load_config
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
-from memplan.rl.estimate import RLJob, engine_flags, resolved_reference, sync_gather_bytes
+from memplan.rl.estimate import (
+    RLJob,
+    engine_flags,
+    generation_gather_bytes,
+    hf_generation,
+    resolved_reference,
+    sync_gather_bytes,
+)
 from memplan.rl.trainers import trainer_rules
 
 
@@ -49,3 +56,27 @@ def test_trl_keeps_no_reference_at_beta_0_and_disables_the_adapter_for_peft():
 def test_trl_has_no_ppo_trainer():
     with pytest.raises(UserError, match="trl 1.16.0 trains grpo, dpo, rloo"):
         trainer_rules("trl").check("ppo", "vllm-colocate", None, "none", "qwen2.5-7b")
+
+
+def test_trls_generate_call_samples_the_generation_batch_with_its_processors():
+    call = hf_generation(job(setup=TrainingSetup(batch=4, grad_accum=2), generation={"temperature": 0.7, "top_k": 50}))
+    kwargs = call.generate_kwargs()
+    # per_device_train_batch_size 4 x steps_per_generation 2 rows, each prompt's completions among them
+    assert (call.batch, call.input_len, call.new_tokens, call.cache) == (8, 512, 1024, "dynamic")
+    assert kwargs["do_sample"] and kwargs["num_return_sequences"] == 1
+    assert (kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]) == (0.7, 50, 1.0)
+    assert kwargs["min_new_tokens"] == kwargs["max_new_tokens"] == 1024
+
+
+def test_the_rollout_gathers_the_whole_model_under_deepspeed_zero3_and_one_block_otherwise():
+    full, block = 8000, 300
+    assert generation_gather_bytes(job(), full, 8, block) == full - full // 8
+    no_gather = job(generation={"ds3_gather_for_generation": False})
+    assert generation_gather_bytes(no_gather, full, 8, block) == block
+    assert generation_gather_bytes(job(layout=Layout(world_size=8, zero=3, engine="fsdp2")), full, 8, block) == block
+    assert generation_gather_bytes(job(layout=Layout(world_size=8)), full, 1, 0) == 0
+
+
+def test_an_unknown_cache_implementation_is_refused():
+    with pytest.raises(UserError, match="cache_implementation='paged'"):
+        hf_generation(job(generation={"cache_implementation": "paged"}))

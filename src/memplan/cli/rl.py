@@ -55,8 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_layout_flags(p)
     g = p.add_argument_group("RL step")
     g.add_argument("--rollout", choices=ROLLOUTS, default=None,
-                   help="who generates (default vllm-colocate; hf: transformers generate, residents only until "
-                        "memplan generate lands)")
+                   help="who generates (default vllm-colocate; hf: transformers generate on the policy, traced "
+                        "as memplan generate traces it)")
     g.add_argument("--sleep-level", type=int, default=None, choices=(0, 1, 2),
                    help="the colocated engine's sleep level (0: sleep mode off; default: the trainer's)")
     g.add_argument("--prompt-len", type=int, default=None, metavar="P", help="prompt tokens (default 512)")
@@ -87,7 +87,7 @@ def _resolved(args: argparse.Namespace) -> dict[str, Any]:
         from_file = values
     defaults = {"algo": "grpo", "trainer": "trl", "rollout": "vllm-colocate", "prompt_len": 512,
                 "completion_len": 1024, "num_generations": 8}
-    out = {**defaults, **{k: v for k, v in from_file.items() if k not in ("setup", "layout", "engine")}}
+    out = {**defaults, **{k: v for k, v in from_file.items() if k not in ("setup", "layout", "engine", "generation")}}
     for key in list(defaults) + ["sleep_level", "reference", "beta", "critic", "reward_model", "model"]:
         if getattr(args, key, None) is not None:
             out[key] = getattr(args, key)
@@ -97,6 +97,7 @@ def _resolved(args: argparse.Namespace) -> dict[str, Any]:
     out["layout_over"] = from_file.get("layout", {})
     out["engine"] = {**from_file.get("engine", {}),
                      **{d: getattr(args, d) for _, d, _, _ in ENGINE_FLAGS if getattr(args, d) is not None}}
+    out["generation"] = from_file.get("generation", {})
     out["report"] = report
     return out
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         num_generations=values["num_generations"], setup=setup, layout=layout, gpu=args.gpu, device=args.device,
         sleep_level=values.get("sleep_level"), reference=values.get("reference"), beta=values.get("beta"),
         critic=values.get("critic"), reward_model=values.get("reward_model"), engine=values["engine"],
-        margin=args.margin)
+        margin=args.margin, generation=values["generation"])
     if args.what_fits:
         tried: list[str] = []
         result.what_fits = what_fits(result, tried=tried)

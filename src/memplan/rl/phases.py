@@ -112,6 +112,9 @@ class StepFigures:
     critic_train_extra_bytes: int  # the critic's step above its residents
     sync_gather_bytes: int  # full parameters gathered at once during the weight sync
     engine: EngineFigures | None
+    generation_transient_bytes: int = 0  # a transformers rollout's generate() above the full weights
+    generation_cached_bytes: int = 0  # what the caching allocator keeps reserved above its peak
+    generation_gather_bytes: int = 0  # full parameters gathered beyond the shards while generating
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,6 @@ class PhaseOptions:
     old_logprobs: bool
     reference_logprobs: bool
     algo: str
-    hf_generation_bytes: int = 0  # the HF rollout's transient (0 where it is not modelled)
     caching: bool = True  # a CUDA job: PyTorch's caching allocator keeps what it reserved
 
 
@@ -217,10 +219,13 @@ def _rollout_phases(f: StepFigures, o: PhaseOptions, cache: _Cache, sleeping: bo
     e = f.engine
     residents = _trainer_residents(f)
     if o.rollout == "hf":
-        items = residents + [Item("generation: KV cache, logits", "torch", "transient", o.hf_generation_bytes)]
-        return [Phase("rollout (transformers generate)", cache.add(items, _torch_resident(items)
-                                                                    + o.hf_generation_bytes),
-                      "" if o.hf_generation_bytes else "residents only: generation not modelled")]
+        items = residents + [Item("gathered parameters", "torch", "transient", f.generation_gather_bytes),
+                             Item("generate(): KV cache, activations, logits", "torch", "transient",
+                                  f.generation_transient_bytes)]
+        needed = _torch_resident(items) + f.generation_gather_bytes + f.generation_transient_bytes \
+            + f.generation_cached_bytes
+        return [Phase("rollout (transformers generate)", cache.add(items, needed),
+                      "the policy generates: no gradients, gradient checkpointing off")]
     if o.rollout == "vllm-server":
         items = residents + [Item("gathered parameters", "torch", "transient", f.sync_gather_bytes)]
         return [Phase("weight sync (to a server)", cache.add(items, _torch_resident(items)
