@@ -81,6 +81,7 @@ class RLJob:
     engine: dict[str, Any] = field(default_factory=dict)  # vLLM flags: gpu_memory_utilization, tp, ...
     margin: float = DEFAULT_MARGIN
     generation: dict[str, Any] = field(default_factory=dict)  # TRL's generation settings (rollout.TRL_GENERATION_DEFAULTS)
+    offload: tuple[str, ...] = ()  # what the trainer keeps on the host between phases (trainers.OFFLOADS)
 
 
 @dataclass
@@ -140,17 +141,19 @@ def estimate_rl(model: str, algo: str = "grpo", trainer: str = "trl", *, rollout
                 device: str = "cuda", sleep_level: int | None = None, reference: str | None = None,
                 beta: float | None = None, critic: str | None = None, reward_model: str | None = None,
                 engine: dict[str, Any] | None = None, margin: float = DEFAULT_MARGIN,
-                generation: dict[str, Any] | None = None) -> RLEstimate:
+                generation: dict[str, Any] | None = None, offload: tuple[str, ...] = ()) -> RLEstimate:
     """The phases of one step of RL post-training `model` (module docstring). `setup` is the
     policy's training setup (its `batch` the micro-batch of completions per GPU, its
     `grad_accum` the steps per generation); `engine` the vLLM flags (`gpu_memory_utilization`,
     `tp`, `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `enforce_eager`,
     `engine_version`); `generation` TRL's generation settings for the transformers rollout
     (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `cache_implementation`,
-    `ds3_gather_for_generation`; TRL's defaults where not given)."""
+    `ds3_gather_for_generation`; TRL's defaults where not given); `offload` what the trainer
+    keeps on the host between phases: `params` (verl's `param_offload`), `optimizer` (verl's
+    `optimizer_offload`, OpenRLHF's `--ds.enable_sleep`)."""
     job = RLJob(model, algo, trainer, rollout, prompt_len, completion_len, num_generations,
                 setup or TrainingSetup(), layout or Layout(), gpu, device, sleep_level, reference, beta, critic,
-                reward_model, dict(engine or {}), margin, dict(generation or {}))
+                reward_model, dict(engine or {}), margin, dict(generation or {}), tuple(offload))
     return run_job(job)
 
 
@@ -158,6 +161,7 @@ def run_job(job: RLJob) -> RLEstimate:
     """`estimate_rl` of a resolved job."""
     start = time.perf_counter()
     rules = check_job(job)
+    job = with_trainer_layout(job, rules)
     figures, train, engine = step_figures(job, rules)
     options = phase_options(job, rules)
     phases = assemble_phases(figures, options)
@@ -172,6 +176,7 @@ def check_job(job: RLJob) -> TrainerRules:
     """`UserError` for inputs no trainer takes; the trainer's rules otherwise."""
     rules = trainer_rules(job.trainer)
     rules.check(job.algo, job.rollout, job.sleep_level, resolved_reference(job, rules), job.critic)
+    rules.check_offload(job.offload)
     if job.reference is not None and job.reference not in REFERENCES:
         raise UserError(f"--reference {job.reference!r}: one of {', '.join(REFERENCES)}")
     if job.reference == "peft" and job.setup.lora_rank == 0:
@@ -188,6 +193,14 @@ def check_job(job: RLJob) -> TrainerRules:
                         f"{job.layout.world_size} GPUs = {rows}) is not a multiple of --num-generations "
                         f"{job.num_generations}: every prompt's completions must fall in one batch")
     return rules
+
+
+def with_trainer_layout(job: RLJob, rules: TrainerRules) -> RLJob:
+    """The job with the sharding library the trainer uses under ZeRO where it gives none
+    (OpenRLHF: DeepSpeed's ZeRO optimizers)."""
+    if rules.engine_for_zero is None or job.layout.zero == 0 or job.layout.engine is not None:
+        return job
+    return replace(job, layout=replace(job.layout, engine=rules.engine_for_zero))
 
 
 def resolved_beta(job: RLJob, rules: TrainerRules) -> float:
@@ -239,7 +252,9 @@ def phase_options(job: RLJob, rules: TrainerRules) -> PhaseOptions:
                         empty_cache_before_wake=rules.empty_cache_before_wake,
                         old_logprobs=vllm or job.algo == "ppo",
                         reference_logprobs=reference != "none" and job.algo != "dpo",
-                        algo=job.algo, caching=job.device == "cuda")
+                        algo=job.algo, caching=job.device == "cuda", params_on_host="params" in job.offload,
+                        optimizer_on_host="optimizer" in job.offload,
+                        empty_cache_after_update=any(o in rules.offload_empties_cache for o in job.offload))
 
 
 def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str, Any], EngineFigures | None]:
@@ -253,11 +268,14 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     train = train_estimate(config, policy_setup(job, kinds["train"]), job.layout, job.device, job.gpu)
     rank = max(train.per_rank, key=lambda r: r.device_used_bytes)
     lp = no_grad_pass(config, policy_setup(job, kinds["old"]), job.device, profile)
-    ref_lp = no_grad_pass(config, policy_setup(job, kinds["reference"]), job.device, profile)
+    reference = resolved_reference(job, rules)
+    ref_lp = no_grad_pass(config, policy_setup(job, kinds["reference"]), job.device, profile) \
+        if phase_options(job, rules).reference_logprobs else lp
     shards = job.layout.world_size if job.layout.zero == 3 else 1
     policy = lp.parameters_bytes // shards
-    reference = resolved_reference(job, rules)
-    zero3_block = lp.parameters_bytes // max(num_layers(config) or 1, 1) if job.layout.zero == 3 else 0
+    block = lp.parameters_bytes // max(num_layers(config) or 1, 1)
+    zero3_block = block if job.layout.zero == 3 else 0
+    host_reference = reference == "copy" and rules.reference_on_host
     outside = rank.device_used_bytes - rank.peak_reserved_bytes
     critic_resident, critic_extra, contexts = _critic(job, rules, profile, shards)
     reward_resident, reward_transient = _reward(job, profile, shards)
@@ -270,11 +288,11 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     figures = StepFigures(
         outside_bytes=outside, extra_contexts=contexts, policy_bytes=policy,
         optimizer_bytes=rank.breakdown["optimizer_state"],
-        reference_bytes=lp.parameters_bytes // shards if reference == "copy" else 0,
+        reference_bytes=lp.parameters_bytes // shards if reference == "copy" and not host_reference else 0,
         critic_bytes=critic_resident, reward_bytes=reward_resident,
         train_allocated_bytes=rank.peak_allocated_bytes, train_reserved_bytes=rank.peak_reserved_bytes,
         logprob_transient_bytes=lp.transient_bytes + zero3_block,
-        reference_transient_bytes=ref_lp.transient_bytes + zero3_block,
+        reference_transient_bytes=ref_lp.transient_bytes + (block if host_reference else zero3_block),
         logprob_cached_bytes=max(lp.cached_bytes, ref_lp.cached_bytes),
         reward_transient_bytes=reward_transient, critic_train_extra_bytes=critic_extra,
         sync_gather_bytes=sync_gather_bytes(job, rules, config, lp.parameters_bytes, shards), engine=None)
@@ -417,7 +435,8 @@ def settings(job: RLJob, rules: TrainerRules) -> dict[str, Any]:
         "beta": resolved_beta(job, rules), "critic": job.critic, "reward_model": job.reward_model,
         "engine": engine_flags(job, rules) if job.rollout != "hf" else None,
         "generation": hf_generation(job).to_dict() if job.rollout == "hf" and job.algo != "dpo" else None,
-        "empty_cache_before_wake": rules.empty_cache_before_wake,
+        "empty_cache_before_wake": rules.empty_cache_before_wake, "offload_between_phases": list(job.offload),
+        "reference_on_host": resolved_reference(job, rules) == "copy" and rules.reference_on_host,
     }
 
 
@@ -437,4 +456,12 @@ def assumptions(job: RLJob, rules: TrainerRules) -> list[str]:
         out.append("ZeRO-3 log-prob passes hold one gathered block beyond the shards (no prefetch bucket)")
     if job.critic is not None:
         out.append("the critic's value head traced as a one-output sequence-regression head")
+    if resolved_reference(job, rules) == "copy" and rules.reference_on_host:
+        out.append(f"the reference on the host ({rules.name}: FSDP's CPU offload), one block gathered at a time")
+    if "params" in job.offload:
+        out.append(f"the policy's parameters on the host between phases ({rules.offload_flags}): on the GPU for the "
+                   "weight sync, the log-prob passes and the update")
+    if "optimizer" in job.offload:
+        out.append(f"the policy's optimizer state on the host between phases ({rules.offload_flags}): on the GPU "
+                   "for the update only")
     return out
