@@ -3,9 +3,9 @@ done-when command.
 
 1. TRL 1.16.0's GRPOTrainer (transformers rollout, `beta` 0.04) and DPOTrainer on the tiny
    Qwen2.5 configuration at two sizes, each phase's peak measured by torch.profiler in the
-   second step (tests/support/trl_truth.py), against `memplan.estimate_rl(..., device="cpu")`.
-   The rollout's generation is not modelled until `memplan generate` lands: its row shows
-   how much memplan misses there (the residents only).
+   second step (tests/support/trl_truth.py), against `memplan.estimate_rl(..., device="cpu")`:
+   the transformers rollout (TRL's own generate() call, traced by `memplan generate`), the
+   reference log-probabilities and the training step.
 2. `memplan rl Qwen/Qwen2.5-7B --algo grpo --trainer trl --rollout vllm-colocate --gpu
    h100-80gb --world-size 8 --zero 3 --prompt-len 512 --completion-len 1024
    --num-generations 8`: its CPU seconds and wall seconds, and its phase table.
@@ -77,8 +77,9 @@ def main():
     lines = ["## RL steps (`bench:rl`)", "",
              "`memplan rl --device cpu` against TRL 1.16.0 on CPU (tiny Qwen2.5, each phase's peak measured by "
              "torch.profiler in the second step; tests/support/trl_truth.py). Error = (memplan - measured) / measured. "
-             "The transformers rollout is not modelled until `memplan generate` lands: its row is the residents "
-             "only. Reproduce: `PYTHONPATH=src:tests/support .venv/bin/python benchmarks/bench_rl.py`.", "",
+             "The rollout is TRL's transformers generate() (sampling, exactly C new tokens per row) traced by "
+             "memplan generate. Reproduce: `PYTHONPATH=src:tests/support .venv/bin/python benchmarks/bench_rl.py`.",
+             "",
              "| run | phase | measured bytes | memplan bytes | error |", "|---|---|---:|---:|---:|"]
     for run, phase, measured, predicted in rows:
         lines.append(f"| {run} | {phase} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.2%} |")

@@ -53,3 +53,25 @@ def test_a_value_of_the_wrong_type_is_refused(tmp_path):
     path.write_text(json.dumps({"num_generations": "eight"}))
     with pytest.raises(UserError, match="num_generations='eight'"):
         read_rl_config(path)
+
+
+def test_trls_generation_settings_are_read_and_generation_kwargs_win(tmp_path):
+    path = tmp_path / "grpo.json"
+    path.write_text(json.dumps({"generation_kwargs": {"top_k": 50, "min_new_tokens": 8}, "num_generations": 4,
+                                "top_k": 20, "temperature": 0.7, "cache_implementation": "static",
+                                "ds3_gather_for_generation": False}))
+    values, report = read_rl_config(path)
+    assert values["generation"] == {"top_k": 50, "temperature": 0.7, "cache_implementation": "static",
+                                    "ds3_gather_for_generation": False}
+    assert report["ignored"] == ["generation_kwargs.min_new_tokens"]
+
+
+def test_verls_param_and_optimizer_offload_and_openrlhfs_deepspeed_sleep_are_offloads_between_phases(tmp_path):
+    verl = tmp_path / "verl.yaml"
+    verl.write_text(yaml.safe_dump({"actor_rollout_ref": {"actor": {"fsdp_config": {"param_offload": True,
+                                                                                     "optimizer_offload": True}}}}))
+    assert read_rl_config(verl)[0]["offload"] == {"params": True, "optimizer": True}
+    openrlhf = tmp_path / "args.json"
+    openrlhf.write_text(json.dumps({"ds.enable_sleep": True, "ds.zero_stage": 3}))
+    values = read_rl_config(openrlhf)[0]
+    assert values["offload"] == {"optimizer": True} and values["setup"] == {}

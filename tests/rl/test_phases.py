@@ -79,3 +79,40 @@ def test_pytorchs_free_cache_counts_against_a_vllm_wake_up_but_not_against_pytor
     assert kept["weight sync"].needed_bytes == kept["weight sync"].device_used_bytes  # CuMem cannot use the cache
     lp = kept["policy log-probs"]  # PyTorch frees its cache and retries before an out-of-memory error
     assert lp.cached_bytes > 0 and lp.needed_bytes == lp.device_used_bytes - lp.cached_bytes
+
+
+def test_parameters_on_the_host_leave_the_engine_start_and_the_generation_and_come_back_for_the_rest():
+    phases = by_name(assemble_phases(figures(), options(sleep_level=2, params_on_host=True)))
+    policy = {name: {i.label: i.bytes for i in p.items}["policy parameters"] for name, p in phases.items()}
+    assert policy == {"engine start (step 1)": 0, "weight sync": 1000 * M, "rollout (vLLM generate)": 0,
+                      "policy log-probs": 1000 * M, "training step": 1000 * M}
+
+
+def test_optimizer_state_on_the_host_is_on_the_gpu_for_the_update_only():
+    phases = by_name(assemble_phases(figures(), options(sleep_level=2, optimizer_on_host=True)))
+    held = {name: {i.label: i.bytes for i in p.items}.get("optimizer state") for name, p in phases.items()}
+    assert held == {"engine start (step 1)": None, "weight sync": 0, "rollout (vLLM generate)": 0,
+                    "policy log-probs": 0, "training step": 2000 * M}
+    # sleep level 2 keeps the context 500, graphs 50 and non-torch 10; the rollout adds policy
+    # 1000, engine weights 1000 + KV 2000 (CuMem) and its activations 100
+    assert phases["rollout (vLLM generate)"].needed_bytes == (500 + 1000 + 1000 + 2000 + 50 + 10 + 100) * M
+
+
+def test_a_log_prob_pass_that_offloads_the_parameters_after_it_empties_the_cache():
+    big_pass = figures(logprob_transient_bytes=9000 * M)
+    kept = by_name(assemble_phases(big_pass, options(sleep_level=2)))["training step"]
+    emptied = by_name(assemble_phases(big_pass, options(sleep_level=2, params_on_host=True)))["training step"]
+    # the pass reserves policy 1000 + optimizer 2000 + 9000; kept, the step holds all 12000;
+    # after verl's offload and empty_cache() the step reserves its own 7000 again
+    assert kept.allocator_bytes("torch") == 12000 * M
+    assert emptied.allocator_bytes("torch") == 7000 * M
+
+
+def test_an_offload_that_empties_the_cache_after_the_update_leaves_step_2_only_the_residents():
+    kept = by_name(assemble_phases(figures(), options(rollout="vllm-server", optimizer_on_host=True)))
+    emptied = by_name(assemble_phases(figures(), options(rollout="vllm-server", optimizer_on_host=True,
+                                                         empty_cache_after_update=True)))
+    sync = "weight sync (to a server)"
+    # the step's 7000 stay reserved without it; with it, the policy's 1000 (its optimizer state is on the host)
+    assert kept[sync].allocator_bytes("torch") == 7000 * M
+    assert emptied[sync].allocator_bytes("torch") == 1000 * M

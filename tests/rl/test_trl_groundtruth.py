@@ -33,6 +33,11 @@ def test_grpo_reference_log_prob_phase_is_within_2_percent_of_trl(grpo):
     assert predicted["reference log-probs"] == pytest.approx(measured["reference log-probs"], rel=0.02)
 
 
+def test_grpo_transformers_rollout_phase_is_within_2_percent_of_trl(grpo):
+    measured, predicted = grpo
+    assert predicted["rollout (transformers generate)"] == pytest.approx(measured["rollout"], rel=0.02)
+
+
 def test_grpo_training_step_phase_is_within_2_percent_of_trl(grpo):
     measured, predicted = grpo
     assert predicted["training step"] == pytest.approx(measured["training step"], rel=0.02)

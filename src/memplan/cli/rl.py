@@ -21,7 +21,7 @@ from memplan.cli.table import echo, paragraph, table
 from memplan.errors import UserError
 from memplan.rl import RLEstimate, estimate_rl
 from memplan.rl.config import read_rl_config
-from memplan.rl.trainers import ALGOS, REFERENCES, ROLLOUTS, TRAINERS, trainer_rules
+from memplan.rl.trainers import ALGOS, OFFLOADS, REFERENCES, ROLLOUTS, TRAINERS, trainer_rules
 from memplan.rl.whatfits import what_fits
 from memplan.units import format_bytes
 
@@ -55,8 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_layout_flags(p)
     g = p.add_argument_group("RL step")
     g.add_argument("--rollout", choices=ROLLOUTS, default=None,
-                   help="who generates (default vllm-colocate; hf: transformers generate, residents only until "
-                        "memplan generate lands)")
+                   help="who generates (default vllm-colocate; hf: transformers generate on the policy, traced "
+                        "as memplan generate traces it)")
     g.add_argument("--sleep-level", type=int, default=None, choices=(0, 1, 2),
                    help="the colocated engine's sleep level (0: sleep mode off; default: the trainer's)")
     g.add_argument("--prompt-len", type=int, default=None, metavar="P", help="prompt tokens (default 512)")
@@ -65,6 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--reference", choices=REFERENCES, default=None,
                    help="the reference model: none, a copy, or the disabled LoRA adapter (default: the trainer's)")
     g.add_argument("--beta", type=float, default=None, help="KL coefficient (0: no reference; default the trainer's)")
+    g.add_argument("--offload-between-phases", default=None, metavar="WHAT",
+                   help="params,optimizer: what the trainer keeps on the host between phases (verl's "
+                        "param_offload / optimizer_offload; OpenRLHF's --ds.enable_sleep: optimizer)")
     g.add_argument("--critic", default=None, metavar="MODEL", help="PPO's value model")
     g.add_argument("--reward-model", default=None, metavar="MODEL", help="a reward model scored on the GPU")
     for flag, dest, kind, text in ENGINE_FLAGS:
@@ -87,7 +90,8 @@ def _resolved(args: argparse.Namespace) -> dict[str, Any]:
         from_file = values
     defaults = {"algo": "grpo", "trainer": "trl", "rollout": "vllm-colocate", "prompt_len": 512,
                 "completion_len": 1024, "num_generations": 8}
-    out = {**defaults, **{k: v for k, v in from_file.items() if k not in ("setup", "layout", "engine")}}
+    sections = ("setup", "layout", "engine", "generation", "offload")
+    out = {**defaults, **{k: v for k, v in from_file.items() if k not in sections}}
     for key in list(defaults) + ["sleep_level", "reference", "beta", "critic", "reward_model", "model"]:
         if getattr(args, key, None) is not None:
             out[key] = getattr(args, key)
@@ -97,6 +101,12 @@ def _resolved(args: argparse.Namespace) -> dict[str, Any]:
     out["layout_over"] = from_file.get("layout", {})
     out["engine"] = {**from_file.get("engine", {}),
                      **{d: getattr(args, d) for _, d, _, _ in ENGINE_FLAGS if getattr(args, d) is not None}}
+    out["generation"] = from_file.get("generation", {})
+    offload = dict(from_file.get("offload", {}))
+    if args.offload_between_phases is not None:
+        offload = {k: True for k in args.offload_between_phases.split(",") if k}
+    out["offload"] = tuple(k for k in OFFLOADS if offload.get(k)) + tuple(
+        k for k, on in offload.items() if on and k not in OFFLOADS)
     out["report"] = report
     return out
 
@@ -114,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         num_generations=values["num_generations"], setup=setup, layout=layout, gpu=args.gpu, device=args.device,
         sleep_level=values.get("sleep_level"), reference=values.get("reference"), beta=values.get("beta"),
         critic=values.get("critic"), reward_model=values.get("reward_model"), engine=values["engine"],
-        margin=args.margin)
+        margin=args.margin, generation=values["generation"], offload=values["offload"])
     if args.what_fits:
         tried: list[str] = []
         result.what_fits = what_fits(result, tried=tried)

@@ -22,6 +22,7 @@ the tests measure with torch.profiler.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from memplan.capture.recorder import Recorder
 from memplan.errors import UserError
 from memplan.inference import gen_caches, gen_parallel
 from memplan.inference.gen_fixed import FixedShapeAnswers
-from memplan.models.build import build_model, transformer_blocks, transformer_blocks_path
+from memplan.models.build import autocast, build_model, transformer_blocks, transformer_blocks_path
 from memplan.models.quant import weight_count
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.traced import DistributedRecorder
@@ -108,8 +109,9 @@ class GenerationSetup:
 def model_setup(setup: TrainingSetup | dict[str, Any] | None) -> TrainingSetup:
     """The fields of `setup` that build the model for inference: its dtype, attention, quantised
     base (bitsandbytes, as `from_pretrained` with a `BitsAndBytesConfig` loads it: no k-bit
-    training preparation) and routing; training fields are left at their defaults. A dict
-    names those fields (`{"dtype": "bf16", "quant": "nf4"}`)."""
+    training preparation), routing and the autocast its forward runs under (a model trained
+    with mixed precision generates under it, `build_generation_model`); training fields are
+    left at their defaults. A dict names those fields (`{"dtype": "bf16", "quant": "nf4"}`)."""
     if isinstance(setup, dict):
         setup = TrainingSetup(**setup, frozen_base=setup.get("quant", "none") != "none")
     setup = setup if setup is not None else TrainingSetup()
@@ -118,7 +120,7 @@ def model_setup(setup: TrainingSetup | dict[str, Any] | None) -> TrainingSetup:
     return TrainingSetup(dtype=setup.dtype, attn=setup.attn, quant=setup.quant, double_quant=setup.double_quant,
                          quant_storage=setup.quant_storage, compute_dtype=setup.compute_dtype,
                          kbit_prep=False, frozen_base=setup.quant != "none", routing=setup.routing,
-                         seq=setup.seq, allow_long_seq=setup.allow_long_seq, seed=setup.seed)
+                         autocast=setup.autocast, seq=setup.seq, allow_long_seq=setup.allow_long_seq, seed=setup.seed)
 
 
 def check_generation(config: PretrainedConfig, setup: TrainingSetup, gen: GenerationSetup, device: str) -> None:
@@ -154,11 +156,36 @@ def has_sliding_layers(config: PretrainedConfig) -> bool:
 
 
 def build_generation_model(config: PretrainedConfig, setup: TrainingSetup, device: str = "cpu") -> torch.nn.Module:
-    """The model `generate()` runs on, in eval mode (on fake tensors under a `FakeTensorMode`)."""
+    """The model `generate()` runs on, in eval mode (on fake tensors under a `FakeTensorMode`);
+    with `setup.autocast`, its forward wrapped as accelerate wraps a mixed-precision model's
+    (`autocast_forward`)."""
     model = build_model(config, setup, device=device)
     model.eval()
     model.config.use_cache = True
+    if setup.autocast != "none":
+        model.forward = autocast_forward(model.forward, setup)
     return model
+
+
+def autocast_forward(forward: Any, setup: TrainingSetup) -> Any:
+    """`forward` under `torch.autocast` to the setup's dtype, its 16-bit outputs made fp32:
+    what `Accelerator.prepare_model` does to a model under native mixed precision
+    (accelerate 1.15 `accelerator.py` L1824-1835: `convert_outputs_to_fp32(autocast_context(
+    forward))`; `utils/operations.py` L889-910 `convert_to_fp32`). Each forward enters and
+    leaves the autocast, so its cache of casted weights lives for one forward. The autocast
+    is the cpu one the fake tensors live on (under `kernels_as_on_cuda` a CUDA job takes
+    CUDA's op lists). `functools.wraps` keeps the signature `generate()` inspects
+    (`logits_to_keep`), as accelerate's wrappers do."""
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with autocast(setup, "cpu"):
+            out = forward(*args, **kwargs)
+        for key, value in list(out.items()) if hasattr(out, "items") else []:
+            if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+                out[key] = value.float()
+        return out
+
+    return wrapped
 
 
 def generation_inputs(config: PretrainedConfig, gen: GenerationSetup, device: str = "cpu",

@@ -66,7 +66,15 @@ TRL_KEYS: dict[str, Target] = {
     "vllm_gpu_memory_utilization": ("engine", "gpu_memory_utilization", _float),
     "vllm_tensor_parallel_size": ("engine", "tp", _int), "vllm_max_model_length": ("engine", "max_model_len", _int),
     "vllm_enable_sleep_mode": ("", "sleep_level", lambda v: 2 if _bool(v) else 0),
+    "ds3_gather_for_generation": ("generation", "ds3_gather_for_generation", _bool),
 }
+# the transformers rollout's generation settings (grpo_config.py L532-584), and the same keys
+# in `generation_kwargs`, which TRL applies over them (grpo_trainer.py L1171-1172)
+_GENERATION: dict[str, Callable[[Any], Any]] = {
+    "temperature": _float, "top_p": _float, "top_k": _int, "min_p": lambda v: None if v is None else _float(v),
+    "repetition_penalty": _float, "cache_implementation": lambda v: None if v is None else _str(v)}
+TRL_KEYS.update({key: ("generation", key, convert) for key, convert in _GENERATION.items()})
+TRL_KEYS.update({f"generation_kwargs.{key}": ("generation", key, convert) for key, convert in _GENERATION.items()})
 VERL_KEYS: dict[str, Target] = {
     "actor_rollout_ref.model.path": ("", "model", _str),
     "actor_rollout_ref.model.enable_gradient_checkpointing": ("setup", "checkpointing", _checkpointing),
@@ -74,8 +82,8 @@ VERL_KEYS: dict[str, Target] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("setup", "batch", _int),
     "actor_rollout_ref.actor.use_kl_loss": ("", "reference", lambda v: "copy" if _bool(v) else "none"),
     "actor_rollout_ref.actor.kl_loss_coef": ("", "kl_loss_coef", _float),
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ("setup", "cpu_offload",
-                                                              lambda v: "optimizer" if _bool(v) else "none"),
+    "actor_rollout_ref.actor.fsdp_config.param_offload": ("offload", "params", _bool),
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ("offload", "optimizer", _bool),
     "actor_rollout_ref.rollout.n": ("", "num_generations", _int),
     "actor_rollout_ref.rollout.gpu_memory_utilization": ("engine", "gpu_memory_utilization", _float),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": ("engine", "tp", _int),
@@ -99,6 +107,7 @@ OPENRLHF_KEYS: dict[str, Target] = {
     "vllm.gpu_memory_utilization": ("engine", "gpu_memory_utilization", _float),
     "vllm.tensor_parallel_size": ("engine", "tp", _int),
     "vllm.enable_sleep": ("", "sleep_level", lambda v: 1 if _bool(v) else 0),
+    "ds.enable_sleep": ("offload", "optimizer", _bool),
     "train.colocate_all": ("", "rollout", lambda v: "vllm-colocate" if _bool(v) else "vllm-server"),
     "algo.advantage.estimator": ("", "algo", lambda v: {"group_norm": "grpo", "dr_grpo": "grpo", "gae": "ppo",
                                                         "rloo": "rloo", "reinforce": "rloo",
@@ -112,9 +121,9 @@ def read_rl_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     data = _flat(_parse(Path(path).expanduser()))
     fmt = detect_format(data)
     keys = FORMATS[fmt]
-    values: dict[str, Any] = {"trainer": fmt, "setup": {}, "layout": {}, "engine": {}}
+    values: dict[str, Any] = {"trainer": fmt, "setup": {}, "layout": {}, "engine": {}, "generation": {}, "offload": {}}
     used, ignored = [], []
-    for key, value in data.items():
+    for key, value in sorted(data.items(), key=lambda kv: kv[0].startswith("generation_kwargs.")):
         if key not in keys:
             ignored.append(key)
             continue

@@ -10,9 +10,9 @@ The step's figures come from memplan's own engines, each traced or modelled once
    model's score) traced by `memplan.rl.passes`;
 3. the **rollout**: a colocated or separate vLLM engine sized by
    `memplan.inference.estimate_serving` with the flags the trainer passes it (and what the
-   trainer already holds when it starts); the Hugging Face rollout (`model.generate`) is
-   `memplan generate`'s (`estimate_generation`, not merged yet): until it is, its phase
-   lists the residents only and says so (`HF_ROLLOUT_NOTE`);
+   trainer already holds when it starts), or the transformers rollout (`model.generate` on
+   the policy) traced by `memplan generate`'s `estimate_generation` with the trainer's own
+   generation settings (`memplan.rl.rollout`);
 4. the **weight sync**'s transient: the full parameters gathered at once (one parameter at
    a time under ZeRO-3, the largest one bounding it; the whole model for a PEFT model
    under ZeRO-3 in TRL).
@@ -47,10 +47,15 @@ from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
 from memplan.rl.passes import no_grad_pass
 from memplan.rl.phases import EngineFigures, Phase, PhaseOptions, StepFigures, assemble_phases
+from memplan.rl.rollout import (
+    TRL_GENERATION_DEFAULTS,
+    TrainerGeneration,
+    rollout_figures,
+    trainer_generation,
+)
 from memplan.rl.trainers import REFERENCES, TrainerRules, trainer_rules
 
 DEFAULT_MARGIN = 0.05  # as memplan estimate's verdict
-HF_ROLLOUT_NOTE = "generation itself not modelled: memplan generate's estimate_generation (not merged) owns it"
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class RLJob:
     reward_model: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # vLLM flags: gpu_memory_utilization, tp, ...
     margin: float = DEFAULT_MARGIN
+    generation: dict[str, Any] = field(default_factory=dict)  # TRL's generation settings (rollout.TRL_GENERATION_DEFAULTS)
+    offload: tuple[str, ...] = ()  # what the trainer keeps on the host between phases (trainers.OFFLOADS)
 
 
 @dataclass
@@ -133,15 +140,20 @@ def estimate_rl(model: str, algo: str = "grpo", trainer: str = "trl", *, rollout
                 setup: TrainingSetup | None = None, layout: Layout | None = None, gpu: str = "h100-80gb",
                 device: str = "cuda", sleep_level: int | None = None, reference: str | None = None,
                 beta: float | None = None, critic: str | None = None, reward_model: str | None = None,
-                engine: dict[str, Any] | None = None, margin: float = DEFAULT_MARGIN) -> RLEstimate:
+                engine: dict[str, Any] | None = None, margin: float = DEFAULT_MARGIN,
+                generation: dict[str, Any] | None = None, offload: tuple[str, ...] = ()) -> RLEstimate:
     """The phases of one step of RL post-training `model` (module docstring). `setup` is the
     policy's training setup (its `batch` the micro-batch of completions per GPU, its
     `grad_accum` the steps per generation); `engine` the vLLM flags (`gpu_memory_utilization`,
     `tp`, `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `enforce_eager`,
-    `engine_version`)."""
+    `engine_version`); `generation` TRL's generation settings for the transformers rollout
+    (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `cache_implementation`,
+    `ds3_gather_for_generation`; TRL's defaults where not given); `offload` what the trainer
+    keeps on the host between phases: `params` (verl's `param_offload`), `optimizer` (verl's
+    `optimizer_offload`, OpenRLHF's `--ds.enable_sleep`)."""
     job = RLJob(model, algo, trainer, rollout, prompt_len, completion_len, num_generations,
                 setup or TrainingSetup(), layout or Layout(), gpu, device, sleep_level, reference, beta, critic,
-                reward_model, dict(engine or {}), margin)
+                reward_model, dict(engine or {}), margin, dict(generation or {}), tuple(offload))
     return run_job(job)
 
 
@@ -149,6 +161,7 @@ def run_job(job: RLJob) -> RLEstimate:
     """`estimate_rl` of a resolved job."""
     start = time.perf_counter()
     rules = check_job(job)
+    job = with_trainer_layout(job, rules)
     figures, train, engine = step_figures(job, rules)
     options = phase_options(job, rules)
     phases = assemble_phases(figures, options)
@@ -163,6 +176,7 @@ def check_job(job: RLJob) -> TrainerRules:
     """`UserError` for inputs no trainer takes; the trainer's rules otherwise."""
     rules = trainer_rules(job.trainer)
     rules.check(job.algo, job.rollout, job.sleep_level, resolved_reference(job, rules), job.critic)
+    rules.check_offload(job.offload)
     if job.reference is not None and job.reference not in REFERENCES:
         raise UserError(f"--reference {job.reference!r}: one of {', '.join(REFERENCES)}")
     if job.reference == "peft" and job.setup.lora_rank == 0:
@@ -179,6 +193,14 @@ def check_job(job: RLJob) -> TrainerRules:
                         f"{job.layout.world_size} GPUs = {rows}) is not a multiple of --num-generations "
                         f"{job.num_generations}: every prompt's completions must fall in one batch")
     return rules
+
+
+def with_trainer_layout(job: RLJob, rules: TrainerRules) -> RLJob:
+    """The job with the sharding library the trainer uses under ZeRO where it gives none
+    (OpenRLHF: DeepSpeed's ZeRO optimizers)."""
+    if rules.engine_for_zero is None or job.layout.zero == 0 or job.layout.engine is not None:
+        return job
+    return replace(job, layout=replace(job.layout, engine=rules.engine_for_zero))
 
 
 def resolved_beta(job: RLJob, rules: TrainerRules) -> float:
@@ -230,7 +252,9 @@ def phase_options(job: RLJob, rules: TrainerRules) -> PhaseOptions:
                         empty_cache_before_wake=rules.empty_cache_before_wake,
                         old_logprobs=vllm or job.algo == "ppo",
                         reference_logprobs=reference != "none" and job.algo != "dpo",
-                        algo=job.algo, caching=job.device == "cuda")
+                        algo=job.algo, caching=job.device == "cuda", params_on_host="params" in job.offload,
+                        optimizer_on_host="optimizer" in job.offload,
+                        empty_cache_after_update=any(o in rules.offload_empties_cache for o in job.offload))
 
 
 def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str, Any], EngineFigures | None]:
@@ -244,11 +268,14 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     train = train_estimate(config, policy_setup(job, kinds["train"]), job.layout, job.device, job.gpu)
     rank = max(train.per_rank, key=lambda r: r.device_used_bytes)
     lp = no_grad_pass(config, policy_setup(job, kinds["old"]), job.device, profile)
-    ref_lp = no_grad_pass(config, policy_setup(job, kinds["reference"]), job.device, profile)
+    reference = resolved_reference(job, rules)
+    ref_lp = no_grad_pass(config, policy_setup(job, kinds["reference"]), job.device, profile) \
+        if phase_options(job, rules).reference_logprobs else lp
     shards = job.layout.world_size if job.layout.zero == 3 else 1
     policy = lp.parameters_bytes // shards
-    reference = resolved_reference(job, rules)
-    zero3_block = lp.parameters_bytes // max(num_layers(config) or 1, 1) if job.layout.zero == 3 else 0
+    block = lp.parameters_bytes // max(num_layers(config) or 1, 1)
+    zero3_block = block if job.layout.zero == 3 else 0
+    host_reference = reference == "copy" and rules.reference_on_host
     outside = rank.device_used_bytes - rank.peak_reserved_bytes
     critic_resident, critic_extra, contexts = _critic(job, rules, profile, shards)
     reward_resident, reward_transient = _reward(job, profile, shards)
@@ -261,17 +288,44 @@ def step_figures(job: RLJob, rules: TrainerRules) -> tuple[StepFigures, dict[str
     figures = StepFigures(
         outside_bytes=outside, extra_contexts=contexts, policy_bytes=policy,
         optimizer_bytes=rank.breakdown["optimizer_state"],
-        reference_bytes=lp.parameters_bytes // shards if reference == "copy" else 0,
+        reference_bytes=lp.parameters_bytes // shards if reference == "copy" and not host_reference else 0,
         critic_bytes=critic_resident, reward_bytes=reward_resident,
         train_allocated_bytes=rank.peak_allocated_bytes, train_reserved_bytes=rank.peak_reserved_bytes,
         logprob_transient_bytes=lp.transient_bytes + zero3_block,
-        reference_transient_bytes=ref_lp.transient_bytes + zero3_block,
+        reference_transient_bytes=ref_lp.transient_bytes + (block if host_reference else zero3_block),
         logprob_cached_bytes=max(lp.cached_bytes, ref_lp.cached_bytes),
         reward_transient_bytes=reward_transient, critic_train_extra_bytes=critic_extra,
         sync_gather_bytes=sync_gather_bytes(job, rules, config, lp.parameters_bytes, shards), engine=None)
+    if job.rollout == "hf" and job.algo != "dpo":
+        gathered = generation_gather_bytes(job, lp.parameters_bytes, shards, zero3_block)
+        rollout = rollout_figures(config, job.setup, hf_generation(job), device=job.device, profile=profile,
+                                  gpu=job.gpu, gather_bytes=gathered)
+        figures.generation_transient_bytes = rollout.transient_bytes
+        figures.generation_cached_bytes = rollout.cached_bytes
+        figures.generation_gather_bytes = rollout.gather_bytes
     engine = _engine(job, rules, figures) if job.rollout == "vllm-colocate" else None
     figures.engine = engine
     return figures, train.to_json(), engine
+
+
+def hf_generation(job: RLJob) -> TrainerGeneration:
+    """TRL's generate() call on one rank: the generation batch's `batch x steps per
+    generation` rows, P prompt tokens, C new tokens, the job's generation settings."""
+    settings = {k: v for k, v in job.generation.items() if k != "ds3_gather_for_generation"}
+    return trainer_generation(job.setup.batch * job.setup.grad_accum, job.prompt_len, job.completion_len, settings)
+
+
+def generation_gather_bytes(job: RLJob, full_bytes: int, shards: int, block_bytes: int) -> int:
+    """Full parameters the transformers rollout holds beyond the rank's shards: under ZeRO-3,
+    the whole model with `ds3_gather_for_generation` (TRL's default) unless the sharding is
+    FSDP's (TRL gathers only DeepSpeed's), else one gathered block as the forward reaches it;
+    nothing without ZeRO-3."""
+    if job.layout.zero != 3:
+        return 0
+    gather = job.generation.get("ds3_gather_for_generation", TRL_GENERATION_DEFAULTS["ds3_gather_for_generation"])
+    if gather and job.layout.engine not in ("fsdp1", "fsdp2"):
+        return full_bytes - full_bytes // shards
+    return block_bytes
 
 
 _TRAIN: dict[str, Estimate] = {}
@@ -380,7 +434,9 @@ def settings(job: RLJob, rules: TrainerRules) -> dict[str, Any]:
         "sleep_level": resolved_sleep(job, rules), "reference": resolved_reference(job, rules),
         "beta": resolved_beta(job, rules), "critic": job.critic, "reward_model": job.reward_model,
         "engine": engine_flags(job, rules) if job.rollout != "hf" else None,
-        "empty_cache_before_wake": rules.empty_cache_before_wake,
+        "generation": hf_generation(job).to_dict() if job.rollout == "hf" and job.algo != "dpo" else None,
+        "empty_cache_before_wake": rules.empty_cache_before_wake, "offload_between_phases": list(job.offload),
+        "reference_on_host": resolved_reference(job, rules) == "copy" and rules.reference_on_host,
     }
 
 
@@ -392,9 +448,20 @@ def assumptions(job: RLJob, rules: TrainerRules) -> list[str]:
            f"log-probabilities scored by {scorer}; every completion at its full length, no padding",
            "the optimizer state exists from the second step on: the engine starts without it"]
     if job.rollout == "hf" and job.algo != "dpo":
-        out.append(f"rollout: {HF_ROLLOUT_NOTE}")
+        out.append(f"rollout: one generate() call of {job.setup.batch * job.setup.grad_accum} rows on the policy, "
+                   f"traced as memplan generate traces it: exactly {job.completion_len} new tokens per row "
+                   "(min_new_tokens = max_new_tokens), sampling with the trainer's processors, the model in eval "
+                   "mode (TRL's is in train mode: the same for a model without dropout)")
     if job.layout.zero == 3:
         out.append("ZeRO-3 log-prob passes hold one gathered block beyond the shards (no prefetch bucket)")
     if job.critic is not None:
         out.append("the critic's value head traced as a one-output sequence-regression head")
+    if resolved_reference(job, rules) == "copy" and rules.reference_on_host:
+        out.append(f"the reference on the host ({rules.name}: FSDP's CPU offload), one block gathered at a time")
+    if "params" in job.offload:
+        out.append(f"the policy's parameters on the host between phases ({rules.offload_flags}): on the GPU for the "
+                   "weight sync, the log-prob passes and the update")
+    if "optimizer" in job.offload:
+        out.append(f"the policy's optimizer state on the host between phases ({rules.offload_flags}): on the GPU "
+                   "for the update only")
     return out

@@ -112,6 +112,9 @@ class StepFigures:
     critic_train_extra_bytes: int  # the critic's step above its residents
     sync_gather_bytes: int  # full parameters gathered at once during the weight sync
     engine: EngineFigures | None
+    generation_transient_bytes: int = 0  # a transformers rollout's generate() above the full weights
+    generation_cached_bytes: int = 0  # what the caching allocator keeps reserved above its peak
+    generation_gather_bytes: int = 0  # full parameters gathered beyond the shards while generating
 
 
 @dataclass(frozen=True)
@@ -124,15 +127,21 @@ class PhaseOptions:
     old_logprobs: bool
     reference_logprobs: bool
     algo: str
-    hf_generation_bytes: int = 0  # the HF rollout's transient (0 where it is not modelled)
     caching: bool = True  # a CUDA job: PyTorch's caching allocator keeps what it reserved
+    params_on_host: bool = False  # the policy's parameters on the host between phases (verl's param_offload)
+    optimizer_on_host: bool = False  # its optimizer state on the host but for the update (verl, OpenRLHF)
+    empty_cache_after_update: bool = False  # the trainer's offload after the update empties PyTorch's cache
 
 
-def _trainer_residents(f: StepFigures, *, optimizer: bool = True) -> list[Item]:
+def _trainer_residents(f: StepFigures, *, optimizer: bool = True, params: bool = True,
+                       policy_optimizer: bool = True) -> list[Item]:
+    """What the trainer keeps on the GPU in a phase: the contexts, the other models, the
+    policy's parameters (`params`: not on the host) and optimizer state (`policy_optimizer`:
+    not on the host); `optimizer=False` is the first step, before any optimizer state exists."""
     items = [Item("CUDA context + NCCL", "outside", "resident", f.outside_bytes),
-             Item("policy parameters", "torch", "resident", f.policy_bytes)]
+             Item("policy parameters", "torch", "resident", f.policy_bytes if params else 0)]
     if optimizer:
-        items.append(Item("optimizer state", "torch", "resident", f.optimizer_bytes))
+        items.append(Item("optimizer state", "torch", "resident", f.optimizer_bytes if policy_optimizer else 0))
     items.append(Item("reference parameters", "torch", "resident", f.reference_bytes))
     items.append(Item("critic parameters + optimizer", "torch", "resident", f.critic_bytes if optimizer else 0))
     items.append(Item("reward model parameters", "torch", "resident", f.reward_bytes))
@@ -184,23 +193,31 @@ def assemble_phases(f: StepFigures, o: PhaseOptions) -> list[Phase]:
     colocated = o.rollout == "vllm-colocate" and e is not None
     sleeping = colocated and o.sleep_level > 0
     if colocated:
-        start = _trainer_residents(f, optimizer=False) + _engine_items(e, weights=True, kv=True, sleeping=sleeping)
+        start = _trainer_residents(f, optimizer=False, params=not o.params_on_host) \
+            + _engine_items(e, weights=True, kv=True, sleeping=sleeping)
         start.append(Item("profile-run activations", "torch", "transient", e.activation_bytes))
         phases.append(Phase("engine start (step 1)", start, "sized before any optimizer state exists", e.refusal))
     cache = _Cache(f.train_reserved_bytes + f.reference_bytes + f.critic_bytes + f.reward_bytes
                    + (e.weights_bytes + e.kv_bytes if colocated and not sleeping else 0), o.caching)
     residue = _engine_items(e, weights=o.sleep_level == 0, kv=o.sleep_level == 0, sleeping=sleeping) if colocated \
         else []
+    if o.empty_cache_after_update:  # what step 1's update left on the GPU, the rest given back
+        cache.empty(_trainer_residents(f, policy_optimizer=not o.optimizer_on_host, params=not o.params_on_host)
+                    + residue)
     if o.algo != "dpo":
         phases += _rollout_phases(f, o, cache, sleeping)
-    base = _trainer_residents(f) + residue
+    base = _trainer_residents(f, policy_optimizer=not o.optimizer_on_host) + residue
     for wanted, label, transient in ((o.old_logprobs, "policy log-probs", f.logprob_transient_bytes),
                                      (o.reference_logprobs, "reference log-probs", f.reference_transient_bytes),
                                      (f.reward_bytes > 0, "reward model scores", f.reward_transient_bytes)):
         if wanted:
-            items = base + [Item("activations + scoring", "torch", "transient", transient)]
+            held = base if label != "reward model scores" or not o.params_on_host else \
+                _trainer_residents(f, policy_optimizer=not o.optimizer_on_host, params=False) + residue
+            items = held + [Item("activations + scoring", "torch", "transient", transient)]
             needed = _torch_resident(items) + transient + f.logprob_cached_bytes
             phases.append(Phase(label, cache.add(items, needed), "forward without gradients, one micro-batch"))
+            if o.params_on_host:  # verl offloads the parameters after the pass and empties the cache
+                cache.empty(_trainer_residents(f, policy_optimizer=not o.optimizer_on_host, params=False) + residue)
     train = [i for i in base if not (i.allocator == "torch" and i.label in ("policy parameters", "optimizer state"))]
     extra = f.train_allocated_bytes - f.policy_bytes - f.optimizer_bytes + f.critic_train_extra_bytes
     train += [Item("policy parameters", "torch", "resident", f.policy_bytes),
@@ -215,12 +232,15 @@ def assemble_phases(f: StepFigures, o: PhaseOptions) -> list[Phase]:
 def _rollout_phases(f: StepFigures, o: PhaseOptions, cache: _Cache, sleeping: bool) -> list[Phase]:
     """Weight sync and generation of step 2."""
     e = f.engine
-    residents = _trainer_residents(f)
+    residents = _trainer_residents(f, policy_optimizer=not o.optimizer_on_host)
     if o.rollout == "hf":
-        items = residents + [Item("generation: KV cache, logits", "torch", "transient", o.hf_generation_bytes)]
-        return [Phase("rollout (transformers generate)", cache.add(items, _torch_resident(items)
-                                                                    + o.hf_generation_bytes),
-                      "" if o.hf_generation_bytes else "residents only: generation not modelled")]
+        items = residents + [Item("gathered parameters", "torch", "transient", f.generation_gather_bytes),
+                             Item("generate(): KV cache, activations, logits", "torch", "transient",
+                                  f.generation_transient_bytes)]
+        needed = _torch_resident(items) + f.generation_gather_bytes + f.generation_transient_bytes \
+            + f.generation_cached_bytes
+        return [Phase("rollout (transformers generate)", cache.add(items, needed),
+                      "the policy generates: no gradients, gradient checkpointing off")]
     if o.rollout == "vllm-server":
         items = residents + [Item("gathered parameters", "torch", "transient", f.sync_gather_bytes)]
         return [Phase("weight sync (to a server)", cache.add(items, _torch_resident(items)
@@ -232,7 +252,9 @@ def _rollout_phases(f: StepFigures, o: PhaseOptions, cache: _Cache, sleeping: bo
     sync.append(Item("gathered parameters", "torch", "transient", f.sync_gather_bytes))
     phases = [Phase("weight sync", cache.add(sync, _torch_resident(sync) + f.sync_gather_bytes),
                     "engine weights awake, KV cache asleep" if sleeping else "", cache_blocks=sleeping)]
-    gen = residents + _engine_items(e, weights=True, kv=True, sleeping=sleeping)
+    # the parameters taken for the sync are gone by now where they live on the host
+    gen = _trainer_residents(f, policy_optimizer=not o.optimizer_on_host, params=not o.params_on_host) \
+        + _engine_items(e, weights=True, kv=True, sleeping=sleeping)
     gen.append(Item("engine activations", "torch", "transient", e.activation_bytes))
     phases.append(Phase("rollout (vLLM generate)", cache.add(gen, _torch_resident(gen) + e.activation_bytes), "",
                         cache_blocks=sleeping))

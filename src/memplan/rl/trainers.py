@@ -25,7 +25,19 @@ file and lines of each):
   reference in one process per GPU; the rollout's `gpu_memory_utilization` 0.5,
   `free_cache_engine: True`, `max_num_batched_tokens` 8192, `max_num_seqs` 256
   (`verl/trainer/config/rollout/rollout.yaml` L32, L47, L62, L68); sleep level 2 from
-  vLLM 0.8.5 (`verl/third_party/vllm/__init__.py` L33-49); `rollout_mode`
+  vLLM 0.8.5 (`verl/third_party/vllm/__init__.py` L33-49); the reference is wrapped with
+  FSDP's own CPU offload (`verl/workers/fsdp_workers.py` L526, L552: `CPUOffload(
+  offload_params=True)` for every role but the actor), so it lives on the host and each
+  FSDP unit comes to the GPU as its forward reaches it; `param_offload` and
+  `optimizer_offload` (`fsdp_workers.py` L230-234, default false in
+  `verl/trainer/config/engine/fsdp.yaml` L12-17) keep the actor's parameters and optimizer
+  state on the host between phases: the parameters are loaded for the log-probability
+  passes and the update and offloaded after each (L989-1035, L893-933), the optimizer
+  state only for the update (L895-898, L931-933), both offloaded at start-up before the
+  engine is built (L811-826); in `rollout_mode` (L677-756) the state dict is taken before
+  the parameters are offloaded, so the shards stay on the GPU until the weight sync ends
+  (`del params`, L749); `offload_fsdp_model_to_cpu` empties PyTorch's cache
+  (`verl/utils/fsdp_utils.py` L144-173); `rollout_mode`
   (`verl/workers/fsdp_workers.py` L677-756) empties PyTorch's cache
   (`aggressive_empty_cache`) before waking the weights, streams each FSDP parameter as one
   full tensor, empties it again and wakes the KV cache; a critic or a reward model runs in
@@ -39,7 +51,14 @@ file and lines of each):
   (`openrlhf/trainer/ray/vllm_engine.py` L138-139: `sleep(level=1)`); the weight broadcast
   wakes the weights without emptying the actor's PyTorch cache
   (`openrlhf/trainer/ppo_trainer.py` L300-319); actor, reference, critic and reward are
-  separate Ray actors (processes); `--algo.kl.init_coef` 0.01 (L419) loads a reference.
+  separate Ray actors (processes); `--algo.kl.init_coef` 0.01 (L419) loads a reference;
+  the actor is DeepSpeed's (`--ds.zero_stage` 2, `--ds.param_dtype` bf16, gradient
+  checkpointing off: L308-315); `--ds.enable_sleep` (L348-352) moves DeepSpeed's optimizer
+  states, fp32 master weights and gradient buffers to the host right after the actor is
+  built and after every update, and back only for the update
+  (`openrlhf/utils/deepspeed/deepspeed_utils.py` L151-209 `offload_deepspeed_states` /
+  `reload_deepspeed_states`, each followed by `empty_cache()`; `ppo_trainer.py` L274-287,
+  `ppo_actor.py` L580-581): the bf16 parameters stay.
 """
 
 from __future__ import annotations
@@ -49,6 +68,7 @@ from dataclasses import dataclass
 from memplan.errors import UserError
 
 TRAINERS = ("trl", "verl", "openrlhf")
+OFFLOADS = ("params", "optimizer")  # what a trainer can keep on the host between phases
 ALGOS = ("grpo", "ppo", "dpo", "rloo")
 ROLLOUTS = ("hf", "vllm-colocate", "vllm-server")
 REFERENCES = ("none", "copy", "peft")
@@ -72,8 +92,21 @@ class TrainerRules:
     default_beta: float
     separate_processes: tuple[str, ...]  # models that live in a process of their own on the same GPU
     peft_zero3_whole_gather: bool  # PEFT + ZeRO-3 gathers the whole model to merge the adapter
+    offloads: tuple[str, ...] = ()  # what it can keep on the host between phases (OFFLOADS)
+    offload_flags: str = ""  # how the trainer spells them
+    offload_empties_cache: tuple[str, ...] = ()  # offloads whose move to the host ends with empty_cache()
+    reference_on_host: bool = False  # the reference lives on the host, brought in unit by unit
+    engine_for_zero: str | None = None  # who shards the policy under ZeRO (None: memplan's default)
     setup_defaults: tuple[tuple[str, object], ...] = (("dtype", "fp32"), ("autocast", "bf16"),
                                                       ("checkpointing", "full"))
+
+    def check_offload(self, offload: tuple[str, ...]) -> None:
+        """`UserError` for an offload between phases this trainer does not have."""
+        missing = [o for o in offload if o not in self.offloads]
+        if missing:
+            has = f"keeps only {', '.join(self.offloads)} on the host ({self.offload_flags})" if self.offloads \
+                else "offloads nothing between phases"
+            raise UserError(f"--offload-between-phases {','.join(missing)}: {self.name} {self.version} {has}")
 
     def check(self, algo: str, rollout: str, sleep_level: int | None, reference: str, critic: str | None) -> None:
         """`UserError` for a setting this trainer does not have (one line, with the fix)."""
@@ -105,13 +138,18 @@ RULES = {
         name="verl", version="main@b178a3c", algos=("grpo", "ppo", "rloo"), rollouts=("vllm-colocate",),
         default_utilization=0.5, default_sleep_level=2, sleep_level_when_on=2, empty_cache_before_wake=True,
         max_num_batched_tokens=8192, max_num_seqs_per_row=False, max_num_seqs=256, default_beta=0.0,
-        separate_processes=("critic", "reward"), peft_zero3_whole_gather=False),
+        separate_processes=("critic", "reward"), peft_zero3_whole_gather=False, offloads=OFFLOADS,
+        offload_flags="fsdp_config.param_offload, fsdp_config.optimizer_offload", offload_empties_cache=("params",),
+        reference_on_host=True),
     "openrlhf": TrainerRules(
         name="openrlhf", version="main@3c3be62", algos=("grpo", "ppo", "rloo", "dpo"),
         rollouts=("vllm-colocate", "vllm-server"), default_utilization=0.95, default_sleep_level=0,
         sleep_level_when_on=1, empty_cache_before_wake=False, max_num_batched_tokens=None,
         max_num_seqs_per_row=False, max_num_seqs=None, default_beta=0.01,
-        separate_processes=("reference", "critic", "reward", "engine"), peft_zero3_whole_gather=False),
+        separate_processes=("reference", "critic", "reward", "engine"), peft_zero3_whole_gather=False,
+        offloads=("optimizer",), offload_flags="--ds.enable_sleep", offload_empties_cache=("optimizer",),
+        engine_for_zero="deepspeed",
+        setup_defaults=(("dtype", "bf16"), ("autocast", "none"), ("checkpointing", "none"))),
 }
 
 
