@@ -90,3 +90,17 @@ def test_rocm_profiles_take_hipblaslt_workspace_and_refuse_what_is_not_modelled(
     with pytest.raises(UserError, match="HIP context of AMD Instinct MI300X"):
         mi300x.context_bytes()
     assert mi300x.context_bytes(123) == 123
+
+
+@pytest.mark.parametrize(("gpu", "gpus"), [
+    ("h100-80gb", 8), ("a100-80gb", 8), ("gb200", 72), ("h100-pcie-80gb", 2), ("h100-nvl-94gb", 2),
+    ("rtx3090", 2), ("rtx4090", 1), ("rtx4080", 1), ("rtx5090", 1), ("a10g", 1), ("l4", 1), ("l40", 1), ("l40s", 1),
+    ("t4", 1),
+])
+def test_the_nvlink_domain_is_the_vendors_own(gpu, gpus):
+    profile = device_profile(gpu)
+    assert profile.nvlink_gpus == gpus and profile.nvlink_source
+
+
+def test_every_profile_says_where_its_nvlink_domain_comes_from():
+    assert all(device_profile(gpu).nvlink_source for gpu in list_devices())
