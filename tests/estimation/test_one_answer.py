@@ -115,18 +115,18 @@ def test_every_fit_row_is_the_estimate_of_its_printed_command(tiny_config_path, 
             (row.device_used_bytes, row.peak_reserved_bytes, True, row.margin)
 
 
-def test_what_fits_keeps_the_users_gpus_and_changes_the_job_on_them(tiny_config_path):
+def test_what_fits_keeps_the_users_gpu_and_changes_the_job_on_it(tiny_config_path):
     setup = models.TrainingSetup(seq=64, batch=16)
-    result = what_fits(tiny_config_path, "t4", setup, Layout(world_size=2), capacity=360 << 20, top=2, max_nodes=8,
-                       workers=1, progress=False)
+    result = what_fits(tiny_config_path, "t4", setup, Layout(), capacity=360 << 20, top=2, max_nodes=8, workers=1,
+                       progress=False)
     assert not result.base.fits and result.rows
-    assert all(row.fits and row.candidate.layout.world_size == 2 for row in result.rows)
+    assert all(row.fits and row.candidate.layout.world_size == 1 for row in result.rows)
 
 
 @pytest.mark.parametrize(("gpu", "widest"), [("rtx4090", None), ("l40s", None), ("h100-pcie-80gb", 2),
                                              ("h100-80gb", 8)])
 def test_what_fits_tries_tensor_parallelism_only_within_one_nvlink_domain(gpu, widest):
-    config = models.tiny_config("llama-2-7b")
+    config = models.tiny_config("llama-2-7b", num_attention_heads=8, num_key_value_heads=8)  # TP 8 divides them
     names = [c.name for c in layout_changes(config, Layout(world_size=8), gpu, allow_more_gpus=False)]
     tp = [int(name.split()[1]) for name in names if name.startswith("TP ")]
     assert max(tp, default=None) == widest

@@ -18,8 +18,8 @@ figure (ZeRO-3 modelled 12.6% under the traced FSDP2 step on llama-2-70b, TP 31%
 real TP run; docs/estimation.md).
 
 Candidates are grouped (one group: one setup, so one shared trace); groups run on worker
-processes, one per core, each its own single-process pool, so that a group goes back to
-the worker that holds its setup's traces (`Evaluator._worker_for`). Workers start from a
+processes, one per core (this process and one single-process pool per other core), so that
+a group goes back to the worker that holds its setup's traces (`Evaluator._worker_for`). Workers start from a
 `forkserver` that imported torch, transformers and memplan once (forking a process whose
 torch threads are running is unsafe, spawning re-imports everything per worker; Python's
 `multiprocessing` docs, "Contexts and start methods"). Within a group a candidate may
@@ -34,6 +34,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -248,8 +249,9 @@ def available_cores() -> int:
 
 
 class Evaluator:
-    """Runs tasks in-process (`workers=1`, or a model the workers cannot import) or in a
-    process pool, with progress on stderr (`stage`). Use as a context manager."""
+    """Runs tasks on `workers` processes: this one and `workers - 1` others (one, for a
+    model the others cannot import), with progress on stderr (`stage`). Use as a context
+    manager."""
 
     def __init__(self, job: FitJob, workers: int | None = None, progress: bool = False, label: str = "memplan fit",
                  cache: StepCache | None = None):
@@ -268,11 +270,17 @@ class Evaluator:
         self._home: dict[str, int] = {}  # a task's key -> the worker that ran it (and keeps its traces)
         self._load = [0] * self.workers  # candidates sent to each worker
         self._progress = _Progress(label) if progress else None
+        # the other workers start (their forkserver imports torch) while this process works
+        self._starting = threading.Thread(target=self._start_pools, daemon=True) if self.workers > 1 else None
+        if self._starting is not None:
+            self._starting.start()
 
     def __enter__(self) -> Evaluator:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._starting is not None:
+            self._starting.join()
         for pool in self._pools:
             pool.shutdown(wait=True, cancel_futures=True)
         if self._progress is not None:
@@ -290,15 +298,15 @@ class Evaluator:
 
     def run(self, tasks: Sequence[Task]) -> list[list[Row | None]]:
         """Each task's rows, in the order of `tasks`."""
-        if self.workers == 1:
-            out = []
-            for task in tasks:
-                out.append(run_task(self.job, task, self.state)[0])
-                self._done(out[-1])
-            return out
-        pools = self._ensure_pools()
-        futures = {pools[self._worker_for(task)].submit(run_task, self.job, task): i for i, task in enumerate(tasks)}
+        workers = [self._worker_for(task) for task in tasks]
+        pools = self._ensure_pools() if any(workers) else []
+        futures = {pools[w - 1].submit(run_task, self.job, task): i
+                   for i, (task, w) in enumerate(zip(tasks, workers)) if w > 0}
         results: list[list[Row | None]] = [[] for _ in tasks]
+        for i, (task, w) in enumerate(zip(tasks, workers)):  # this process is worker 0
+            if w == 0:
+                results[i] = run_task(self.job, task, self.state)[0]
+                self._done(results[i])
         for future in as_completed(futures):
             rows, cpu_s = future.result()
             results[futures[future]] = rows
@@ -329,13 +337,21 @@ class Evaluator:
         self._load[worker] += len(task.candidates)
         return worker
 
+    def _start_pools(self) -> None:
+        """One single-process pool per worker but this process (worker 0), each started."""
+        context = _context(self.state.config)
+        pools = [ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_init_worker,
+                                     initargs=(list(warnings.filters),)) for _ in range(self.workers - 1)]
+        for future in [pool.submit(available_cores) for pool in pools]:
+            future.result()
+        self._pools = pools
+
     def _ensure_pools(self) -> list[ProcessPoolExecutor]:
-        """One single-process pool per worker, so that a task goes to the worker holding
-        its traces (`_worker_for`)."""
-        if not self._pools:
-            context = _context(self.state.config)
-            self._pools = [ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_init_worker,
-                                               initargs=(list(warnings.filters),)) for _ in range(self.workers)]
+        """The other workers' pools (`_start_pools`), once started: a task goes to the worker
+        holding its traces (`_worker_for`)."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
         return self._pools
 
 
