@@ -133,7 +133,7 @@ def test_a_job_that_does_not_fit_ends_with_the_cheapest_change_that_does_and_its
     argv = ["estimate", str(path), "--seq", "64", "--batch", "16", "--gpu", "t4", "--capacity", "360MiB"]
     code, out, _ = run_cli(capsys, *argv, "--suggest", "4")
     assert code == 0 and "does NOT fit: needs " in out and "usable (360 MiB, 5% margin)" in out
-    assert "cheapest change that fits: checkpointing" in out and "memplan estimate " in out
+    assert "cheapest change that fits: " in out and "memplan estimate " in out
     code, out, _ = run_cli(capsys, *argv, "--suggest", "4", "--json")
     suggestion = json.loads(out)["suggestion"]
     assert suggestion["found"] and suggestion["estimates"] <= 4

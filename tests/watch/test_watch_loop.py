@@ -67,8 +67,9 @@ def test_manual_steps_count_iterations_where_there_is_no_optimizer_hook(tmp_path
 
 def test_injected_out_of_memory_writes_the_snapshot_report_and_three_changes_that_fit(tmp_path, capsys):
     model, optimizer, batches = _job(batch=2, seq=64)
-    # the step holds 4.41 MB; with micro-batches of 1 or checkpointing, 3.22 to 3.77 MB
-    capacity = 3_500_000
+    # the step holds 4.41 MB; with micro-batches of 1 or checkpointing, 3.22 to 3.77 MB, within the
+    # 3.8 MB usable at the 5% margin
+    capacity = 4_000_000
     with pytest.raises(torch.OutOfMemoryError) as raised:
         with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, capacity=capacity) as w:
             _loop(model, optimizer, batches)

@@ -138,7 +138,7 @@ class Row:
             "peak_reserved_bytes": self.peak_reserved_bytes, "device_used_bytes": self.device_used_bytes,
             "capacity_bytes": self.capacity_bytes, "margin": self.margin, "usable_bytes": self.usable_bytes,
             "fits": self.fits,
-            "parallel": self.parallel, "method": self.method, "traced": self.traced,
+            "parallel": self.parallel, "method": self.method, "traced": self.traced, "phase_peaks": self.phase_peaks,
             **(self.time.to_json() if self.time is not None else {}),
             "setup": self.candidate.setup.to_dict(), "layout": lay.to_dict(),
         }

@@ -25,7 +25,8 @@ smallest change, not the largest). Sets of two or more changes are not all estim
 single change's estimate says what it does to the peak of each phase of the step (forward,
 backward, optimizer step: `RankEstimate.phase_peaks`), and a set is predicted to peak,
 phase by phase, at the base's peak plus its changes' effects; the sets predicted to fit
-(within `PREDICTION_SLACK`) are estimated, fastest predicted first, until `top` fit or
+(within `PREDICTION_SLACK`, 50%: a change moves the peak within a phase, which its estimate
+alone does not show) are estimated, fastest predicted first, until `top` fit or
 `max_nodes` candidates were estimated (bounded by work, not by the clock). A set predicted
 not to fit is not estimated: a limit of the search, not a figure. Rows are ordered by the
 number of changes, then by the traced seconds per token (the roofline step time of
@@ -53,7 +54,11 @@ from memplan.parallel.layout import Layout
 DEFAULT_MAX_NODES = 40
 MAX_GPU_FACTOR = 8
 MAX_CHANGES = 3
-PREDICTION_SLACK = 0.15  # a set predicted within this share above the usable memory is estimated
+# a set predicted within this share above the usable memory is estimated: a change moves the
+# peak within a phase (checkpointing does not lower a full fine-tune's backward peak, which
+# the gradients and optimizer state set, until 8-bit states and the optimizer in backward
+# take them away), which one change alone does not show
+PREDICTION_SLACK = 0.5
 Delta = Callable[[TrainingSetup, Layout], "tuple[TrainingSetup, Layout] | None"]
 
 
@@ -177,15 +182,18 @@ class WhatFitsResult(FitResult):
 
 def predicted_bytes(base: Row, singles: list[Row]) -> float:
     """The device memory a set of changes is predicted to use: phase by phase, the base's
-    peak plus each change's effect on it alone (module docstring), the largest phase, plus
-    what the base holds above its allocated peak (allocator slack, context)."""
+    peak allocated plus each change's effect on it alone (module docstring), the largest
+    phase; plus the allocator's slack in the base's proportion to its allocated peak, and
+    what the device holds outside the allocator (context, NCCL)."""
     phases = set(base.phase_peaks)
     for row in singles:
         phases &= set(row.phase_peaks)
     if not phases:
         return float(base.device_used_bytes - sum(base.device_used_bytes - r.device_used_bytes for r in singles))
     peak = max(base.phase_peaks[p] + sum(r.phase_peaks[p] - base.phase_peaks[p] for r in singles) for p in phases)
-    return float(peak + base.device_used_bytes - base.peak_allocated_bytes)
+    outside = base.device_used_bytes - base.peak_reserved_bytes
+    slack = base.peak_reserved_bytes - base.peak_allocated_bytes
+    return float(max(peak, 0) * (1 + slack / max(base.peak_allocated_bytes, 1)) + outside)
 
 
 def predicted_s_per_token(base: Row, singles: list[Row]) -> float:
