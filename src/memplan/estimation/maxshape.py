@@ -16,10 +16,10 @@ bisection and usually one or two. The answer is always a shape whose own estimat
 next to a shape one step larger whose estimate does not (or the model's maximum
 positions, or `MAX_BATCH`).
 
-Each probe is one `estimate` at a new shape: the step traced at 3 and 4 blocks and
-extrapolated (`memplan.estimation.layers`), not at full depth; a shape is estimated once
-(the probes are kept by value), and the allocator is replayed again on the same traces
-before a shape is declared too large (expandable segments where caching does not fit).
+Each probe is one `estimate` at a new shape, under the search's one allocator: the step
+traced at 4 blocks and unrolled (`memplan.estimation.unroll`), not at full depth; a shape
+is estimated once (the probes are kept by value). The search stops after `MAX_PROBES`
+estimates (bounded by work, not by the clock).
 """
 
 from __future__ import annotations

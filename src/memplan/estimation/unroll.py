@@ -1,7 +1,8 @@
-"""The full-depth trace of a deep model, unrolled from its trace at k+1 identical blocks.
+"""The full-depth trace of a deep model, unrolled from its trace at a few blocks.
 
-Method (memplan's own; docs/estimation.md, "Deep models"): a step of a model with L
-blocks is the step with k+1 blocks and L-k-1 more copies of a middle block's events.
+Method (memplan's own; docs/estimation.md, "Deep models: the unrolled step"): a step of a
+model with L blocks is its step with k+1 blocks (the last ones identical) and L-k-1 more
+copies of a middle block's events.
 Every event of the k+1-block trace gets the block whose segment it is in (the block of
 its op's module; an op run in no module's forward or backward takes its neighbour's, as
 FSDP2's post-backward does; an optimizer op outside the blocks none), every buffer the
@@ -9,9 +10,9 @@ block it belongs to (its module's, else the block of the segment that allocated 
 else, for the optimizer's temporaries, the block of the parameter's tensor the op read
 at the same position: `_foreach_*` ops return one tensor per input of their first list;
 else the block of the segment that freed it, as a per-parameter optimizer's step count).
-Block m = k-1 (a middle block whose neighbours are traced: the first block can differ,
-its input needs no gradient under LoRA; the last one prefetches nothing under FSDP2) is
-repeated: after each of its forward segments come its copies in order, before each of its
+Block m = k-1, the second to last (a middle block whose neighbours are traced: the first
+block can differ, its input needs no gradient under LoRA; the last one prefetches nothing
+under FSDP2), is repeated: after each of its forward segments come its copies in order, before each of its
 backward segments (recompute included) the copies in reverse order, and a run of events
 outside the blocks on its buffers (its parameters and optimizer state allocated before
 the step, the optimizer's temporaries, the gradients freed) is followed by the same run
@@ -25,10 +26,13 @@ left out, category, size, device, stream, micro-batch, allocating op, the blocks
 allocating and freeing segments relative to its own) and the same rank among those. So
 a block's output, freed by the next block's backward, and the gradient of its input,
 freed by the previous block's backward, chain through the copies as they do through
-traced blocks.
+traced blocks. The copies' modules are numbered as the blocks they stand for, and the
+traced blocks after m renumbered past them, so that what reads the unrolled trace by
+block (the layout rules, the GPU terms) sees the full-depth step.
 
-Assumptions (the ones `memplan.estimation.layers` makes): the blocks are identical and
-what runs outside them does not repeat per block. `unroll` returns None where the trace
+Assumptions: the blocks copied are identical (`memplan.estimation.pipeline.unroll_depth`
+traces at full depth a model whose blocks alternate kinds), and what runs outside them
+does not repeat per block. `unroll` returns None where the trace
 does not have that shape (blocks missing, a copied event on a buffer of no block, a key
 without a counterpart); the result is checked by `memplan.trace.validate` (every buffer
 allocated once, freed at most once, after its allocation).
