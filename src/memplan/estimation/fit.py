@@ -27,8 +27,9 @@ there in two steps:
    ZeRO stage, a larger micro-batch, checkpointing that saves less); and the ratios of
    traced to screened memory seen for the same parallel degrees (else the same kind of
    traced layout: FSDP2, TP, pipeline stages; else TP or not) scale the screened figures:
-   a candidate that does not fit at the largest ratio is traced after those that do,
-   fastest first within each. The modelled rules are far from the traced steps where TP
+   a candidate that does not fit at the largest ratio (over its degrees, its kind of
+   layout and TP or not) is traced after those that do, fastest first within each, and not
+   at all once `top` rows fit (a limit of the search, not a figure). The modelled rules are far from the traced steps where TP
    is involved: on llama-3.1-70b at seq 8192 (fp32, 64 GPUs) the traced FSDP2 step was 7%
    above the modelled ZeRO-3 rule, but FSDP2 x TP 2-8 were 1.1-5.7x the modelled TP rule
    (plain TP keeps the [B, S, H] activations whole; the rule assumes sequence parallel).
@@ -246,14 +247,11 @@ class _Learned:
     ratios: dict[tuple[Any, ...], tuple[float, float]] = field(default_factory=dict)
     failed: list[Candidate] = field(default_factory=list)
 
-    def _ratio(self, row: Row) -> tuple[float, float] | None:
-        return next((self.ratios[k] for k in _ratio_keys(row.candidate.layout) if k in self.ratios), None)
-
     def doubtful(self, row: Row) -> bool:
-        """Whether the screened `row`, scaled by the largest ratio known for its layout (the
-        most specific), does not fit (it is then confirmed after the others)."""
-        ratio = self._ratio(row)
-        return ratio is not None and row.device_used_bytes * ratio[1] > row.usable_bytes
+        """Whether the screened `row`, scaled by the largest ratio known for any of its keys,
+        does not fit (it is then confirmed after the others, and not once `top` rows fit)."""
+        known = [self.ratios[k][1] for k in _ratio_keys(row.candidate.layout) if k in self.ratios]
+        return bool(known) and row.device_used_bytes * max(known) > row.usable_bytes
 
     def hopeless(self, row: Row) -> bool:
         """Whether a traced estimate that did not fit needs no more memory than `row`. (A
@@ -290,7 +288,9 @@ def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[R
     while pending and budget > 0:
         times = sorted(r.s_per_token for r in final)
         bar = times[top - 1] if len(times) >= top else float("inf")  # what a new row must beat
-        pending = [r for r in pending if r.s_per_token < bar and not learned.hopeless(r)]
+        # once `top` rows are found, a candidate the calibrated screen says does not fit is not traced
+        pending = [r for r in pending if r.s_per_token < bar and not learned.hopeless(r)
+                   and not (len(times) >= top and learned.doubtful(r))]
         pending.sort(key=lambda r: (learned.doubtful(r), r.s_per_token))
         wave: dict[str, list[Row]] = {}
         for row in [r for r in pending if confirmation_cost(r.candidate.layout) <= budget][: ev.workers]:
