@@ -114,9 +114,10 @@ def main() -> None:
     text = (
         "## memplan fit: search time\n\n"
         "Command: `.venv/bin/python benchmarks/bench_fit.py`\n\n"
-        f"A fresh CLI process per case (imports included), on {cores} cores (x86_64), a process pool of one worker "
-        "per core. CPU seconds: the CLI process plus its workers' seconds on tasks (the forkserver's one import of "
-        "torch and transformers, about as long as the CLI's own, is not counted). The load average is the "
+        f"A fresh CLI process per case (imports included), on {cores} cores (x86_64), one worker per core (the CLI "
+        "process and a single-process pool per other core). CPU seconds: the CLI process plus its workers' seconds "
+        "on tasks (the forkserver's one import of torch and transformers, about as long as the CLI's own and run "
+        "while the CLI process traces its first setup, is not counted). The load average is the "
         "machine's 1-minute figure before and after the case: above the core count, other jobs shared the "
         "cores and the wall clock grew with them; compare CPU seconds across runs. Targets on 2 cores: "
         + ", ".join(f"`{case}` <= {t:.0f} s" for case, t in TARGETS_S.items())

@@ -104,7 +104,8 @@ def suggest(result: Estimate, args: argparse.Namespace, cache: dict) -> dict | N
     found = what_fits(model_arg(args), args.gpu, setup, layout, top=1, margin=result.margin,
                       capacity=result.capacity_bytes if args.capacity is not None else None,
                       max_nodes=args.suggest, workers=1, progress=True, allocator=args.allocator,
-                      base=row_of(Candidate(setup, layout), result), cache=cache)
+                      base=row_of(Candidate(setup, layout), result), cache=cache,
+                      label="memplan estimate: a change that fits")
     if not found.rows:
         return {"found": False, "estimates": found.estimates}
     row = found.rows[0]

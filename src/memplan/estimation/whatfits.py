@@ -278,10 +278,11 @@ def what_fits(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
               top: int = DEFAULT_TOP, margin: float = DEFAULT_MARGIN, capacity: int | None = None,
               allow_quant: bool = False, allow_more_gpus: bool = False, max_nodes: int = DEFAULT_MAX_NODES,
               workers: int | None = None, progress: bool = True, allocator: str = "caching",
-              base: Row | None = None, cache: dict | None = None) -> WhatFitsResult:
+              base: Row | None = None, cache: dict | None = None, label: str = "memplan fit") -> WhatFitsResult:
     """The smallest sets of changes that make the job fit on its own GPUs, fastest first
     (module docstring). `base`: the job's own row, when the caller estimated it already;
-    `cache`: captured steps to reuse (`memplan.estimation.estimate`'s `cache`, in-process)."""
+    `cache`: captured steps to reuse (`memplan.estimation.estimate`'s `cache`, in-process);
+    `label`: what the progress lines on stderr start with."""
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
         raise UserError(f"--max-nodes must be a whole number >= 1, not {max_nodes!r}")
     setup = setup if setup is not None else TrainingSetup()
@@ -293,7 +294,7 @@ def what_fits(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
     job = FitJob(model, gpu, capacity, margin, allocator)
     order = setup_changes(setup, allow_quant) + allocator_changes(allocator) + \
         layout_changes(config, layout, gpu, allow_more_gpus)
-    with Evaluator(job, workers, progress, cache=cache) as ev:
+    with Evaluator(job, workers, progress, label, cache=cache) as ev:
         if base is None:
             ev.stage("the job as it is", 1)
             base = ev.run([Task([Candidate(setup, layout)], [True])])[0][0]
