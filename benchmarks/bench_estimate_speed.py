@@ -5,9 +5,10 @@ Target: llama-2-70b, seq 4096, full checkpointing, --zero 3 over 64 GPUs in
 tracking the same fake training step. MemTracker runs on the full-depth single-device
 step (FSDPMemTracker needs FSDP2 applied on a process group, which it cannot do on
 fake tensors without a GPU); memplan's figure is the whole `estimate()` call
-(tracing at 3 and 4 blocks, the ZeRO-3 rank model, GPU terms, caching-allocator
-replay). memplan is timed twice: FSDP2 applied for real on a fake process group (the
-default: `fully_shard` traced at 3 and 4 blocks) and the modelled ZeRO-3 rules over a
+(tracing at 4 blocks and unrolling to 80, the ZeRO-3 rank model, GPU terms,
+caching-allocator replay of the full-depth step). memplan is timed twice: FSDP2 applied
+for real on a fake process group (the default: `fully_shard` traced at 4 blocks) and
+the modelled ZeRO-3 rules over a
 single-device trace (`parallel_tracing=False`). Both run in this one process after the
 imports; medians of `--repeat` runs.
 Writes the `bench:estimate_speed` table of BENCHMARKS.md.
@@ -83,8 +84,9 @@ def main() -> None:
         "### Estimate speed: llama-2-70b, seq 4096, full checkpointing, ZeRO-3 over 64 GPUs\n\n"
         "Command: `.venv/bin/python benchmarks/bench_estimate_speed.py`\n\n"
         f"Medians of {args.repeat} memplan and {args.repeat_reference} MemTracker run(s), one process, after imports (x86_64, 2 cores). *memplan*: the whole "
-        "`memplan.estimate` call (FSDP2 `fully_shard` applied on a fake process group and traced at 3 and 4 "
-        "blocks, or the modelled ZeRO-3 rules, then GPU terms and caching-allocator replay). *MemTracker*: `torch.distributed._tools.mem_tracker.MemTracker` tracking the same fake step "
+        "`memplan.estimate` call (FSDP2 `fully_shard` applied on a fake process group and traced at 4 blocks, "
+        "or the modelled ZeRO-3 rules, the step unrolled to 80 blocks, then GPU terms and caching-allocator "
+        "replay of the full-depth step). *MemTracker*: `torch.distributed._tools.mem_tracker.MemTracker` tracking the same fake step "
         "at full depth (80 blocks) on one device (it has no sharding model without a process group). "
         "A fresh `memplan estimate` CLI process adds about 6 s of torch/transformers imports.\n\n"
         "| tool | median (s) | runs (s) |\n|---|---:|---:|\n"

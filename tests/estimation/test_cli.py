@@ -1,6 +1,7 @@
 """`memplan estimate` on the command line: JSON keys, and one-line errors with exit code 2."""
 
 import json
+import shlex
 
 import pytest
 
@@ -122,3 +123,23 @@ def test_host_memory_is_reported_apart_from_the_device_in_json_and_in_the_table(
     assert rank["host_pinned_bytes"] > 0 and rank["host_managed_bytes"] == 0
     render(result)
     assert "host memory (not in the device figures)" in capsys.readouterr().out
+
+
+def test_a_job_that_does_not_fit_ends_with_the_cheapest_change_that_does_and_its_command(tmp_path, capsys):
+    path = tmp_path / "tiny-llama.json"
+    from memplan import models
+
+    models.tiny_config("llama-2-7b").to_json_file(str(path))
+    argv = ["estimate", str(path), "--seq", "64", "--batch", "16", "--gpu", "t4", "--capacity", "360MiB"]
+    code, out, _ = run_cli(capsys, *argv, "--suggest", "4")
+    assert code == 0 and "does NOT fit: needs " in out and "usable (360 MiB, 5% margin)" in out
+    assert "cheapest change that fits: " in out and "memplan estimate " in out
+    code, out, _ = run_cli(capsys, *argv, "--suggest", "4", "--json")
+    suggestion = json.loads(out)["suggestion"]
+    assert suggestion["found"] and suggestion["estimates"] <= 4
+    assert suggestion["device_used_bytes"] <= suggestion["usable_bytes"]
+    command = shlex.split(suggestion["command"])
+    code, out, _ = run_cli(capsys, *command[1:], "--json", "--suggest", "0")
+    again = json.loads(out)
+    assert again["fits"] and again["device_used_bytes"] == suggestion["device_used_bytes"]
+    assert again["suggestion"] is None

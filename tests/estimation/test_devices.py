@@ -106,3 +106,17 @@ def test_a_device_whose_memory_is_not_its_profiles_has_none():
 
     assert profile_of_device("NVIDIA H100 80GB HBM3", 10 * 2**30) is None  # a MIG slice
     assert profile_of_device("Some Other Accelerator", 80 * 2**30) is None
+
+
+@pytest.mark.parametrize(("gpu", "gpus"), [
+    ("h100-80gb", 8), ("a100-80gb", 8), ("gb200", 72), ("h100-pcie-80gb", 2), ("h100-nvl-94gb", 2),
+    ("rtx3090", 2), ("rtx4090", 1), ("rtx4080", 1), ("rtx5090", 1), ("a10g", 1), ("l4", 1), ("l40", 1), ("l40s", 1),
+    ("t4", 1),
+])
+def test_the_nvlink_domain_is_the_vendors_own(gpu, gpus):
+    profile = device_profile(gpu)
+    assert profile.nvlink_gpus == gpus and profile.nvlink_source
+
+
+def test_every_profile_says_where_its_nvlink_domain_comes_from():
+    assert all(device_profile(gpu).nvlink_source for gpu in list_devices())

@@ -57,3 +57,14 @@ def test_llama_3_1_70b_fewest_h100s_at_seq_8192(capsys):
     assert again["device_used_bytes"] == top["device_used_bytes"] <= top["usable_bytes"]
     if doc["below"] is not None:
         assert not doc["below"]["fits"] and doc["below"]["world_size"] < doc["gpus"]
+
+
+def test_llama_3_1_8b_full_fine_tune_on_one_rtx4090_fits_on_that_gpu_within_a_minute(capsys):
+    # before: 224 s, and "8 GPUs, TP 8" first (4090s have no NVLink or peer-to-peer)
+    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--dtype", "bf16", "--what-fits")
+    assert not doc["base"]["fits"] and doc["configurations"]
+    assert all(row["world_size"] == 1 and row["tp"] == 1 for row in doc["configurations"])
+    assert doc["search"]["wall_s"] <= 60
+    top = doc["configurations"][0]
+    again = _estimate_again(capsys, top["command"])
+    assert again["device_used_bytes"] == top["device_used_bytes"] <= top["usable_bytes"]

@@ -67,8 +67,9 @@ def test_manual_steps_count_iterations_where_there_is_no_optimizer_hook(tmp_path
 
 def test_injected_out_of_memory_writes_the_snapshot_report_and_three_changes_that_fit(tmp_path, capsys):
     model, optimizer, batches = _job(batch=2, seq=64)
-    # the step holds 4.41 MB; with micro-batches of 1 or checkpointing, 3.22 to 3.77 MB
-    capacity = 3_500_000
+    # the step holds 4.41 MB; with micro-batches of 1 or checkpointing, 3.22 to 3.77 MB, within the
+    # 3.8 MB usable at the 5% margin
+    capacity = 4_000_000
     with pytest.raises(torch.OutOfMemoryError) as raised:
         with memplan.watch(model, optimizer, step=2, out_dir=tmp_path, capacity=capacity) as w:
             _loop(model, optimizer, batches)
@@ -139,7 +140,8 @@ def test_the_gpu_search_finds_the_smallest_changes_that_fit_and_each_command_giv
     assert 1 <= len(changes) <= 3 and all(len(c["changes"]) == 1 for c in changes)
     for change in changes:
         trial = models.TrainingSetup(**change["setup"])
-        assert trial != setup and trial.batch * trial.grad_accum == setup.batch * setup.grad_accum
+        assert trial != setup or "--allocator" in change["flags"]  # a setup change, or expandable segments
+        assert trial.batch * trial.grad_accum == setup.batch * setup.grad_accum
         assert change["peak_bytes"] <= change["usable_bytes"] < change["capacity_bytes"]
         assert change["flags"][-2:] == ["--gpu", "t4"]
     path = tmp_path / "config.json"

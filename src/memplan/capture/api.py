@@ -56,25 +56,40 @@ def _mark_model(rec: Recorder, model: torch.nn.Module) -> None:
         rec.mark(constant, "parameter", module=owner or type(model).__name__)
 
 
+def _owner(p: torch.Tensor, names: dict[int, str]) -> str | None:
+    """The module of parameter `p` (None: not one of the model's)."""
+    return names[id(p)].rpartition(".")[0] if id(p) in names else None
+
+
 def _mark_gradient(rec: Recorder, p: torch.Tensor, names: dict[int, str]) -> None:
     """`p`'s gradient, if it has one, and its name as the offload runtime keys it."""
     if p.grad is not None:
-        rec.mark(p.grad, "gradient")
+        rec.mark(p.grad, "gradient", module=_owner(p, names))
         if id(p) in names:
             rec.name(p.grad, f"grad.{names[id(p)]}")
 
 
+def _with_host_copies(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[int, str]:
+    """`names` plus the host copies of the parameters an optimizer steps on the host
+    (torchao's `CPUOffloadOptimizer` keeps them in `param_d2h_map`), named as theirs."""
+    copies = getattr(optimizer, "param_d2h_map", None)
+    if not copies:
+        return names
+    return {**names, **{id(host): names[id(p)] for p, host in copies.items() if id(p) in names}}
+
+
 def _mark_optimizer(rec: Recorder, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
-    """Categories of the optimizer's tensors; with `names` (id of a parameter -> its qualified
-    name), also the names the offload runtime keys them by (`memplan.offload.runtime`)."""
+    """Categories of the optimizer's tensors and the module of each one's parameter; with
+    `names` (id of a parameter -> its qualified name), also the names the offload runtime
+    keys them by (`memplan.offload.runtime`)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            rec.mark(p, "parameter")
+            rec.mark(p, "parameter", module=_owner(p, names))
             _mark_gradient(rec, p, names)
     for p, state in optimizer.state.items():
         for key, value in state.items():
             for t in _tensors(value):
-                rec.mark(t, "optimizer_state")
+                rec.mark(t, "optimizer_state", module=_owner(p, names))
                 if id(p) in names:
                     rec.name(t, f"state.{names[id(p)]}.{key}")
 
@@ -89,6 +104,8 @@ def _recording_hooks(
 ) -> Iterator[None]:
     """Phase and category hooks active while the recorder runs."""
     names = _parameter_names(models)
+    for optimizer in optimizers:  # an offloaded optimizer's inner ones step the host copies
+        names = _with_host_copies(optimizer, names)
 
     depth = [0]  # optimizer steps in progress: a wrapper's step runs its inner optimizers' steps
 

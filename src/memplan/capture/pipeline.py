@@ -79,6 +79,22 @@ def stage_modules(model: torch.nn.Module, stages: int, stage: int) -> tuple[list
     return mine, owned
 
 
+def under_model_paths(model: torch.nn.Module, owned: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module holding `owned`, each under its path in `model` (`model.layers.5`), in
+    order: a stage's trace names its blocks as the whole model's trace does."""
+    paths = {id(mod): name for name, mod in model.named_modules()}
+    root = torch.nn.Module()
+    for mod in owned:
+        parent = root
+        *prefix, leaf = paths[id(mod)].split(".")
+        for part in prefix:
+            if part not in dict(parent.named_children()):
+                parent.add_module(part, torch.nn.Module())
+            parent = parent.get_submodule(part)
+        parent.add_module(leaf, mod)
+    return root
+
+
 class PipelineChunk(torch.nn.Module):
     """Chunk `index` of `count` of a Llama-style decoder as one module, the unit a
     `torch.distributed.pipelining.PipelineStage` wraps (torchtitan's
@@ -259,7 +275,7 @@ def build_pipeline_stage(
             p.requires_grad_(False)
     if distribute is not None:
         distribute(owned)
-    stage_model = torch.nn.ModuleList(owned)
+    stage_model = under_model_paths(decoder, owned)
     optimizer = models.build_optimizer(stage_model, setup, device=target_device)
     step = pipeline_stage_step(decoder, optimizer, stages=stages, stage=stage, microbatches=microbatches,
                                batch=setup.batch, seq=seq, setup=setup,

@@ -126,15 +126,16 @@ class StepTrace:
     head_dim: int
     seq: int
     layers: int
+    block_parameters: int | None = None  # of one block, counted as `parameters` (None: not counted)
 
     @classmethod
     def of_model(cls, trace: Trace, config: PretrainedConfig, setup: TrainingSetup, *, blocks_path: str,
-                 parameters: int, layers: int) -> StepTrace:
+                 parameters: int, layers: int, block_parameters: int | None = None) -> StepTrace:
         """The `StepTrace` of `trace`, a step of `config` under `setup`."""
         heads = int(getattr(config, "num_attention_heads", 1) or 1)
         head_dim = getattr(config, "head_dim", None) or (int(getattr(config, "hidden_size", heads)) // heads)
         return cls(trace, blocks_path, int(parameters), heads, int(head_dim),
-                   models.sequence_length(setup, config), int(layers))
+                   models.sequence_length(setup, config), int(layers), block_parameters)
 
 
 def build_training_step(
@@ -221,8 +222,10 @@ def capture_step(config: PretrainedConfig, setup: TrainingSetup | None = None, d
     setup = setup if setup is not None else TrainingSetup()
     trace, step = _captured_training_step(config, setup, fake=True, device=device, iterations=1, warmup=1,
                                           record_flops=True)
+    blocks = transformer_blocks(step.model)
     return StepTrace.of_model(trace, config, setup, blocks_path=transformer_blocks_path(step.model),
-                              parameters=step.meta["parameters"], layers=len(transformer_blocks(step.model)))
+                              parameters=step.meta["parameters"], layers=len(blocks),
+                              block_parameters=int(sum(weight_count(p) for p in blocks[len(blocks) // 2].parameters())))
 
 
 def _captured_training_step(

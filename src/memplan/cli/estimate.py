@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 
 from memplan.cli import print_json
+from memplan.cli.answer import add_margin_flag, estimate_command, parse_margin, verdict
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.layout_flags import add_layout_flags, layout_from_args
 from memplan.cli.setup_flags import add_setup_flags, setup_from_args
-from memplan.cli.table import echo, pairs, paragraph, table
+from memplan.cli.table import command, echo, pairs, paragraph, table
 from memplan.errors import UserError
 from memplan.estimation import Estimate, estimate
 from memplan.estimation.from_trace import estimate_trace
+from memplan.estimation.search import Candidate, row_of
+from memplan.estimation.whatfits import what_fits
 from memplan.hardware.devices import DeviceProfile, all_profiles
 from memplan.trace import load
 from memplan.units import format_bytes, parse_size
 
 IMPL_NAMES = {"hf": "Hugging Face transformers", "litgpt": "LitGPT"}  # whose model code was traced
+DEFAULT_SUGGEST = 6  # estimates the search for a change that fits may make (memplan.estimation.whatfits)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -44,6 +48,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--cuda-context", default=None, metavar="SIZE",
                    help="CUDA context size in device used (default: the profile's, CUDA 12 lazy loading; "
                         "eager kernel loading takes about 1 GB more)")
+    add_margin_flag(p)
+    p.add_argument("--suggest", type=int, default=DEFAULT_SUGGEST, metavar="N",
+                   help="when the job does not fit, the cheapest change that does, searched within N estimates "
+                        f"(memplan fit --what-fits; default {DEFAULT_SUGGEST}, 0: none)")
     p.add_argument("--full-depth", action="store_true", help="trace every block instead of extrapolating")
     p.add_argument("--modelled-layout", action="store_true",
                    help="apply the modelled layout rules instead of tracing FSDP2 / TP on a fake process group")
@@ -56,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         return list_gpus(all_profiles(), as_json=args.json)
     capacity = parse_size(args.capacity) if args.capacity is not None else None
     cuda_context = parse_size(args.cuda_context) if args.cuda_context is not None else None
+    margin = parse_margin(args.margin)
+    if isinstance(args.suggest, bool) or args.suggest < 0:
+        raise UserError(f"--suggest takes a number of estimates >= 0, not {args.suggest!r}")
     path = trace_path(args.model)
+    suggestion = None
     if path is not None:
         trace = load(path)
         refuse_retracing(args.model, trace, args, layout_flags=True)
@@ -64,17 +76,42 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.model} is a trace: it cannot be re-traced for another device (--device cpu): "
                             "pass the model instead of the trace")
         result = estimate_trace(trace, args.gpu, capacity, args.allocator, args.alloc_conf,
-                                cuda_context=cuda_context, name=path.name)
+                                cuda_context=cuda_context, name=path.name, margin=margin)
     else:
+        cache: dict = {}
         result = estimate(model_arg(args), setup_from_args(args), layout_from_args(args), device=args.device or "cuda",
                           allocator=args.allocator, alloc_conf=args.alloc_conf, capacity=capacity, gpu=args.gpu,
                           extrapolate=not args.full_depth, parallel_tracing=not args.modelled_layout,
-                          cuda_context=cuda_context)
+                          cuda_context=cuda_context, margin=margin, cache=cache)
+        suggestion = suggest(result, args, cache)
     if args.json:
-        print_json({**result.to_json(), **from_json(args)})
+        print_json({**result.to_json(), "suggestion": suggestion, **from_json(args)})
         return 0
-    render(result)
+    render(result, suggestion)
     return 0
+
+
+def suggest(result: Estimate, args: argparse.Namespace, cache: dict) -> dict | None:
+    """For a job that does not fit, the cheapest change that does: one row of
+    `memplan.estimation.whatfits.what_fits`, searched within `--suggest` estimates in this
+    process (the job's traces reused), with its `memplan estimate` command. None where it
+    fits, where no search was asked for, or where the job has options the search does not
+    vary (a CUDA context or allocator string of the user's, the modelled layout, cpu)."""
+    if result.fits is not False or args.suggest == 0 or args.gpu is None or result.device != "cuda" or \
+            args.cuda_context is not None or args.alloc_conf is not None or args.modelled_layout:
+        return None
+    setup, layout = setup_from_args(args), layout_from_args(args)
+    found = what_fits(model_arg(args), args.gpu, setup, layout, top=1, margin=result.margin,
+                      capacity=result.capacity_bytes if args.capacity is not None else None,
+                      max_nodes=args.suggest, workers=1, progress=True, allocator=args.allocator,
+                      base=row_of(Candidate(setup, layout), result), cache=cache,
+                      label="memplan estimate: a change that fits")
+    if not found.rows:
+        return {"found": False, "estimates": found.estimates}
+    row = found.rows[0]
+    return {"found": True, "estimates": found.estimates, "changes": list(row.candidate.changes),
+            "device_used_bytes": row.device_used_bytes, "usable_bytes": row.usable_bytes,
+            "command": estimate_command(row.candidate, row.allocator, row.margin, args)}
 
 
 def list_gpus(profiles: list[DeviceProfile], *, as_json: bool) -> int:
@@ -94,8 +131,9 @@ def list_gpus(profiles: list[DeviceProfile], *, as_json: bool) -> int:
     return 0
 
 
-def render(result: Estimate) -> None:
-    """The estimate on stdout: one rank as key/value rows, several as a table; then the verdict."""
+def render(result: Estimate, suggestion: dict | None = None) -> None:
+    """The estimate on stdout: one rank as key/value rows, several as a table; then the
+    verdict, and for a job that does not fit the change `suggest` found."""
     layout = result.layout
     code = f"{IMPL_NAMES.get(result.impl, result.impl)}, " if result.impl is not None else ""
     title = (f"{result.model} ({code}{result.parameters / 1e9:.2f}B parameters) on {result.gpu or result.device}, "
@@ -105,10 +143,10 @@ def render(result: Estimate) -> None:
              + (f", ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")")
     if result.routing is not None:
         title += f", routing {result.routing}"
-    render_figures(result, title)
+    render_figures(result, title, suggestion)
 
 
-def render_figures(result: Estimate, title: str) -> None:
+def render_figures(result: Estimate, title: str, suggestion: dict | None = None) -> None:
     """The per-rank figures under `title` (one rank as key/value rows, several as a table),
     host memory, and the verdict."""
     layout = result.layout
@@ -136,10 +174,22 @@ def render_figures(result: Estimate, title: str) -> None:
         echo(paragraph(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
                        "the other ranks'"))
     if result.capacity_bytes is not None:
-        verdict = "fits" if result.fits else "does NOT fit"
-        echo(paragraph(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "
-                       f"{format_bytes(result.capacity_bytes)} ({result.method}, layout {result.parallel}, "
-                       f"{result.elapsed_s:.1f} s)"))
+        echo(paragraph(f"{verdict(result)} ({result.method}, layout {result.parallel}, {result.elapsed_s:.1f} s)"))
+        render_suggestion(suggestion)
     else:
         echo(paragraph(f"({result.method}, layout {result.parallel}, {result.elapsed_s:.1f} s; "
                        "give --gpu or --capacity to check the fit)"))
+
+
+def render_suggestion(suggestion: dict | None) -> None:
+    """The change that fits, with its command, or that none was found within the search."""
+    if suggestion is None:
+        return
+    if not suggestion["found"]:
+        echo(paragraph(f"no change that fits was found within {suggestion['estimates']} estimates: "
+                       "memplan fit --what-fits searches further (--max-nodes)"))
+        return
+    echo(paragraph(f"cheapest change that fits: {', '.join(suggestion['changes'])}: "
+                   f"{format_bytes(suggestion['device_used_bytes'])} of "
+                   f"{format_bytes(suggestion['usable_bytes'])} usable"))
+    echo(command(suggestion["command"]))

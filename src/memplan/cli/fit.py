@@ -17,24 +17,19 @@ gives the same figures. fit traces the model, so it takes a model, not a trace.
 from __future__ import annotations
 
 import argparse
-import shlex
 from typing import Any
 
 from memplan.cli import print_json
+from memplan.cli.answer import add_margin_flag, estimate_command, margin_text, parse_margin
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
-from memplan.cli.layout_flags import (
-    add_layout_flags,
-    custom_layout_flags,
-    layout_argv,
-    layout_from_args,
-)
-from memplan.cli.setup_flags import add_setup_flags, setup_argv, setup_from_args
+from memplan.cli.layout_flags import add_layout_flags, custom_layout_flags, layout_from_args
+from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import command, echo, paragraph, table
 from memplan.errors import UserError
 from memplan.estimation.fit import DEFAULT_TOP, FitResult, fit
 from memplan.estimation.maxshape import DEFAULT_STEP, TARGETS, MaxResult, max_shape
-from memplan.estimation.search import DEFAULT_MARGIN, Row
+from memplan.estimation.search import Row
 from memplan.estimation.whatfits import DEFAULT_MAX_NODES, WhatFitsResult, what_fits
 from memplan.units import format_bytes, parse_size
 
@@ -51,8 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--gpu", required=True, metavar="NAME", help="device profile, e.g. h100-80gb")
     p.add_argument("--gpus", required=True, metavar="N|auto", help="number of GPUs, or auto: the fewest that fit")
     p.add_argument("--capacity", default=None, metavar="SIZE", help="device memory in place of the profile's")
-    p.add_argument("--margin", default=f"{DEFAULT_MARGIN:.0%}", metavar="PCT",
-                   help="headroom kept free: fits when device used <= capacity x (1 - margin) (default 5%%)")
+    add_margin_flag(p)
+    p.add_argument("--allocator", default="caching", metavar="NAME",
+                   help="the allocator every estimate replays: caching (default), expandable, planned or none")
     p.add_argument("--top", type=int, default=None, metavar="K", help=f"show the K fastest (default {DEFAULT_TOP})")
     p.add_argument("--max", default=None, metavar="seq|batch",
                    help="the largest sequence length or micro-batch of your setup and layout that fits")
@@ -61,6 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--what-fits", action="store_true",
                    help="the smallest sets of changes to your setup and layout that make the job fit")
     p.add_argument("--allow-quant", action="store_true", help="--what-fits may quantise the base model (QLoRA)")
+    p.add_argument("--allow-more-gpus", action="store_true",
+                   help="--what-fits may add GPUs (by default it keeps --gpus and changes the job on them)")
     p.add_argument("--max-nodes", type=int, default=None, metavar="N",
                    help=f"--what-fits: estimate at most N candidates (default {DEFAULT_MAX_NODES})")
     p.add_argument("--workers", type=int, default=None, metavar="N",
@@ -69,17 +67,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_layout_flags(p, world_size=False)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
-
-
-def parse_margin(text: str) -> float:
-    """`5%` or `0.05` -> 0.05."""
-    try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise UserError(f"--margin takes a percentage like 5% or a fraction like 0.05, not {text!r}")
-    return value
 
 
 def parse_gpus(text: str) -> int | str:
@@ -105,8 +92,8 @@ def check_modes(args: argparse.Namespace, gpus: int | str) -> None:
         raise UserError("--step is the granularity of --max: add --max seq|batch, or leave --step out")
     if args.max is not None and args.top is not None:
         raise UserError("--max has one answer: leave --top out")
-    if not args.what_fits and (args.allow_quant or args.max_nodes is not None):
-        raise UserError("--allow-quant and --max-nodes configure --what-fits: add --what-fits")
+    if not args.what_fits and (args.allow_quant or args.allow_more_gpus or args.max_nodes is not None):
+        raise UserError("--allow-quant, --allow-more-gpus and --max-nodes configure --what-fits: add --what-fits")
     custom = custom_layout_flags(args)
     if custom and args.max is None and not args.what_fits:
         raise UserError(f"fit searches ZeRO, TP and PP itself; {', '.join(custom)} describe your own layout for "
@@ -122,13 +109,15 @@ def run(args: argparse.Namespace) -> int:
     capacity = parse_size(args.capacity) if args.capacity is not None else None
     setup = setup_from_args(args)
     model = model_arg(args)
-    common: dict[str, Any] = {"margin": margin, "capacity": capacity, "workers": args.workers, "progress": True}
+    common: dict[str, Any] = {"margin": margin, "capacity": capacity, "workers": args.workers, "progress": True,
+                              "allocator": args.allocator}
     if args.max is not None:
         result: Any = max_shape(model, args.gpu, setup, layout_from_args(args, gpus), args.max, step=args.step,
                                 **common)
     elif args.what_fits:
         result = what_fits(model, args.gpu, setup, layout_from_args(args, gpus), allow_quant=args.allow_quant,
-                           top=args.top or DEFAULT_TOP, max_nodes=args.max_nodes or DEFAULT_MAX_NODES, **common)
+                           allow_more_gpus=args.allow_more_gpus, top=args.top or DEFAULT_TOP,
+                           max_nodes=args.max_nodes or DEFAULT_MAX_NODES, **common)
     else:
         result = fit(model, args.gpu, gpus, setup, top=args.top or DEFAULT_TOP, **common)
     if args.json:
@@ -140,22 +129,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def estimate_command(row: Row, args: argparse.Namespace) -> str:
+def row_command(row: Row, args: argparse.Namespace) -> str:
     """The `memplan estimate` command line that estimates `row`'s candidate."""
-    cand = row.candidate
-    model = [args.model] if args.model is not None else ["--from", args.from_file]  # flags typed win over the file
-    if getattr(args, "trust_remote_code", False):
-        model.append("--trust-remote-code")
-    argv = ["memplan", "estimate", *model, *setup_argv(cand.setup), *layout_argv(cand.layout), "--gpu", args.gpu]
-    if args.capacity is not None:
-        argv += ["--capacity", args.capacity]
-    if row.allocator != "caching":
-        argv += ["--allocator", row.allocator]
-    return shlex.join(argv)
+    return estimate_command(row.candidate, row.allocator, row.margin, args)
 
 
 def _row_json(row: Row | None, args: argparse.Namespace) -> dict[str, Any] | None:
-    return None if row is None else {**row.to_json(), "command": estimate_command(row, args)}
+    return None if row is None else {**row.to_json(), "command": row_command(row, args)}
 
 
 def result_json(result: FitResult | MaxResult, args: argparse.Namespace) -> dict[str, Any]:
@@ -200,13 +180,14 @@ def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> N
     rows = [[str(i), *_cells(row, what_fits_mode)] for i, row in enumerate(result.rows, start=1)]
     echo(table(header, rows, title=_title(result, args), right=[h != "changes" for h in header]))
     for i, row in enumerate(result.rows, start=1):
-        echo(command(estimate_command(row, args), prefix=f"{i}: "))
+        echo(command(row_command(row, args), prefix=f"{i}: "))
     if result.below is not None:
         b = result.below
         echo(paragraph(f"one step below, {b.candidate.layout.world_size} GPUs: the closest candidate needs "
                        f"{format_bytes(b.device_used_bytes)} of {format_bytes(b.usable_bytes)} usable"))
     usable = format_bytes(result.rows[0].usable_bytes) if result.rows else "-"
-    echo(paragraph(f"({result.estimates} estimates; every row traced; usable {usable}: {margin:.0%} margin)"))
+    echo(paragraph(f"({result.estimates} estimates; every row traced; usable {usable}: {margin_text(margin)} "
+                   "margin)"))
 
 
 def render_max(result: MaxResult, args: argparse.Namespace) -> None:
@@ -222,6 +203,7 @@ def render_max(result: MaxResult, args: argparse.Namespace) -> None:
     above = result.above.candidate.setup if result.above is not None else None
     larger = (above.seq if result.target == "seq" else above.batch) if above is not None else None
     why = {"memory": f"{result.target} {larger} does not fit",
-           "positions": "the model's maximum positions", "cap": "the search's upper limit"}[result.limit]
+           "positions": "the model's maximum positions", "cap": "the search's upper limit",
+           "budget": "the search's estimates ran out before the bracket closed"}[result.limit]
     echo(paragraph(f"largest {result.target}: {result.value} ({why}; {result.estimates} estimates)"))
-    echo(command(estimate_command(result.at, args)))
+    echo(command(row_command(result.at, args)))

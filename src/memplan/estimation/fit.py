@@ -3,34 +3,37 @@ fewest GPUs that fit, and at what layout.
 
 LLMem's method selection (arXiv 2404.10933: pick the fastest of DP / sharded DP / TP /
 DP+TP that does not run out of memory), over the whole space: data-parallel degree,
-ZeRO stage 0-3, TP and PP degrees, micro-batch size, activation checkpointing (none,
-torchtitan's op-level selective policy, full) and the allocator (caching, else
-expandable segments where only those fit).
+ZeRO stage 0-3, TP (within one NVLink domain of the GPU, `DeviceProfile.nvlink_gpus`) and
+PP degrees, micro-batch size and activation checkpointing (none, torchtitan's op-level
+selective policy, full), under one allocator (the caller's, caching by default).
 
 Every row `fit` returns is a traced estimate, the figures `memplan estimate` prints for the
-same setup and layout (`memplan.estimation.search`). The search gets there in two steps:
+same setup, layout, allocator and margin (`memplan.estimation.search`). The search gets
+there in two steps:
 
-1. **screen** every candidate, one task per training setup, so that the candidates of a
-   setup share its single-device trace (layouts without a traced part are traced figures
-   already; FSDP2 and TP are screened with the modelled layout rules). Memory is taken to
-   be monotone where it is: ZeRO-3 <= ZeRO-2 <= ZeRO-1 <= DDP at the same degrees (a stage
-   is screened only if the one above it passed) and micro-batch (a larger micro-batch is
-   screened only for the layouts and checkpointing that passed at the smaller one);
-2. **confirm**: the screened candidates that fit and need no tracing are rows already;
-   the others are traced, a wave of as many as there are workers at a time, while one of
-   them could still enter the `top` fastest (its screened time beats the `top`-th row's)
-   and at most `CONFIRMATIONS_PER_ROW` x `top` ranks were traced (a pipelined layout
-   traces up to three stages). Each
-   confirmation teaches the rest: a traced estimate that does not fit rules out every
-   candidate that needs at least its memory (same degrees and setup, a lower ZeRO stage, a
-   larger micro-batch, checkpointing that saves less); and the largest ratio of traced to
-   screened memory seen for the same parallel degrees (else the same kind of traced layout:
-   FSDP2, TP, pipeline stages; else TP or not) scales the screened figures: a candidate that
-   then does not fit is traced after those that still do, fastest first within each. The modelled rules are far from the traced steps where TP is involved: on
-   llama-3.1-70b at seq 8192 (fp32, 64 GPUs) the traced FSDP2 step was 7% above the modelled
-   ZeRO-3 rule, but FSDP2 x TP 2-8 were 1.1-5.7x the modelled TP rule (plain TP keeps the
-   [B, S, H] activations whole; the rule assumes sequence parallel). Rows are ranked by
-   their traced seconds per token.
+1. **screen** the candidates of each training setup (one task per setup, so that its
+   candidates share its single-device trace; the tensor bytes of the modelled layout). The
+   setups go in waves from the ones that need the least memory (the smallest micro-batch,
+   full checkpointing): a setup is screened only at the degrees that passed at the next
+   smaller micro-batch and at the next more frugal checkpointing, so a setup none of whose
+   layouts can fit is never traced; within a setup ZeRO-3 <= ZeRO-2 <= ZeRO-1 <= DDP at
+   the same degrees (a stage is screened only if the one above it passed);
+2. **confirm**: the candidates that passed are traced, fastest screened first, a wave of as
+   many as there are workers at a time, while one of them could still enter the `top`
+   fastest (its screened time beats the `top`-th row's) and at most
+   `CONFIRMATIONS_PER_ROW` x `top` ranks were traced (a pipelined layout traces up to three
+   stages). Each confirmation teaches the rest: a traced estimate that does not fit rules
+   out every candidate that needs at least its memory (same degrees and setup, a lower
+   ZeRO stage, a larger micro-batch, checkpointing that saves less); and the ratios of
+   traced to screened memory seen for the same parallel degrees (else the same kind of
+   traced layout: FSDP2, TP, pipeline stages; else TP or not) scale the screened figures:
+   a candidate that does not fit at the largest ratio (over its degrees, its kind of
+   layout and TP or not) is traced after those that do, fastest first within each, and not
+   at all once `top` rows fit (a limit of the search, not a figure). The modelled rules are far from the traced steps where TP
+   is involved: on llama-3.1-70b at seq 8192 (fp32, 64 GPUs) the traced FSDP2 step was 7%
+   above the modelled ZeRO-3 rule, but FSDP2 x TP 2-8 were 1.1-5.7x the modelled TP rule
+   (plain TP keeps the [B, S, H] activations whole; the rule assumes sequence parallel).
+   Rows are ranked by their traced seconds per token.
 
 Step time: `memplan.estimation.steptime`. `gpus="auto"`: the smallest count of the ladder
 1, 2, 4, 8, 16, 24, 32, ... (whole 8-GPU nodes past 8) whose memory-minimal candidates
@@ -47,7 +50,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import UserError
+from memplan.estimation.figures import DEFAULT_MARGIN
 from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task, refusal
+from memplan.hardware.devices import device_profile
 from memplan.models.depth import num_layers
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
@@ -163,23 +168,45 @@ def _degrees(row: Row) -> tuple[int, int, int]:
 
 def screen_layouts(ev: Evaluator, config: Any, setup: TrainingSetup, gpus: int, refused: dict[str, int],
                    space: SearchSpace) -> list[Row]:
-    """Every candidate of the search on `gpus` that passes the screen (module docstring)."""
+    """Every candidate of the search on `gpus` that passes the screen (module docstring):
+    the setups in waves, from the micro-batch and checkpointing that need the least
+    memory; a setup is screened at the degrees that passed at the next smaller
+    micro-batch and at the next more frugal checkpointing, and not traced at all when
+    none did."""
+    batches = micro_batches(setup, space)
+    policies = sorted(space.checkpointing, key=CHECKPOINT_MEMORY.__getitem__)
+    setups = {(i, j): replace(setup, batch=mb, checkpointing=c) for i, mb in enumerate(batches)
+              for j, c in enumerate(policies)}
+    sizes = {cell: len(layout_task(config, s, gpus, {}, space).candidates) for cell, s in setups.items()}
+    ev.stage(f"screening layouts on {gpus} GPUs", sum(sizes.values()))
+    passed: dict[tuple[int, int], set[tuple[int, int, int]]] = {}
     passing: list[Row] = []
-    keep: dict[str, set[tuple[int, int, int]] | None] = dict.fromkeys(space.checkpointing)
-    for mb in micro_batches(setup, space):
-        policies = [c for c in space.checkpointing if keep[c] is None or keep[c]]
-        tasks = [layout_task(config, replace(setup, batch=mb, checkpointing=c), gpus, refused, space, keep[c])
-                 for c in policies]
-        for policy, rows in zip(policies, ev.run(tasks)):
+    for wave in range(len(batches) + len(policies) - 1):
+        cells, tasks = [], []
+        for (i, j), one in setups.items():
+            if i + j != wave:
+                continue
+            before = [passed[c] for c in ((i - 1, j), (i, j - 1)) if c in passed]
+            keep = set.intersection(*before) if before else None
+            task = layout_task(config, one, gpus, refused, space, keep)
+            ev.skip(sizes[(i, j)] - len(task.candidates))
+            if task.candidates:
+                cells.append((i, j))
+                tasks.append(task)
+            else:
+                passed[(i, j)] = set()
+        for cell, rows in zip(cells, ev.run(tasks)):
             ok = [r for r in rows if r is not None and r.passes_screen()]
-            keep[policy] = {_degrees(r) for r in ok}
+            passed[cell] = {_degrees(r) for r in ok}
             passing += ok
     return passing
 
 
 def _traced_key(config: Any, cand: Candidate) -> str:
+    """What a traced estimate of `cand` captures: its setup's single-device step, and the
+    part of its layout traced on a fake process group, if any."""
     part = traced_part(cand.layout, config, cand.setup)
-    return cand.setup_key() + repr(part)
+    return cand.setup_key() + ("" if part is None else repr(part))
 
 
 CHECKPOINT_MEMORY = {"full": 0, "selective-op": 1, "selective": 1, "none": 2}  # more memory, larger
@@ -213,19 +240,24 @@ def _ratio_keys(layout: Layout) -> list[tuple[Any, ...]]:
 @dataclass
 class _Learned:
     """What the confirmations so far say about the rest (module docstring, step 2): the
-    largest ratio of traced to screened memory per parallel degrees, per kind of traced
-    layout and per TP or not, and the candidates whose traced estimate did not fit."""
+    smallest and the largest ratio of traced to screened memory per parallel degrees, per
+    kind of traced layout and per TP or not, and the candidates whose traced estimate did
+    not fit."""
 
-    ratios: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    ratios: dict[tuple[Any, ...], tuple[float, float]] = field(default_factory=dict)
     failed: list[Candidate] = field(default_factory=list)
 
     def doubtful(self, row: Row) -> bool:
-        """Whether the screened `row`, scaled by the most specific ratio known for its
-        layout, does not fit (it is then confirmed after the others)."""
-        ratio = next((self.ratios[k] for k in _ratio_keys(row.candidate.layout) if k in self.ratios), None)
-        return ratio is not None and row.device_used_bytes * ratio > row.usable_bytes
+        """Whether the screened `row`, scaled by the largest ratio known for any of its keys,
+        does not fit (it is then confirmed after the others, and not once `top` rows fit)."""
+        known = [self.ratios[k][1] for k in _ratio_keys(row.candidate.layout) if k in self.ratios]
+        return bool(known) and row.device_used_bytes * max(known) > row.usable_bytes
 
     def hopeless(self, row: Row) -> bool:
+        """Whether a traced estimate that did not fit needs no more memory than `row`. (A
+        ratio does not rule a candidate out: the traced TP step keeps the block inputs and
+        logits whole where the modelled rule shards them, so its ratio grows with the
+        activations: 1.65 at micro-batch 1 and 2.71 at 4 for llama-3.1-70b, FSDP2 x TP 2.)"""
         return any(dominates(f, row.candidate) for f in self.failed)
 
     def learn(self, screened: Row, traced: Row) -> None:
@@ -236,7 +268,8 @@ class _Learned:
         if screened.device_used_bytes:
             ratio = traced.device_used_bytes / screened.device_used_bytes
             for key in _ratio_keys(screened.candidate.layout):
-                self.ratios[key] = max(ratio, self.ratios.get(key, ratio))
+                low, high = self.ratios.get(key, (ratio, ratio))
+                self.ratios[key] = (min(low, ratio), max(high, ratio))
 
 
 def confirmation_cost(layout: Layout) -> int:
@@ -247,14 +280,17 @@ def confirmation_cost(layout: Layout) -> int:
 
 def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[Row]:
     """The `top` fastest rows that fit, traced (module docstring, step 2)."""
-    final = [r for r in screened if r.traced and r.fits]  # the screen was the traced estimate
+    final = [r for r in screened if r.traced and r.fits]
     pending = [r for r in screened if not r.traced and r.passes_screen()]
     budget = CONFIRMATIONS_PER_ROW * top
+    ev.stage("tracing the fastest candidates", budget)
     learned = _Learned()
     while pending and budget > 0:
         times = sorted(r.s_per_token for r in final)
         bar = times[top - 1] if len(times) >= top else float("inf")  # what a new row must beat
-        pending = [r for r in pending if r.s_per_token < bar and not learned.hopeless(r)]
+        # once `top` rows are found, a candidate the calibrated screen says does not fit is not traced
+        pending = [r for r in pending if r.s_per_token < bar and not learned.hopeless(r)
+                   and not (len(times) >= top and learned.doubtful(r))]
         pending.sort(key=lambda r: (learned.doubtful(r), r.s_per_token))
         wave: dict[str, list[Row]] = {}
         for row in [r for r in pending if confirmation_cost(r.candidate.layout) <= budget][: ev.workers]:
@@ -263,8 +299,9 @@ def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[R
             pending.remove(row)
         if not wave:
             break
-        groups = list(wave.values())
-        for group, rows in zip(groups, ev.run([Task([r.candidate for r in g], [True] * len(g)) for g in groups])):
+        groups = list(wave.items())
+        tasks = [Task([r.candidate for r in g], [True] * len(g), key=key) for key, g in groups]
+        for (_, group), rows in zip(groups, ev.run(tasks)):
             for was, row in zip(group, rows):
                 if row is not None:
                     learned.learn(was, row)
@@ -273,10 +310,12 @@ def confirm(ev: Evaluator, config: Any, screened: list[Row], top: int) -> list[R
 
 
 def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int | str, setup: TrainingSetup | None = None,
-        *, top: int = DEFAULT_TOP, margin: float = 0.05, capacity: int | None = None, workers: int | None = None,
-        progress: bool = True, space: SearchSpace = SearchSpace()) -> FitResult:
+        *, top: int = DEFAULT_TOP, margin: float = DEFAULT_MARGIN, capacity: int | None = None,
+        workers: int | None = None, progress: bool = True, space: SearchSpace = SearchSpace(),
+        allocator: str = "caching") -> FitResult:
     """The configurations that fit on `gpus` x `gpu` (or, `gpus="auto"`, on the fewest),
-    fastest (seconds per token) first, each a traced estimate (module docstring)."""
+    fastest (seconds per token) first, each a traced estimate (module docstring) under
+    `allocator`; tensor parallelism only within one NVLink domain of `gpu`."""
     if gpus != "auto" and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
         raise UserError(f"--gpus must be a whole number >= 1 or auto, not {gpus!r}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
@@ -285,10 +324,11 @@ def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int | str, 
     if setup.cpu_offload == "params":
         raise UserError("memplan fit screens layouts with the modelled rules, and FSDP2's CPU offload is estimated "
                         "only where FSDP2 is traced: use memplan estimate --zero 3 --cpu-offload params")
-    job = FitJob(model, gpu, capacity, margin)
+    job = FitJob(model, gpu, capacity, margin, allocator)
     config = load_config(model) if isinstance(model, str) else model
+    space = within_nvlink(space, gpu)
     refused: dict[str, int] = {}
-    with Evaluator(job, workers, progress, "searching layouts") as ev:
+    with Evaluator(job, workers, progress) as ev:
         if gpus == "auto":
             result = fewest_gpus(ev, config, setup, top, refused, space)
         else:
@@ -296,6 +336,13 @@ def fit(model: str | PretrainedConfig | FactorySpec, gpu: str, gpus: int | str, 
             result = FitResult(model_name(model), gpu, gpus, rows)
         result.estimates, result.refused, result.spent = ev.estimates, refused, ev.spent()
     return result
+
+
+def within_nvlink(space: SearchSpace, gpu: str) -> SearchSpace:
+    """`space` with TP no wider than one NVLink domain of `gpu` (`DeviceProfile.nvlink_gpus`):
+    TP all-reduces every layer's activations in the step's critical path, and over PCIe
+    (without peer-to-peer on consumer cards) they stall it."""
+    return replace(space, max_tp=min(space.max_tp, device_profile(gpu).nvlink_gpus))
 
 
 def gpu_ladder(limit: int = MAX_AUTO_GPUS) -> list[int]:
@@ -306,9 +353,11 @@ def gpu_ladder(limit: int = MAX_AUTO_GPUS) -> list[int]:
 def _minimal_screen(ev: Evaluator, config: Any, setup: TrainingSetup, gpus: int, refused: dict[str, int],
                     space: SearchSpace) -> list[Row]:
     """The memory-minimal candidates on `gpus` (module docstring), screened."""
-    policy = "full" if "full" in space.checkpointing else space.checkpointing[-1]
+    policy = min(space.checkpointing, key=CHECKPOINT_MEMORY.__getitem__)
     minimal = replace(setup, batch=min(micro_batches(setup, space)), checkpointing=policy)
-    rows = ev.run([layout_task(config, minimal, gpus, refused, space, zeros=(3,))])[0]
+    task = layout_task(config, minimal, gpus, refused, space, zeros=(3,))
+    ev.stage(f"screening {gpus} GPUs", len(task.candidates))
+    rows = ev.run([task])[0]
     return [r for r in rows if r is not None]
 
 
@@ -334,7 +383,7 @@ def fewest_gpus(ev: Evaluator, config: Any, setup: TrainingSetup, top: int, refu
         low = i
     name = model_name(ev.job.model)
     if high is None:
-        return FitResult(name, ev.job.gpu, None, [], probes=probes, below=_closest(screened, ladder[low]))
+        return FitResult(name, ev.job.gpu, None, [], probes=probes, below=_confirm_closest(ev, screened, ladder[low]))
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if passes(mid) else (mid, high)
@@ -375,4 +424,5 @@ def _confirm_closest(ev: Evaluator, screened: dict[int, list[Row]], gpus: int) -
     row = _closest(screened, gpus)
     if row is None or row.traced:
         return row
+    ev.stage(f"tracing the closest candidate on {gpus} GPUs", 1)
     return ev.run([Task([row.candidate], [True])])[0][0]

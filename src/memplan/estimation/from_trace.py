@@ -7,9 +7,10 @@ that already exists instead of one it captures:
    cannot see (`pipeline.gpu_view`: SDPA kernel workspaces, cuBLAS workspace), sized
    from the model and setup its metadata names; a PyTorch memory snapshot of a real GPU
    already holds them and gets nothing;
-2. each CUDA device the trace has buffers on is replayed through the allocator
-   simulator (`pipeline.replay_counters`) for peak allocated and reserved;
-3. device used = reserved + the profile's CUDA context (or `cuda_context`).
+2. each CUDA device the trace has buffers on becomes a rank's figures the way every
+   estimate's does (`memplan.estimation.figures.rank_estimate`: the allocator simulator
+   for peak allocated and reserved, within capacity x (1 - margin)), with the profile's
+   CUDA context (or `cuda_context`) in device used.
 
 A trace fixes the model, the setup and the parallel layout it was recorded under: to
 estimate another one, capture it (`memplan.estimation.estimate` takes the model).
@@ -28,15 +29,14 @@ import numpy as np
 from memplan import models
 from memplan.capture.step import StepTrace
 from memplan.errors import UserError
-from memplan.estimation.pipeline import (
-    Estimate,
-    RankEstimate,
-    check_options,
-    figures_full,
-    gpu_view,
+from memplan.estimation.figures import (
+    DEFAULT_MARGIN,
+    check_margin,
     host_figures,
-    replay_counters,
+    rank_estimate,
+    usable_bytes_of,
 )
+from memplan.estimation.pipeline import Estimate, check_options, gpu_view
 from memplan.hardware.devices import device_profile
 from memplan.parallel.layout import Layout
 from memplan.trace import edit as trace_edit
@@ -52,6 +52,7 @@ def estimate_trace(
     *,
     cuda_context: int | None = None,
     name: str | None = None,
+    margin: float = DEFAULT_MARGIN,
 ) -> Estimate:
     """Peak allocated, reserved and device used of `trace`'s step, one `RankEstimate`
     per CUDA device it has buffers on (`rank` is the device index).
@@ -59,10 +60,12 @@ def estimate_trace(
     `gpu` names a device profile (capacity, CUDA context, cuBLAS workspace);
     `capacity` overrides its capacity; `cuda_context` (bytes) its CUDA context.
     `allocator`: caching, expandable, planned or none (tensor bytes only). `name`
-    labels the result when the trace's metadata names no model (a snapshot).
+    labels the result when the trace's metadata names no model (a snapshot). `margin`:
+    the share of the capacity kept free (`memplan.estimation.figures`).
     """
     start = time.perf_counter()
     check_options("cuda", allocator, alloc_conf, cuda_context)
+    margin = check_margin(margin)
     profile = device_profile(gpu) if gpu is not None else None
     if capacity is None and profile is not None:
         capacity = profile.capacity_bytes
@@ -81,18 +84,15 @@ def estimate_trace(
     context = profile.context_bytes(cuda_context) if profile is not None else 0
     if cuda_context is not None:
         context = cuda_context
-    per_device = []
-    for index in _cuda_devices(view):
-        one = _one_device(view, index) if len(view.devices) > 1 else view
-        fig = figures_full(one, replay_counters(one, allocator, alloc_conf))
-        per_device.append(RankEstimate(index, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
-                                       fig.peak_reserved_bytes + context, fig.breakdown, fig.peak_phase, [index],
-                                       host_figures(view)))
+    per_device = [rank_estimate(_one_device(view, index) if len(view.devices) > 1 else view, rank=index,
+                                allocator=allocator, alloc_conf=alloc_conf, overhead_bytes=context,
+                                usable_bytes=usable_bytes_of(capacity, margin), host=host_figures(view))
+                  for index in _cuda_devices(view)]
     return Estimate(
         model=str(meta.get("model") or name or "trace"), parameters=int(meta.get("parameters", 0)),
         setup=dict(meta.get("setup") or {}), layout=Layout().to_dict(), per_rank=per_device,
         capacity_bytes=capacity, device="cuda", allocator=allocator, gpu=gpu, method="trace",
-        elapsed_s=time.perf_counter() - start, routing=meta.get("routing"),
+        elapsed_s=time.perf_counter() - start, routing=meta.get("routing"), margin=margin,
     )
 
 

@@ -1,4 +1,9 @@
-"""Trace a deep model fast: identical transformer blocks traced twice, then extrapolated.
+"""A deep model's peaks extrapolated region by region from its traces at k and k+1 blocks.
+
+Used where a call is traced twice rather than unrolled: `memplan generate` (a decode
+loop's regions, `memplan.inference.generate`) and RL's no-gradient passes
+(`memplan.rl.passes`). A training step is unrolled to its full depth instead
+(`memplan.estimation.unroll`), so its figures come from one full-depth view.
 
 Method (memplan's own; docs/estimation.md, "Deep models"): the step of a model with `k` blocks and
 the step of the same model with `k + 1` blocks differ by one block's worth of events,
@@ -19,7 +24,7 @@ regions; the breakdown and phase come from the winning region's maximiser.
 Assumptions: the blocks are identical (same class, same shapes), and ops outside
 the blocks do not repeat per block. `check_regions` refuses the method (and the
 caller traces the full depth) when the two traces' regions do not line up.
-Validated against full-depth traces in `tests/estimation/test_layers.py`.
+Validated against full-depth traces in tests/inference/test_generate.py.
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memplan.trace.model import CATEGORIES, PHASE, PHASES, Trace
+from memplan.estimation.figures import (
+    Counters,
+    Figures,
+    HostFigures,
+    breakdown_of,
+    breakdown_vector,
+    host_at,
+    host_series,
+)
+from memplan.trace import edit as trace_edit
+from memplan.trace.model import PHASE, PHASES, Trace
 
 PHASE_CLASS = {PHASE["forward"]: 0, PHASE["backward"]: 1, PHASE["recompute"]: 1,
                PHASE["optimizer"]: 2, PHASE["other"]: 3}
@@ -123,8 +138,39 @@ def extrapolate(value_k: np.ndarray | float, value_k1: np.ndarray | float, k: in
     return a + (layers - k) * (b - a)
 
 
-def breakdown_vector(trace: Trace, event: int, nbytes: np.ndarray | None = None) -> np.ndarray:
-    """Live bytes per category just after `event` (optionally with other per-buffer sizes)."""
-    sizes = trace.buffers["nbytes"] if nbytes is None else nbytes
-    mask = trace.live_at(event)
-    return np.bincount(trace.buffers["category"][mask], weights=sizes[mask], minlength=len(CATEGORIES))
+def figures_extrapolated(pair: tuple[Trace, Trace], counters: tuple[Counters, Counters],
+                         pattern: re.Pattern[str], k: int, target_layers: int) -> Figures | None:
+    """Peaks at `target_layers` blocks from traces at k and k+1 blocks (None: regions differ)."""
+    reg = [regions(t, pattern) for t in pair]
+    if not check_regions(*reg):
+        return None
+    alloc = [region_peaks(c.allocated, r) for c, r in zip(counters, reg)]
+    resv = [region_peaks(c.reserved, r) for c, r in zip(counters, reg)]
+    alloc_full = extrapolate(alloc[0].values, alloc[1].values, k, target_layers)
+    resv_full = extrapolate(resv[0].values, resv[1].values, k, target_layers)
+    win = int(np.argmax(alloc_full))
+    vectors = [breakdown_vector(trace_edit.without_host(t), int(a.events[win]), c.charged_nbytes)
+               for t, a, c in zip(pair, alloc, counters)]
+    vector = extrapolate(vectors[0], vectors[1], k, target_layers)
+    peak = float(alloc_full[win])
+    # The caching allocator's slack (reserved - allocated) does not grow linearly with
+    # depth (segments are reused across blocks): keep the deeper trace's slack on top of
+    # the extrapolated allocated peak, unless the linear reserved figure is larger.
+    slack = float(counters[1].reserved.max() - counters[1].allocated.max())
+    reserved = max(float(resv_full.max()), peak + slack)
+    return Figures(int(round(peak)), int(round(reserved)), breakdown_of(vector, peak),
+                   pair[1].phase_at(int(alloc[1].events[win])), _host_extrapolated(pair, reg, k, target_layers),
+                   peak_events=(int(alloc[0].events[win]), int(alloc[1].events[win])))
+
+
+def _host_extrapolated(pair: tuple[Trace, Trace], reg: list[Regions], k: int, target_layers: int) -> HostFigures:
+    """The host figures at `target_layers` blocks, region by region as the device's."""
+    series = [host_series(t) for t in pair]
+    peaks = [region_peaks(s.sum(axis=0), r) for s, r in zip(series, reg)]
+    full = extrapolate(peaks[0].values, peaks[1].values, k, target_layers)
+    if not full.shape[0]:
+        return HostFigures()
+    win = int(np.argmax(full))
+    by_kind = extrapolate(series[0][:, int(peaks[0].events[win])], series[1][:, int(peaks[1].events[win])],
+                          k, target_layers)
+    return host_at(by_kind)

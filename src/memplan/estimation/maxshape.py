@@ -16,10 +16,10 @@ bisection and usually one or two. The answer is always a shape whose own estimat
 next to a shape one step larger whose estimate does not (or the model's maximum
 positions, or `MAX_BATCH`).
 
-Each probe is one `estimate` at a new shape: the step traced at 3 and 4 blocks and
-extrapolated (`memplan.estimation.layers`), not at full depth; a shape is estimated once
-(the probes are kept by value), and the allocator is replayed again on the same traces
-before a shape is declared too large (expandable segments where caching does not fit).
+Each probe is one `estimate` at a new shape, under the search's one allocator: the step
+traced at 4 blocks and unrolled (`memplan.estimation.unroll`), not at full depth; a shape
+is estimated once (the probes are kept by value). The search stops after `MAX_PROBES`
+estimates (bounded by work, not by the clock).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import UserError
+from memplan.estimation.figures import DEFAULT_MARGIN
 from memplan.estimation.fit import model_name
 from memplan.estimation.search import Candidate, Evaluator, FitJob, Row, Task, refusal
 from memplan.models.build import max_positions, sequence_length
@@ -41,6 +42,7 @@ TARGETS = ("seq", "batch")
 DEFAULT_STEP = {"seq": 128, "batch": 1}
 MAX_BATCH = 1 << 16
 MAX_SEQ = 1 << 20  # for models without a position limit
+MAX_PROBES = 32  # the search's bound, in estimates: bisection of 1 << 20 sequences takes 20 rounds
 
 
 @dataclass
@@ -52,7 +54,7 @@ class MaxResult:
     target: str
     step: int
     value: int | None  # None: not even the smallest shape fits
-    limit: str  # what stopped the search: memory, positions (the model's maximum), or cap
+    limit: str  # what stopped the search: memory, positions (the model's maximum), cap, or budget (MAX_PROBES)
     at: Row | None
     above: Row | None
     probes: list[Row] = field(default_factory=list)
@@ -144,10 +146,11 @@ class _Bracket:
 
 
 def max_shape(model: str | Any, gpu: str, setup: TrainingSetup | None = None, layout: Layout | None = None,
-              target: str = "seq", *, step: int | None = None, margin: float = 0.05, capacity: int | None = None,
-              workers: int | None = None, progress: bool = True) -> MaxResult:
+              target: str = "seq", *, step: int | None = None, margin: float = DEFAULT_MARGIN,
+              capacity: int | None = None, workers: int | None = None, progress: bool = True,
+              allocator: str = "caching") -> MaxResult:
     """The largest `target` ("seq" or "batch") of `setup` under `layout` that fits on `gpu`
-    (module docstring)."""
+    with `allocator` (module docstring)."""
     if target not in TARGETS:
         raise UserError(f"unknown --max target {target!r}: choose seq or batch")
     step = DEFAULT_STEP[target] if step is None else step
@@ -156,7 +159,7 @@ def max_shape(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
     setup = setup if setup is not None else TrainingSetup()
     layout = layout if layout is not None else Layout()
     config = load_config(model) if isinstance(model, str) else model
-    job = FitJob(model, gpu, capacity, margin)
+    job = FitJob(model, gpu, capacity, margin, allocator)
     why = refusal(config, Candidate(setup, layout))
     if why is not None:
         raise UserError(why)
@@ -164,13 +167,15 @@ def max_shape(model: str | Any, gpu: str, setup: TrainingSetup | None = None, la
     bracket = _Bracket(target, min(step, upper), upper)
     start = sequence_length(setup, config) if target == "seq" else setup.batch
     eager = target == "seq" and setup.attn == "eager"
-    with Evaluator(job, workers, progress, f"searching the largest {target}") as ev:
+    with Evaluator(job, workers, progress) as ev:
+        ev.stage(f"the largest {target}", MAX_PROBES)
         values = [bracket.snap(start)]
         while True:
             width = _width(bracket)
+            values = values[: max(0, MAX_PROBES - ev.estimates)]
             for row in ev.run([Task([_at(setup, layout, target, v)], [True]) for v in values]):
                 bracket.rows[shape_of(row[0], target)] = row[0]
-            if bracket.done():
+            if bracket.done() or ev.estimates >= MAX_PROBES:
                 break
             usable = next(iter(bracket.rows.values())).usable_bytes
             values = bracket.probes(usable, eager, ev.workers, halved=_width(bracket) <= width / 2)
@@ -203,7 +208,10 @@ def _result(name: str, gpu: str, bracket: _Bracket, estimates: int) -> MaxResult
     refused = next((r.refused for r in probes if r.refused is not None), None)
     if refused is not None and lo is None:
         raise UserError(refused)
-    limit = "memory" if lo is None or lo < bracket.upper else "positions" if bracket.target == "seq" else "cap"
+    if not bracket.done():
+        limit = "budget"  # MAX_PROBES estimates made before the bracket closed
+    else:
+        limit = "memory" if lo is None or lo < bracket.upper else "positions" if bracket.target == "seq" else "cap"
     return MaxResult(name, gpu, bracket.target, bracket.step, lo, limit,
                      bracket.rows.get(lo) if lo is not None else None,
                      bracket.rows.get(hi) if hi is not None else None, probes, estimates)

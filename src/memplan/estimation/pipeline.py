@@ -9,13 +9,13 @@ function each:
    memory differs, and for each what is traced and what is modelled;
 2. **capture** (`capture_rank_steps`): the step on fake cpu tensors with the target
    device's code paths (`memplan.capture.step.capture_step`), at full depth or, for deep
-   models, at 3 and 4 blocks (`memplan.estimation.layers`); where the layout can be
-   traced, the rank's own step with FSDP2 / DTensor TP applied on a fake process group
+   models, at `TRACE_BLOCKS` blocks; where the layout can be traced, the rank's own step
+   with FSDP2 / DTensor TP applied on a fake process group
    (`memplan.parallel.traced.capture_rank_step`, CP ranks included; PP x TP:
    `memplan.parallel.traced.capture_stage_step`, the first rank of each distinct
-   pipeline stage, its 1F1B step with the stage's modules under the TP plan, at 3 and 4
-   blocks per stage for deep models; under PyTorch's multi-stage schedules, every
-   pipeline rank's row of the schedule, at full depth). TP that cannot be traced is
+   pipeline stage, its 1F1B step with the stage's modules under the TP plan, at
+   `TRACE_BLOCKS` blocks per stage for deep models; under PyTorch's multi-stage schedules,
+   every pipeline rank's row of the schedule, at full depth). TP that cannot be traced is
    refused (`UserError`) unless `parallel_tracing=False`; CP and the multi-stage
    schedules are refused wherever they are not traced;
 3. **rank view** (`rank_views`): the rank's trace, modelled from the single-device trace
@@ -26,14 +26,17 @@ function each:
    (`memplan.trace.edit`: SDPA kernel workspaces, cuBLAS workspace) for cuda, the
    checkpoints' CPU RNG states and oneDNN's matmul scratchpads
    (`memplan.capture.onednn`) for cpu;
-4. **replay** (`replay_counters`): the allocator simulator (PyTorch's request rounding,
-   `--alloc-conf` included; caching / expandable segments / a static plan) for peak
-   allocated (`max_memory_allocated`) and peak reserved (`max_memory_reserved`);
-   `allocator="none"` counts tensor bytes only;
-5. **extrapolate** (`rank_figures`): the peaks, breakdown and phase at the allocated
-   peak, from the full-depth trace or extrapolated from the 3- and 4-block traces; device
-   used = reserved + CUDA context + NCCL buffers (device profile); fits = device used <=
-   capacity.
+4. **unroll** (`memplan.estimation.unroll`): a deep model's view, its middle block's
+   events repeated up to the full depth, so that what follows sees the full-depth step
+   (where the trace does not have the shape unrolling needs, the full depth is traced);
+5. **figures** (`memplan.estimation.figures.rank_estimate`, the one way every trace
+   becomes a rank's figures): the allocator simulator (PyTorch's request rounding,
+   `--alloc-conf` included; caching / expandable segments / a static plan; `none` counts
+   tensor bytes only) for peak allocated (`max_memory_allocated`) and peak reserved
+   (`max_memory_reserved`), replayed within the usable memory, capacity x (1 - margin),
+   as the caching allocator frees its cache and retries there; the breakdown and phase
+   at the allocated peak; device used = reserved + CUDA context + NCCL buffers (device
+   profile); fits = device used <= capacity x (1 - margin).
 
 Every term is listed, with how it was validated, in docs/estimation.md.
 """
@@ -41,25 +44,40 @@ Every term is listed, with how it was validated, in docs/estimation.md.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memplan.alloc import AllocConf, replay
+from memplan.alloc import AllocConf
 from memplan.capture.onednn import onednn_workspaces
 from memplan.capture.step import StepTrace, capture_step
 from memplan.errors import UserError
-from memplan.estimation import layers
+from memplan.estimation.figures import (  # noqa: F401 - re-exported: callers import them from here
+    BREAKDOWN_KEYS,
+    DEFAULT_MARGIN,
+    Counters,
+    Figures,
+    HostFigures,
+    RankEstimate,
+    charged_bytes,
+    check_margin,
+    figures_full,
+    host_at,
+    host_figures,
+    host_series,
+    rank_estimate,
+    replay_counters,
+    usable_bytes_of,
+)
+from memplan.estimation.unroll import ops_at_depth, unroll
 from memplan.hardware.devices import DeviceProfile, device_profile
 from memplan.hardware.roofline import matmul_dtype, step_seconds
-from memplan.layout import plan_addresses
 from memplan.models.build import count_parameters
-from memplan.models.depth import num_layers, with_layers
+from memplan.models.depth import block_kinds, num_layers, with_layers
 from memplan.models.moe import experts_of
 from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
@@ -70,67 +88,18 @@ from memplan.parallel.plans import RankPlan, rank_plans
 from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
 from memplan.parallel.transform import block_spans
 from memplan.trace import edit as trace_edit
-from memplan.trace.model import CATEGORY, HOST_KINDS, Trace
+from memplan.trace.model import Trace
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
 
 ESTIMATE_ALLOCATORS = ("caching", "expandable", "planned", "none")
 MIN_BLOCKS_TO_EXTRAPOLATE = 6  # below this, tracing the full depth is as fast
-TRACE_BLOCKS = 3  # traces at 3 and 4 blocks: a middle block has neighbours on both sides
+TRACE_BLOCKS = 4  # deep models are traced at 4 blocks (after leading ones of another kind): 2 middle blocks
 DEFAULT_CUBLAS_WORKSPACE_BYTES = 8_519_680  # without a device profile (memplan.hardware.devices)
 CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state(): the CPU generator's mt19937 state
 
-BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
-_CATEGORY_TO_KEY = {
-    CATEGORY["parameter"]: 0, CATEGORY["gradient"]: 1, CATEGORY["optimizer_state"]: 2,
-    CATEGORY["activation"]: 3, CATEGORY["temporary"]: 4, CATEGORY["input"]: 5, CATEGORY["other"]: 5,
-}
-
 StepCache = dict[tuple[Any, ...], StepTrace]  # captured steps, keyed by model, setup, device, layout, rank
-
-
-@dataclass
-class HostFigures:
-    """Host memory a rank's step keeps (memplan.models.tracing: offloaded optimizer state,
-    parameters and gradients, bitsandbytes' paged state): the peak of its live bytes and,
-    at that peak, how much is pinned (page-locked), pageable, and CUDA managed (unified
-    memory the driver migrates between host and GPU; backed by the host, outside the
-    caching allocator). None of it is in the device figures."""
-
-    peak_bytes: int = 0
-    pinned_bytes: int = 0
-    pageable_bytes: int = 0
-    managed_bytes: int = 0
-
-
-@dataclass
-class RankEstimate:
-    """One rank's figures (bytes)."""
-
-    rank: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    device_used_bytes: int
-    breakdown: dict[str, int]
-    peak_phase: str
-    ranks: list[int] = field(default_factory=list)  # the ranks this one stands for
-    host: HostFigures = field(default_factory=HostFigures)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "peak_allocated_bytes": self.peak_allocated_bytes,
-            "peak_reserved_bytes": self.peak_reserved_bytes,
-            "device_used_bytes": self.device_used_bytes,
-            "breakdown": dict(self.breakdown),
-            "peak_phase": self.peak_phase,
-            "host_peak_bytes": self.host.peak_bytes,
-            "host_pinned_bytes": self.host.pinned_bytes,
-            "host_pageable_bytes": self.host.pageable_bytes,
-            "host_managed_bytes": self.host.managed_bytes,
-            "same_as_ranks": self.ranks,
-        }
 
 
 @dataclass
@@ -153,6 +122,7 @@ class Estimate:
     bytes_moved: float = 0.0
     roofline_s: float = 0.0  # rank 0's compute time, per-op roofline over the device profile
     routing: str | None = None  # a mixture-of-experts model's routing assumption (None: dense)
+    margin: float = DEFAULT_MARGIN  # headroom kept free of the capacity
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -177,10 +147,31 @@ class Estimate:
         return self.setup.get("impl")
 
     @property
+    def usable_bytes(self) -> int | None:
+        """Capacity x (1 - margin): what the step may use (None: no capacity given)."""
+        return usable_bytes_of(self.capacity_bytes, self.margin)
+
+    @property
     def fits(self) -> bool | None:
-        if self.capacity_bytes is None:
+        """Device used <= usable on every rank (None: no capacity given)."""
+        usable = self.usable_bytes
+        if usable is None:
             return None
-        return self.device_used_bytes <= self.capacity_bytes
+        return self.device_used_bytes <= usable
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        """Peak allocated in each phase of the step, the largest over the ranks."""
+        out: dict[str, int] = {}
+        for r in self.per_rank:
+            for phase, value in r.phase_peaks.items():
+                out[phase] = max(value, out.get(phase, 0))
+        return out
+
+    @property
+    def oom(self) -> dict[str, Any] | None:
+        """The first rank's request the allocator could not serve within the usable memory."""
+        return next((r.oom for r in self.per_rank if r.oom is not None), None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -198,7 +189,10 @@ class Estimate:
             "device_used_bytes": self.device_used_bytes,
             "host_peak_bytes": self.host_peak_bytes,
             "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "usable_bytes": self.usable_bytes,
             "fits": self.fits,
+            "oom": self.oom,
             "method": self.method,
             "parallel": self.parallel,
             "routing": self.routing,
@@ -219,6 +213,7 @@ class EstimateJob:
     alloc_conf: str | None
     profile: DeviceProfile | None
     cuda_context_bytes: int | None
+    usable_bytes: int | None  # capacity x (1 - margin); None: no limit
     extrapolate: bool
     parallel_tracing: bool
     progress: bool
@@ -260,6 +255,7 @@ def estimate(
     progress: bool = False,
     cache: StepCache | None = None,
     cuda_context: int | None = None,
+    margin: float = DEFAULT_MARGIN,
 ) -> Estimate:
     """Per-rank peak memory of one training step of `model` under `setup` and `layout`.
 
@@ -275,12 +271,15 @@ def estimate(
     steps across calls that differ only in layout or allocator (what `fit` does).
     `cuda_context` (bytes) overrides the profile's CUDA context, which is CUDA 12's
     lazy-loading one: eager kernel loading (CUDA < 11.7, or CUDA_MODULE_LOADING=EAGER)
-    takes about 1 GB more.
+    takes about 1 GB more. `margin`: the share of the capacity kept free; the step fits
+    when its device memory is at most capacity x (1 - margin), the usable memory its
+    allocator is replayed within (`memplan.estimation.figures`).
     """
     start = time.perf_counter()
     setup = setup if setup is not None else TrainingSetup()
     layout = layout if layout is not None else Layout()
     check_options(device, allocator, alloc_conf, cuda_context)
+    margin = check_margin(margin)
     profile = device_profile(gpu) if gpu is not None else None
     if capacity is None and profile is not None:
         capacity = profile.capacity_bytes
@@ -295,7 +294,7 @@ def estimate(
     check_target(setup, device)
     _check_parallel_tracing(layout, config, setup, parallel_tracing)
     job = EstimateJob(config, total_layers, setup, layout, device, allocator, alloc_conf, profile, cuda_context,
-                      extrapolate, parallel_tracing, progress, cache)
+                      usable_bytes_of(capacity, margin), extrapolate, parallel_tracing, progress, cache)
     results = [estimate_rank(job, plan) for plan in rank_plans(layout, config, setup, total_layers)]
     totals = next((r.totals for r in results if r.totals is not None), StepTotals())
     return Estimate(
@@ -306,6 +305,7 @@ def estimate(
         elapsed_s=time.perf_counter() - start, flops=totals.flops, bytes_moved=totals.bytes_moved,
         roofline_s=totals.roofline_s,
         routing=setup.routing if not isinstance(config, FactorySpec) and experts_of(config) else None,
+        margin=margin,
     )
 
 
@@ -350,32 +350,62 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
 
 
 def estimate_rank(job: EstimateJob, plan: RankPlan) -> RankResult:
-    """One rank's figures: capture, rank view, replay, extrapolate (module docstring)."""
+    """One rank's figures: capture, rank view, unroll, replay (module docstring)."""
     # PyTorch's multi-stage schedules interleave the rank's two chunks: traced at full depth
     scheduled = job.layout.pp > 1 and job.layout.schedule in MULTI_STAGE_SCHEDULES
-    deep = job.extrapolate and plan.layers is not None and plan.layers >= MIN_BLOCKS_TO_EXTRAPOLATE and not scheduled
+    depth = unroll_depth(job.config, plan.layers, job.layout.pp) if job.extrapolate and not scheduled else None
+    deep = depth is not None
     traced = job.parallel_tracing and plan.traceable
-    steps = capture_rank_steps(job, plan, [TRACE_BLOCKS, TRACE_BLOCKS + 1] if deep else [plan.layers], traced)
+    step = capture_rank_steps(job, plan, [depth] if deep else [plan.layers], traced)[0]
     transform = _traced_view(job.device, plan.traced_transform) if traced else plan.transform
     if job.progress:
-        sys.stderr.write(f"traced rank {plan.rank} at {', '.join(str(s.layers) for s in steps)} blocks\n")
-    views = rank_views(job, plan, transform, steps)
-    counters = [replay_counters(trace_edit.without_host(t), job.allocator, job.alloc_conf) for t in views]
-    fig = rank_figures(views, counters, steps[0].blocks_path, plan.layers) if deep else None
-    extrapolated = fig is not None
-    if deep and fig is None:  # the regions did not line up: trace the full depth instead
+        sys.stderr.write(f"traced rank {plan.rank} at {step.layers} blocks\n")
+    full = unrolled_step(step, depth, plan.layers, job.cache) if deep else step
+    if full is None:  # the trace does not have the shape unrolling needs: trace the full depth
         sys.stderr.write("memplan: block extrapolation not applicable here; tracing the full depth\n")
         depth = plan.layers if plan.layers != job.total_layers else None
-        steps = capture_rank_steps(job, plan, [depth], traced, cache=False)
-        views = rank_views(job, plan, transform, steps)
-        counters = [replay_counters(trace_edit.without_host(views[0]), job.allocator, job.alloc_conf)]
-    if fig is None:
-        fig = figures_full(views[-1], counters[-1])
+        step = full = capture_rank_steps(job, plan, [depth], traced, cache=False)[0]
+    view = rank_views(job, plan, transform, [full])[0]
+    rank = rank_estimate(view, rank=plan.rank, allocator=job.allocator, alloc_conf=job.alloc_conf,
+                         overhead_bytes=_device_overhead_bytes(job, plan), usable_bytes=job.usable_bytes,
+                         same_as=plan.same_as)
     parallel = "modelled" if not traced else "traced" if plan.traced_transform is None else "traced + modelled"
-    rank = RankEstimate(plan.rank, fig.peak_allocated_bytes, fig.peak_reserved_bytes,
-                        fig.peak_reserved_bytes + _device_overhead_bytes(job, plan), fig.breakdown, fig.peak_phase,
-                        plan.same_as, fig.host)
-    return RankResult(rank, extrapolated, parallel, step_totals(job, plan, steps) if plan.rank == 0 else None)
+    unrolled = full is not step
+    totals = step_totals(job, plan, step, depth if unrolled else None) if plan.rank == 0 else None
+    return RankResult(rank, unrolled, parallel, totals)
+
+
+def unroll_depth(config: PretrainedConfig | FactorySpec, layers: int | None, stages: int = 1) -> int | None:
+    """The depth to trace a model of `layers` blocks (per pipeline stage) at, to unroll it
+    (`memplan.estimation.unroll`): `TRACE_BLOCKS` after its leading blocks of another kind
+    (DeepSeek's dense blocks before its MoE ones); None where it is traced at full depth: a
+    shallow model, or blocks that alternate kinds (`memplan.models.depth.block_kinds`:
+    sliding-window and full attention, MoE every other block), which copies of one block
+    cannot stand for."""
+    if layers is None or layers < MIN_BLOCKS_TO_EXTRAPOLATE:
+        return None
+    kinds = [] if isinstance(config, FactorySpec) else block_kinds(config)
+    last = kinds[-1] if kinds else None
+    leading = next((i for i, kind in enumerate(kinds) if kind == last), 0)
+    if any(kind != last for kind in kinds[leading:]) or (stages > 1 and leading):
+        return None
+    depth = leading + TRACE_BLOCKS
+    return depth if depth < layers else None
+
+
+def unrolled_step(step: StepTrace, depth: int, layers: int, cache: StepCache | None) -> StepTrace | None:
+    """`step` (traced at `depth` blocks) unrolled to `layers` blocks
+    (`memplan.estimation.unroll`), kept in `cache` with the step; None where it cannot be."""
+    key = ("unrolled", id(step), layers)
+    if cache is not None and key in cache:
+        return cache[key]
+    trace = unroll(step.trace, step.blocks_path, depth, layers)
+    if trace is None:
+        return None
+    full = replace(step, trace=trace, layers=layers)
+    if cache is not None:
+        cache[key] = full
+    return full
 
 
 def _device_overhead_bytes(job: EstimateJob, plan: RankPlan) -> int:
@@ -389,29 +419,27 @@ def _device_overhead_bytes(job: EstimateJob, plan: RankPlan) -> int:
     return context + nccl
 
 
-def step_totals(job: EstimateJob, plan: RankPlan, steps: list[StepTrace]) -> StepTotals:
-    """Rank 0's parameters, FLOPs, bytes moved and roofline seconds, extrapolated to the
-    full depth from two traces or read from one."""
-    profile, dtype = job.profile, matmul_dtype(plan.setup)
-    totals = StepTotals()
-    if len(steps) == 2:
-        totals.parameters = int(round(float(layers.extrapolate(steps[0].parameters, steps[1].parameters,
-                                                               TRACE_BLOCKS, job.total_layers or 0))))
-        f = [float(np.nansum(s.trace.ops["flops"])) for s in steps]
-        b = [float(np.nansum(s.trace.ops["bytes_moved"])) for s in steps]
-        totals.flops = float(layers.extrapolate(f[0], f[1], TRACE_BLOCKS, plan.layers))
-        totals.bytes_moved = float(layers.extrapolate(b[0], b[1], TRACE_BLOCKS, plan.layers))
-        if profile is not None:
-            r = [step_seconds(s.trace, profile, dtype) for s in steps]
-            totals.roofline_s = float(layers.extrapolate(r[0], r[1], TRACE_BLOCKS, plan.layers))
-    else:
-        totals.parameters = steps[0].parameters if job.layout.pp == 1 else model_parameters(job.config)
-        totals.flops = float(np.nansum(steps[0].trace.ops["flops"]))
-        totals.bytes_moved = float(np.nansum(steps[0].trace.ops["bytes_moved"]))
-        if profile is not None:
-            totals.roofline_s = step_seconds(steps[0].trace, profile, dtype)
-    if job.layout.pp > 1 and len(steps) == 2:
+def step_totals(job: EstimateJob, plan: RankPlan, step: StepTrace, depth: int | None) -> StepTotals:
+    """Rank 0's parameters, FLOPs, bytes moved and roofline seconds: of the traced step, or,
+    unrolled from `depth` blocks, as at the full depth (`memplan.estimation.unroll`)."""
+    trace = step.trace
+    if depth is not None:
+        ops = ops_at_depth(trace, step.blocks_path, depth, plan.layers)
+        trace = replace(trace, ops=ops) if ops is not None else trace
+    totals = StepTotals(flops=float(np.nansum(trace.ops["flops"])),
+                        bytes_moved=float(np.nansum(trace.ops["bytes_moved"])))
+    if job.profile is not None:
+        totals.roofline_s = step_seconds(trace, job.profile, matmul_dtype(plan.setup))
+    if job.layout.pp > 1:
         totals.parameters = model_parameters(job.config)
+    elif depth is not None:
+        per_block = step.block_parameters
+        if per_block is None:  # a step traced on a fake process group counts the model's parameters
+            per_block = model_parameters(with_layers(job.config, depth)) - \
+                model_parameters(with_layers(job.config, depth - 1))
+        totals.parameters = step.parameters + per_block * ((job.total_layers or depth) - depth)
+    else:
+        totals.parameters = step.parameters
     return totals
 
 
@@ -450,138 +478,6 @@ def gpu_view(step: StepTrace, setup: TrainingSetup, profile: DeviceProfile | Non
     workspace = profile.cublas_workspace_bytes if profile is not None else DEFAULT_CUBLAS_WORKSPACE_BYTES
     extras += trace_edit.workspace_buffer(step.trace, workspace)
     return trace_edit.with_extra_buffers(step.trace, extras)
-
-
-@dataclass
-class Counters:
-    """Series of one replay: allocated and reserved bytes after each event, and the
-    per-buffer sizes the allocator charges (for the breakdown)."""
-
-    allocated: np.ndarray
-    reserved: np.ndarray
-    charged_nbytes: np.ndarray
-
-
-def charged_bytes(nbytes: np.ndarray, alloc_conf: str | None) -> np.ndarray:
-    """Per buffer, the block size the caching allocator reserves for it under
-    `alloc_conf` (`memplan.alloc.conf.AllocConf.round_size`; 0 for an empty buffer)."""
-    conf = AllocConf.parse(alloc_conf)
-    sizes, inverse = np.unique(nbytes, return_inverse=True)
-    rounded = np.array([conf.round_size(int(n)) if n > 0 else 0 for n in sizes], dtype=np.int64)
-    return rounded[inverse.reshape(-1)]
-
-
-def replay_counters(trace: Trace, allocator: str, alloc_conf: str | None) -> Counters:
-    """Allocated and reserved series of `trace` under `allocator` (unlimited capacity)."""
-    nbytes = trace.buffers["nbytes"]
-    if allocator == "none":
-        live = trace.live_bytes()
-        return Counters(live, live, nbytes)
-    if allocator == "planned":
-        # STWeaver plan of this very step (validated by the layout work's independent
-        # checker before it is returned), replayed with its caching fallback.
-        result = replay(trace, "planned", alloc_conf=alloc_conf, plan=plan_addresses(trace), segment_map=False)
-    else:
-        result = replay(trace, allocator, alloc_conf=alloc_conf, segment_map=False)
-    return Counters(result.allocated_bytes, result.reserved_bytes, charged_bytes(nbytes, alloc_conf))
-
-
-def _breakdown(vector: np.ndarray, total: float) -> dict[str, int]:
-    """Trace categories -> the report's six keys; the allocator's unsplit tails go to other."""
-    out = np.zeros(len(BREAKDOWN_KEYS))
-    for cat, key in _CATEGORY_TO_KEY.items():
-        out[key] += vector[cat]
-    out = np.maximum(np.rint(out), 0)
-    out[5] += max(0.0, round(total) - out.sum())
-    return {k: int(v) for k, v in zip(BREAKDOWN_KEYS, out)}
-
-
-@dataclass
-class Figures:
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    breakdown: dict[str, int]
-    peak_phase: str
-    host: HostFigures = field(default_factory=HostFigures)
-    # the event of the allocated peak in each trace the figures come from (one trace, or
-    # the k- and (k+1)-block pair), for a caller that reads more at the peak
-    peak_events: tuple[int, ...] = ()
-
-
-def figures_full(trace: Trace, counters: Counters) -> Figures:
-    """Peaks of a full-depth trace: the device's from `counters` (a replay of the trace's
-    device buffers), the host memory's from its host buffers."""
-    event = int(np.argmax(counters.allocated)) if counters.allocated.shape[0] else -1
-    peak = int(counters.allocated[event]) if event >= 0 else 0
-    device = trace_edit.without_host(trace)
-    vector = layers.breakdown_vector(device, event, counters.charged_nbytes) if event >= 0 else np.zeros(7)
-    return Figures(peak, int(counters.reserved.max()) if counters.reserved.shape[0] else 0,
-                   _breakdown(vector, peak), trace.phase_at(event), host_figures(trace), (event,))
-
-
-def host_figures(trace: Trace) -> HostFigures:
-    """The host memory of a full-depth trace: its peak, and the kinds at the peak."""
-    series = host_series(trace)
-    total = series.sum(axis=0)
-    if not total.shape[0]:
-        return HostFigures()
-    return _host_at(series[:, int(np.argmax(total))])
-
-
-def host_series(trace: Trace) -> np.ndarray:
-    """Live host bytes after each event, one row per kind of `HOST_KINDS`."""
-    return np.stack([trace.live_bytes(trace.host_mask(kind)) for kind in HOST_KINDS]).reshape(len(HOST_KINDS), -1)
-
-
-def _host_at(by_kind: np.ndarray) -> HostFigures:
-    """`HostFigures` from the live bytes per kind (`HOST_KINDS` order) at the host peak."""
-    pinned, pageable, managed = (int(round(max(float(v), 0.0))) for v in by_kind)
-    return HostFigures(pinned + pageable + managed, pinned, pageable, managed)
-
-
-def rank_figures(views: list[Trace], counters: list[Counters], blocks_path: str, target_layers: int) -> Figures | None:
-    """The figures at `target_layers` blocks from the rank's views at `TRACE_BLOCKS` and
-    one more block (None: their regions differ)."""
-    return figures_extrapolated((views[0], views[1]), (counters[0], counters[1]), layers.block_pattern(blocks_path),
-                                TRACE_BLOCKS, target_layers)
-
-
-def figures_extrapolated(pair: tuple[Trace, Trace], counters: tuple[Counters, Counters],
-                         pattern: re.Pattern[str], k: int, target_layers: int) -> Figures | None:
-    """Peaks at `target_layers` blocks from traces at k and k+1 blocks (None: regions differ)."""
-    reg = [layers.regions(t, pattern) for t in pair]
-    if not layers.check_regions(*reg):
-        return None
-    alloc = [layers.region_peaks(c.allocated, r) for c, r in zip(counters, reg)]
-    resv = [layers.region_peaks(c.reserved, r) for c, r in zip(counters, reg)]
-    alloc_full = layers.extrapolate(alloc[0].values, alloc[1].values, k, target_layers)
-    resv_full = layers.extrapolate(resv[0].values, resv[1].values, k, target_layers)
-    win = int(np.argmax(alloc_full))
-    vectors = [layers.breakdown_vector(trace_edit.without_host(t), int(a.events[win]), c.charged_nbytes)
-               for t, a, c in zip(pair, alloc, counters)]
-    vector = layers.extrapolate(vectors[0], vectors[1], k, target_layers)
-    peak = float(alloc_full[win])
-    # The caching allocator's slack (reserved - allocated) does not grow linearly with
-    # depth (segments are reused across blocks): keep the deeper trace's slack on top of
-    # the extrapolated allocated peak, unless the linear reserved figure is larger.
-    slack = float(counters[1].reserved.max() - counters[1].allocated.max())
-    reserved = max(float(resv_full.max()), peak + slack)
-    return Figures(int(round(peak)), int(round(reserved)), _breakdown(vector, peak),
-                   pair[1].phase_at(int(alloc[1].events[win])), _host_extrapolated(pair, reg, k, target_layers),
-                   (int(alloc[0].events[win]), int(alloc[1].events[win])))
-
-
-def _host_extrapolated(pair: tuple[Trace, Trace], reg: list[layers.Regions], k: int, target_layers: int) -> HostFigures:
-    """The host figures at `target_layers` blocks, region by region as the device's."""
-    series = [host_series(t) for t in pair]
-    peaks = [layers.region_peaks(s.sum(axis=0), r) for s, r in zip(series, reg)]
-    full = layers.extrapolate(peaks[0].values, peaks[1].values, k, target_layers)
-    if not full.shape[0]:
-        return HostFigures()
-    win = int(np.argmax(full))
-    by_kind = layers.extrapolate(series[0][:, int(peaks[0].events[win])], series[1][:, int(peaks[1].events[win])],
-                                 k, target_layers)
-    return _host_at(by_kind)
 
 
 def _device_view(trace: Trace, step: StepTrace, setup: TrainingSetup, device: str,

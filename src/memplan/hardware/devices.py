@@ -2,7 +2,8 @@
 
 Each profile gives what the estimate and fit pipelines need about one GPU model:
 memory capacity as PyTorch reports it, dense tensor-core throughput per dtype, memory
-and interconnect bandwidth, and the memory that never passes through PyTorch's caching
+and interconnect bandwidth, how many GPUs one NVLink domain joins (where `memplan fit`
+searches tensor parallelism), and the memory that never passes through PyTorch's caching
 allocator or that it holds on its own behalf (CUDA context, cuBLAS workspace, NCCL
 buffers). Every figure carries its source in the JSON (`_sources` and each device's
 `source`); they are vendor datasheet numbers and documented PyTorch/NCCL defaults,
@@ -62,6 +63,8 @@ class DeviceProfile:
     nccl_channels: int | None  # None: the collective library's buffers are not modelled (RCCL)
     source: str
     capacity_source: str = ""
+    nvlink_gpus: int = 1  # GPUs one NVLink domain joins (devices.json `_sources`); tensor parallelism stays within it
+    nvlink_source: str = ""
 
     def nccl_bytes(self, communicators: int) -> int:
         """NCCL buffers of `communicators` process groups: channels x 2 ring peers x buffsize each."""
@@ -131,6 +134,7 @@ class DeviceProfile:
             "memory_bandwidth_gbs": self.memory_bandwidth_bytes_per_s / 1e9,
             "tflops": {k: (None if v is None else v / 1e12) for k, v in self.flops_per_s.items()},
             "interconnect": self.interconnect,
+            "nvlink_gpus": self.nvlink_gpus,
             "source": self.source,
             "capacity_source": self.capacity_source,
         }
@@ -290,4 +294,7 @@ def device_profile(key: str) -> DeviceProfile:
         nccl_channels=None if channels is None else int(channels),
         source=entry["source"],
         capacity_source=entry.get("capacity_source", ""),
+        # a local profile calibrated before the field existed: no NVLink domain is assumed
+        nvlink_gpus=int(entry.get("nvlink_gpus", 1)),
+        nvlink_source=entry.get("nvlink_source", ""),
     )

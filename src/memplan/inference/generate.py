@@ -33,6 +33,7 @@ import numpy as np
 from memplan.capture.step import StepTrace
 from memplan.errors import UserError
 from memplan.estimation import layers
+from memplan.estimation.layers import figures_extrapolated
 from memplan.estimation.pipeline import (
     MIN_BLOCKS_TO_EXTRAPOLATE,
     TRACE_BLOCKS,
@@ -40,7 +41,6 @@ from memplan.estimation.pipeline import (
     Figures,
     HostFigures,
     check_options,
-    figures_extrapolated,
     figures_full,
     gpu_view,
     replay_counters,

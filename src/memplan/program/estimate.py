@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import os
 
-from memplan.estimation.pipeline import RankEstimate, figures_full, replay_counters
+from memplan.estimation.figures import DEFAULT_MARGIN, RankEstimate, usable_bytes_of
+from memplan.estimation.figures import rank_estimate as figures_rank_estimate
 from memplan.hardware.devices import DeviceProfile
 from memplan.parallel.traced import gloo_staging_buffers
 from memplan.trace import edit as trace_edit
@@ -44,17 +45,17 @@ def device_trace(trace: Trace, device: str, profile: DeviceProfile | None, *, wo
 
 
 def rank_estimate(trace: Trace, rank: int, same_as: list[int], device: str, profile: DeviceProfile | None, *,
-                  world_size: int, process_groups: int) -> RankEstimate:
-    """The figures of one traced rank (module docstring)."""
+                  world_size: int, process_groups: int, margin: float = DEFAULT_MARGIN) -> RankEstimate:
+    """The figures of one traced rank (module docstring), by the one function every
+    trace's figures come from (`memplan.estimation.figures.rank_estimate`)."""
     view = device_trace(trace, device, profile, world_size=world_size)
     if device == "cpu":
-        fig = figures_full(view, replay_counters(view, "none", None))
-        return RankEstimate(rank, fig.peak_allocated_bytes, fig.peak_reserved_bytes, fig.peak_reserved_bytes,
-                            fig.breakdown, fig.peak_phase, same_as, fig.host)
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
-    fig = figures_full(view, replay_counters(trace_edit.without_host(view), "caching", alloc_conf))
+        return figures_rank_estimate(view, rank=rank, allocator="none", alloc_conf=None, overhead_bytes=0,
+                                     usable_bytes=None, same_as=same_as)
     overhead = 0
     if profile is not None:
         overhead = profile.context_bytes() + profile.nccl_bytes(process_groups if world_size > 1 else 0)
-    return RankEstimate(rank, fig.peak_allocated_bytes, fig.peak_reserved_bytes, fig.peak_reserved_bytes + overhead,
-                        fig.breakdown, fig.peak_phase, same_as, fig.host)
+    return figures_rank_estimate(view, rank=rank, allocator="caching",
+                                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
+                                 overhead_bytes=overhead, same_as=same_as,
+                                 usable_bytes=usable_bytes_of(profile.capacity_bytes if profile else None, margin))

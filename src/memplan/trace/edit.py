@@ -49,7 +49,9 @@ SDPA_BACKWARDS = {
 @dataclass(frozen=True)
 class ExtraBuffer:
     """A buffer to add: allocated just before event `alloc_before`, freed just before
-    event `free_before` (-1: live to the end). Both are event indices of the original trace."""
+    event `free_before` (-1: live to the end). Both are event indices of the original
+    trace. Its events run in `op`, else the allocation in the op of the event it precedes
+    and the free in the op of the event it follows."""
 
     nbytes: int
     alloc_before: int
@@ -85,7 +87,8 @@ def with_extra_buffers(trace: Trace, extras: list[ExtraBuffer]) -> Trace:
     order = np.lexsort((tie, keys))
     kind = np.concatenate([trace.events["kind"], *new_kind])[order]
     ev_buffer = np.concatenate([trace.events["buffer"], *new_buffer])[order]
-    op_at_key = _op_at_positions(trace, np.concatenate([alloc_at, free_at[freed]]))
+    # an allocation runs in the op of the event it precedes, a free in the op of the event it follows
+    op_at_key = np.concatenate([_op_at_positions(trace, alloc_at), _op_before_positions(trace, free_at[freed])])
     extra_ops = np.array([x.op for x in extras] + [x.op for x, f in zip(extras, freed) if f], np.int64)
     inserted_ops = np.where(extra_ops >= 0, extra_ops, op_at_key)
     ev_op = np.concatenate([trace.events["op"], inserted_ops])[order]
@@ -127,6 +130,15 @@ def _op_at_positions(trace: Trace, positions: np.ndarray) -> np.ndarray:
     if trace.num_events == 0:
         return np.full(positions.shape[0], -1, np.int64)
     idx = np.minimum(positions, trace.num_events - 1)
+    return trace.events["op"][idx].astype(np.int64)
+
+
+def _op_before_positions(trace: Trace, positions: np.ndarray) -> np.ndarray:
+    """The op running just before each insertion position (the op of the event it follows;
+    at position 0, the op of the first event)."""
+    if trace.num_events == 0:
+        return np.full(positions.shape[0], -1, np.int64)
+    idx = np.clip(positions - 1, 0, trace.num_events - 1)
     return trace.events["op"][idx].astype(np.int64)
 
 

@@ -2,8 +2,8 @@
 
 The step runs on fake copies of the live model and optimizer (`memplan.watch.fake.faked`)
 under `memplan.capture.capture`, so what is traced is the job's own code; the trace then
-goes through the estimate's later stages for the job's device
-(`memplan.estimation.pipeline`): on cpu, the live tensor bytes (`allocator="none"`, what
+becomes an estimate the way every trace does (`memplan.estimation.figures.rank_estimate`),
+for the job's device: on cpu, the live tensor bytes (`allocator="none"`, what
 torch.profiler's memory timeline shows); on cuda, the cuBLAS workspace the capture cannot
 see, PyTorch's caching allocator replayed for allocated and reserved, and the CUDA context
 of the device profile (or the one measured by `memplan calibrate`) for device used.
@@ -20,20 +20,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.capture import capture
-from memplan.estimation.pipeline import (
-    Estimate,
-    RankEstimate,
-    figures_full,
-    host_figures,
-    replay_counters,
-)
+from memplan.estimation.figures import DEFAULT_MARGIN, rank_estimate, usable_bytes_of
+from memplan.estimation.pipeline import DEFAULT_CUBLAS_WORKSPACE_BYTES, Estimate
 from memplan.hardware.devices import DeviceProfile
 from memplan.parallel.layout import Layout
 from memplan.trace import edit as trace_edit
 from memplan.trace.model import Trace
 from memplan.watch.fake import faked
-
-DEFAULT_CUBLAS_WORKSPACE_BYTES = 8_519_680  # PyTorch's default before Hopper (memplan.hardware.devices.json)
 
 
 def trace_fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: FakeTensorMode,
@@ -45,29 +38,25 @@ def trace_fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
 
 def estimate_of_trace(trace: Trace, *, device: str, setup: dict[str, Any], model: dict[str, Any],
                       capacity_bytes: int | None, profile: DeviceProfile | None,
-                      context_bytes: int | None, elapsed_s: float) -> Estimate:
+                      context_bytes: int | None, elapsed_s: float, margin: float = DEFAULT_MARGIN) -> Estimate:
     """The estimate of a step trace for `device` (module docstring); `context_bytes`
-    replaces the profile's CUDA context."""
+    replaces the profile's CUDA context; `margin` is the share of the capacity kept free."""
     start = time.perf_counter()
     if device == "cuda":
         workspace = profile.cublas_workspace_bytes if profile is not None else DEFAULT_CUBLAS_WORKSPACE_BYTES
         view = trace_edit.with_extra_buffers(trace, trace_edit.workspace_buffer(trace, workspace))
-        fig = figures_full(view, replay_counters(view, "caching", None))
         if context_bytes is None:
             context_bytes = profile.context_bytes() if profile is not None else 0
-        used = fig.peak_reserved_bytes + context_bytes
         allocator = "caching"
     else:
-        fig = figures_full(trace, replay_counters(trace, "none", None))
-        used = fig.peak_reserved_bytes
-        allocator = "none"
-    rank = RankEstimate(0, fig.peak_allocated_bytes, fig.peak_reserved_bytes, used, fig.breakdown, fig.peak_phase,
-                        [0], host_figures(trace))
+        view, context_bytes, allocator = trace, 0, "none"
+    rank = rank_estimate(view, rank=0, allocator=allocator, alloc_conf=None, overhead_bytes=context_bytes,
+                         usable_bytes=usable_bytes_of(capacity_bytes, margin))
     return Estimate(
         model=str(model.get("name", "model")), parameters=int(model.get("parameters", 0)), setup=setup,
         layout=Layout().to_dict(), per_rank=[rank], capacity_bytes=capacity_bytes, device=device,
         allocator=allocator, gpu=profile.key if profile is not None else None, method="watch",
         elapsed_s=elapsed_s + time.perf_counter() - start,
-        flops=float(np.nansum(trace.ops["flops"])) if trace.num_ops else 0.0,
+        flops=float(np.nansum(trace.ops["flops"])) if trace.num_ops else 0.0, margin=margin,
     )
 

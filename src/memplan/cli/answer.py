@@ -1,0 +1,65 @@
+"""How the CLI says whether a job fits: the margin flag, the verdict line, and the
+`memplan estimate` command line of a candidate that `memplan fit` (or the estimate's
+suggestion) shows, so that running it gives the same figures."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from memplan.cli.layout_flags import layout_argv
+from memplan.cli.setup_flags import setup_argv
+from memplan.errors import UserError
+from memplan.estimation import Estimate
+from memplan.estimation.figures import DEFAULT_MARGIN
+from memplan.estimation.search import Candidate
+from memplan.units import format_bytes
+
+MARGIN_HELP = ("share of the capacity kept free for what the estimate does not see: fits when device used <= "
+               "capacity x (1 - margin) (default 5%%)")
+
+
+def add_margin_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--margin", default=f"{DEFAULT_MARGIN:.0%}", metavar="PCT", help=MARGIN_HELP)
+
+
+def parse_margin(text: str) -> float:
+    """`5%` or `0.05` -> 0.05."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise UserError(f"--margin takes a percentage like 5% or a fraction like 0.05, not {text!r}")
+    return value
+
+
+def margin_text(margin: float) -> str:
+    """0.05 -> "5%", as `--margin` takes it back."""
+    return f"{margin * 100:g}%"
+
+
+def verdict(result: Estimate) -> str:
+    """"fits: 70.1 GiB of 75.2 GiB usable (79.1 GiB, 5% margin)", or the demand that does not."""
+    capacity = f"{format_bytes(result.capacity_bytes)}, {margin_text(result.margin)} margin"
+    usable = format_bytes(result.usable_bytes)
+    if result.fits:
+        return f"fits: {format_bytes(result.device_used_bytes)} of {usable} usable ({capacity})"
+    where = " (out of memory even after freeing the allocator's cache)" if result.oom is not None else ""
+    return f"does NOT fit: needs {format_bytes(result.device_used_bytes)}{where}, {usable} usable ({capacity})"
+
+
+def estimate_command(cand: Candidate, allocator: str, margin: float, args: argparse.Namespace) -> str:
+    """The `memplan estimate` command line that estimates `cand` under `allocator` and `margin`
+    on the GPU, capacity and model of `args`."""
+    model = [args.model] if args.model is not None else ["--from", args.from_file]  # flags typed win over the file
+    if getattr(args, "trust_remote_code", False):
+        model.append("--trust-remote-code")
+    argv = ["memplan", "estimate", *model, *setup_argv(cand.setup), *layout_argv(cand.layout), "--gpu", args.gpu]
+    if args.capacity is not None:
+        argv += ["--capacity", args.capacity]
+    if allocator != "caching":
+        argv += ["--allocator", allocator]
+    if margin != DEFAULT_MARGIN:
+        argv += ["--margin", margin_text(margin)]
+    return shlex.join(argv)
