@@ -99,7 +99,7 @@ def inductor_ops(trace) -> list[tuple[str, int]]:
 
 
 def test_blocks_refuses_a_model_whose_forward_computes_its_loss_inline():
-    with pytest.raises(UserError, match="--compile model"):
+    with pytest.raises(UserError, match="`compile=model`"):
         models.build_model(models.tiny_config("bert-base"), models.TrainingSetup(batch=2, seq=32, compile="blocks"))
 
 
@@ -119,6 +119,6 @@ def test_compile_wraps_each_block_and_the_loss_and_a_recorder_stays_eager_by_def
                                     {"cpu_offload": "optimizer"}])
 def test_compile_blocks_with_a_technique_that_breaks_the_block_s_graph_is_refused_in_one_line(change):
     setup = models.TrainingSetup(batch=2, seq=32, compile="blocks", **change)
-    with pytest.raises(UserError, match="breaks that graph: use --compile model") as info:
+    with pytest.raises(UserError, match="breaks that graph: use `compile=model`") as info:
         models.build_model(models.tiny_config("llama-2-7b"), setup)
     assert "\n" not in str(info.value)

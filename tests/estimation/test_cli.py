@@ -37,7 +37,7 @@ def test_estimate_json_has_the_issue_keys(capsys):
     (["--tp", "5"], "does not divide the 12 attention heads"),
     (["--gpu", "h1000"], "unknown GPU 'h1000': did you mean h100-80gb"),
     (["--capacity", "80 parsecs"], "cannot read size"),
-    (["--zero", "4"], "zero stage must be"),
+    (["--zero", "4"], "invalid choice: 4"),
     (["--allocator", "buddy"], "unknown allocator"),
     (["--cuda-context", "lots"], "cannot read size"),
     (["--quant", "nf4"], "full fine-tuning cannot train nf4-quantised weights: add --lora-rank R"),

@@ -9,8 +9,7 @@ import pytest
 
 from memplan import models
 from memplan.cli import build_parser, main
-from memplan.cli.layout_flags import layout_argv, layout_from_args
-from memplan.cli.setup_flags import setup_argv, setup_from_args
+from memplan.cli.flags import layout_from_args, setup_from_args
 from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.estimation.fit import SearchSpace, fit
@@ -18,6 +17,7 @@ from memplan.estimation.search import Candidate
 from memplan.estimation.steptime import step_time
 from memplan.estimation.whatfits import what_fits
 from memplan.hardware.devices import device_profile
+from memplan.models.fields import flags_of
 from memplan.parallel import Layout
 
 ONE_SETUP = SearchSpace(micro_batches=(2,), checkpointing=("none",))
@@ -67,7 +67,7 @@ def test_the_step_time_counts_each_accumulated_micro_batch_once():
 ])
 def test_a_setup_and_layout_are_the_estimate_flags_that_give_them_back(setup):
     layout = Layout(world_size=8, zero=3, tp=2, pp=2, microbatches=4)
-    args = build_parser().parse_args(["estimate", "gpt2", *setup_argv(setup), *layout_argv(layout)])
+    args = build_parser().parse_args(["estimate", "gpt2", *flags_of(setup), *flags_of(layout)])
     assert setup_from_args(args).to_dict() == setup.to_dict()
     assert layout_from_args(args) == layout
 

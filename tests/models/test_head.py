@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.models import (
     TrainingSetup,
@@ -37,13 +37,13 @@ def test_head_and_num_labels_flags_parse_into_the_setup():
 
 
 def test_an_unknown_head_is_a_user_error():
-    with pytest.raises(UserError, match="head must be one of lm, seq-cls"):
+    with pytest.raises(UserError, match="`head` must be one of lm, seq-cls"):
         TrainingSetup(head="token-cls")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_num_labels_below_one_or_not_whole_is_a_user_error(bad):
-    with pytest.raises(UserError, match="num_labels must be a whole number >= 1"):
+    with pytest.raises(UserError, match="`num_labels` must be a whole number >= 1"):
         TrainingSetup(head="seq-cls", num_labels=bad)
 
 
@@ -136,7 +136,7 @@ def test_a_model_type_without_a_classification_class_is_a_user_error(monkeypatch
     names = dict(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
     names.pop("bert")
     monkeypatch.setattr(modeling_auto, "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", names)
-    with pytest.raises(UserError, match="no sequence-classification class.*--head lm"):
+    with pytest.raises(UserError, match="no sequence-classification class.*`head=lm`"):
         build_model(tiny_config("bert-large"), classification())
 
 

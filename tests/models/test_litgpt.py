@@ -66,7 +66,7 @@ def test_every_registry_model_litgpt_names_maps_onto_litgpt_s_own_config():
 def test_a_family_memplan_maps_no_litgpt_model_for_is_refused_in_one_line(family):
     with pytest.raises(UserError, match="memplan maps no LitGPT model for model type") as info:
         models.build_model(models.tiny_config(family), models.TrainingSetup(**SETUP))
-    assert "\n" not in str(info.value) and "--impl hf" in str(info.value)
+    assert "\n" not in str(info.value) and "`impl=hf`" in str(info.value)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -84,7 +84,7 @@ def test_what_litgpt_cannot_build_is_refused_in_one_line(options, message):
 
 
 def test_a_factory_model_refuses_impl_litgpt():
-    with pytest.raises(UserError, match="--impl litgpt builds a model from a Hugging Face config"):
+    with pytest.raises(UserError, match="`impl=litgpt` builds a model from a Hugging Face config"):
         models.build_model(models.FactorySpec("torch.nn", "Linear"), models.TrainingSetup(**SETUP))
 
 

@@ -150,5 +150,5 @@ def test_lora_on_the_head_chunks_but_does_not_fuse():
     model = models.build_model(config, setup)
     batch = models.make_batch(model, setup)
     assert torch.allclose(step_loss(model, batch, "chunked", chunks=4), models.forward_loss(model, batch), atol=1e-5)
-    with pytest.raises(UserError, match="use --loss chunked"):
+    with pytest.raises(UserError, match="use `loss=chunked`"):
         step_loss(model, batch, "fused-linear")

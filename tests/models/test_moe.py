@@ -82,7 +82,7 @@ def test_experts_of_reads_each_family_s_own_key():
 
 
 def test_a_routing_on_a_dense_model_is_refused_in_one_line():
-    with pytest.raises(UserError, match="has no experts: leave --routing out"):
+    with pytest.raises(UserError, match="has no experts: leave `routing` out"):
         models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(routing="worst"))
     models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup())  # the default is no routing
 

@@ -54,7 +54,7 @@ def test_paged_states_of_large_parameters_are_cuda_managed_host_memory():
 
 
 def test_a_paged_optimizer_for_a_cpu_job_is_refused():
-    with pytest.raises(UserError, match="use --optimizer adamw8bit with --device cpu"):
+    with pytest.raises(UserError, match="use `optimizer=adamw8bit` with --device cpu"):
         models.build_optimizer(nn.Linear(4, 4), models.TrainingSetup(optimizer="paged-adamw8bit"), device="cpu")
 
 

@@ -174,5 +174,5 @@ def test_int8_is_refused_for_a_cuda_job():
     from memplan.capture.step import capture_model
 
     setup = TrainingSetup(quant="int8", lora_rank=4, batch=1, seq=16)
-    with pytest.raises(UserError, match="--quant int8 is estimated for --device cpu only"):
+    with pytest.raises(UserError, match="`quant=int8` is estimated for --device cpu only"):
         capture_model(tiny_config("llama-2-7b"), setup, device="cuda")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.models import TrainingSetup
 from memplan.models.setup import (
@@ -72,7 +72,7 @@ def test_fused_adafactor_is_a_user_error():
 
 
 def test_unknown_dtype_is_a_user_error():
-    with pytest.raises(UserError, match="dtype must be one of fp32, bf16, fp16"):
+    with pytest.raises(UserError, match="`dtype` must be one of fp32, bf16, fp16"):
         TrainingSetup(dtype="float32")
 
 
@@ -120,15 +120,15 @@ def test_to_dict_and_from_dict_round_trip(setup):
     ({"quant": "nf4"}, "full fine-tuning cannot train nf4-quantised weights"),
     ({"double_quant": True}, "describe a quantised base"),
     ({"quant": "int8", "lora_rank": 8, "double_quant": True}, "4-bit options"),
-    ({"optimizer_in_backward": True, "grad_accum": 4}, "use --grad-accum 1"),
-    ({"loss": "fused-linear", "head": "seq-cls"}, "use --loss full"),
-    ({"dora": True}, "add --lora-rank R"),
+    ({"optimizer_in_backward": True, "grad_accum": 4}, "use `grad_accum=1`"),
+    ({"loss": "fused-linear", "head": "seq-cls"}, "use `loss=full`"),
+    ({"dora": True}, "add `lora_rank=R`"),
     ({"lora_rank": 4, "lora_targets": ("all-linear", "lm_head")}, "stands alone"),
-    ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave --optimizer-impl out"),
+    ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave `optimizer_impl` out"),
     ({"loss": "chunked:0"}, "chunked:N"),
-    ({"cpu_offload": "optimizer", "optimizer": "adamw8bit"}, "use --optimizer adamw or adam with --cpu-offload"),
+    ({"cpu_offload": "optimizer", "optimizer": "adamw8bit"}, "use `optimizer=adamw or adam` with `cpu_offload`"),
     ({"cpu_offload": "params", "optimizer_in_backward": True}, "use one of them"),
-    ({"cpu_offload": "optimizer", "zero_grad": "zeros"}, "use --zero-grad none"),
+    ({"cpu_offload": "optimizer", "zero_grad": "zeros"}, "use `zero_grad=none`"),
 ])
 def test_techniques_that_do_not_go_together_are_user_errors(fields, message):
     with pytest.raises(UserError, match=message):

@@ -40,7 +40,7 @@ PLAIN = dict(batch=2, seq=32, optimizer_impl="foreach")
     (["mixtral-8x7b", "--tp", "2"], r"split by expert parallelism.*add --ep"),
     (["mixtral-8x7b", "--world-size", "2", "--zero", "3", "--ep", "2", "--modelled-layout"],
      r"leave out --modelled-layout"),
-    (["llama-2-7b", "--routing", "balanced"], r"llama-2-7b has no experts: leave --routing out"),
+    (["llama-2-7b", "--routing", "worst"], r"llama-2-7b has no experts: leave --routing out"),
     (["mixtral-8x7b", "--routing", "capacity:0.8"], r"capacity factor must be a number >= 1"),
 ])
 def test_bad_expert_parallel_input_is_one_line_and_exit_code_2(capsys, argv, message):

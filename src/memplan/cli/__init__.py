@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         apply_from_file(args, list(sys.argv[1:] if argv is None else argv))
         return int(args._run(args) or 0)
     except UserError as exc:
-        sys.stderr.write(f"memplan: error: {exc}\n")
+        from memplan.cli.flags import user_error_text
+
+        sys.stderr.write(f"memplan: error: {user_error_text(str(exc))}\n")
         return 2
     except MemplanBug as exc:
         sys.stderr.write(f"memplan: internal error (a memplan bug, please report it): {exc}\n"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 
 from memplan.cli import print_json
+from memplan.cli.flags import add_layout_flags, add_setup_flags, layout_from_args, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
-from memplan.cli.layout_flags import add_layout_flags, layout_from_args
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import echo, pairs, paragraph, table
 from memplan.errors import UserError
 from memplan.estimation import Estimate, estimate

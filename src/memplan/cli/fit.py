@@ -21,21 +21,23 @@ import shlex
 from typing import Any
 
 from memplan.cli import print_json
+from memplan.cli.flags import (
+    add_layout_flags,
+    add_setup_flags,
+    given_flags,
+    layout_from_args,
+    setup_from_args,
+)
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
-from memplan.cli.layout_flags import (
-    add_layout_flags,
-    custom_layout_flags,
-    layout_argv,
-    layout_from_args,
-)
-from memplan.cli.setup_flags import add_setup_flags, setup_argv, setup_from_args
 from memplan.cli.table import command, echo, paragraph, table
 from memplan.errors import UserError
 from memplan.estimation.fit import DEFAULT_TOP, FitResult, fit
 from memplan.estimation.maxshape import DEFAULT_STEP, TARGETS, MaxResult, max_shape
 from memplan.estimation.search import DEFAULT_MARGIN, Row
 from memplan.estimation.whatfits import DEFAULT_MAX_NODES, WhatFitsResult, what_fits
+from memplan.models.fields import flags_of
+from memplan.parallel.layout import Layout
 from memplan.units import format_bytes, parse_size
 
 
@@ -107,7 +109,7 @@ def check_modes(args: argparse.Namespace, gpus: int | str) -> None:
         raise UserError("--max has one answer: leave --top out")
     if not args.what_fits and (args.allow_quant or args.max_nodes is not None):
         raise UserError("--allow-quant and --max-nodes configure --what-fits: add --what-fits")
-    custom = custom_layout_flags(args)
+    custom = given_flags(Layout, args, leave_out=("world_size",))
     if custom and args.max is None and not args.what_fits:
         raise UserError(f"fit searches ZeRO, TP and PP itself; {', '.join(custom)} describe your own layout for "
                         "--max and --what-fits: leave them out")
@@ -146,7 +148,7 @@ def estimate_command(row: Row, args: argparse.Namespace) -> str:
     model = [args.model] if args.model is not None else ["--from", args.from_file]  # flags typed win over the file
     if getattr(args, "trust_remote_code", False):
         model.append("--trust-remote-code")
-    argv = ["memplan", "estimate", *model, *setup_argv(cand.setup), *layout_argv(cand.layout), "--gpu", args.gpu]
+    argv = ["memplan", "estimate", *model, *flags_of(cand.setup), *flags_of(cand.layout), "--gpu", args.gpu]
     if args.capacity is not None:
         argv += ["--capacity", args.capacity]
     if row.allocator != "caching":

@@ -14,8 +14,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memplan.cli.layout_flags import layout_from_args
-from memplan.cli.setup_flags import setup_from_args
+from memplan.cli.flags import layout_from_args, setup_from_args
 from memplan.errors import UserError
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
@@ -70,8 +69,8 @@ def refuse_retracing(spec: str, trace: Trace, args: argparse.Namespace, *, layou
         if value == defaults.get(key) or (isinstance(recorded, dict) and recorded.get(key) == value):
             continue
         had = f"the trace has {recorded.get(key)}" if isinstance(recorded, dict) else "the trace records no setup"
-        raise UserError(f"{spec} is a trace: it cannot be re-traced under another setup (--{key.replace('_', '-')} "
-                        f"{value}; {had}): pass the model instead of the trace")
+        raise UserError(f"{spec} is a trace: it cannot be re-traced under another setup (`{key}={value}`; "
+                        f"{had}): pass the model instead of the trace")
     if layout_flags and layout_from_args(args).to_dict() != Layout().to_dict():
         raise UserError(f"{spec} is a trace of one device: it cannot be re-traced under another parallel layout "
-                        "(--world-size, --zero, --tp, --pp, --cp): pass the model instead of the trace")
+                        "(`world_size`, `zero`, `tp`, `pp`, `cp`): pass the model instead of the trace")

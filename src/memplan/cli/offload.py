@@ -11,9 +11,9 @@ from typing import Any
 
 from memplan.capture.step import capture_step
 from memplan.cli import print_json
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
 from memplan.hardware.links import Hardware, make_hardware

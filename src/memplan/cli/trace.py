@@ -9,9 +9,9 @@ from rich.console import Console
 
 from memplan.capture import capture_model
 from memplan.cli import print_json
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import echo, paragraph
 from memplan.errors import UserError
 from memplan.trace import save

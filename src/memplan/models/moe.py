@@ -115,11 +115,11 @@ def check_routing(config: PretrainedConfig | Any, routing: str, *, fake: bool) -
     rule = parse_routing(routing)
     if experts_of(config) is None:
         if routing != "balanced":
-            raise UserError(f"--routing {routing} describes how a mixture-of-experts model routes its tokens; "
-                            f"model type {getattr(config, 'model_type', '?')!r} has no experts: leave --routing out")
+            raise UserError(f"`routing={routing}` describes how a mixture-of-experts model routes its tokens; "
+                            f"model type {getattr(config, 'model_type', '?')!r} has no experts: leave `routing` out")
         return
     if rule.kind == "router" and fake:
-        raise UserError("--routing router needs the router's real token counts: run on real tensors "
+        raise UserError("`routing=router` needs the router's real token counts: run on real tensors "
                         "(memplan trace --real), or assume balanced, worst or capacity:F")
 
 
@@ -149,7 +149,7 @@ def _replace_expert_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
         key = next((k for k in EXPERT_INDEX_NAMES if k in kwargs), None)
         if key is None:
             raise UserError(f"{type(module).__name__} is called without the router's expert ids: cannot apply "
-                            "--routing to it")
+                            "`routing` to it")
         index = kwargs[key]
     assigned = assigned_experts(hidden.shape[0], index.shape[-1], module.memplan_num_experts,
                                 module.memplan_routing, index.device).to(index.dtype)

@@ -86,7 +86,7 @@ def quantise_base(model: nn.Module, setup: TrainingSetup, fake: bool) -> None:
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
-        raise UserError(f"--quant quantises a Hugging Face model as transformers loads it; {type(model).__name__} "
+        raise UserError(f"`quant` quantises a Hugging Face model as transformers loads it; {type(model).__name__} "
                         "is not one: pass a registry name or a config.json")
     quantizer = _quantizer(setup)
     originals = dict(model.named_modules())
@@ -95,7 +95,7 @@ def quantise_base(model: nn.Module, setup: TrainingSetup, fake: bool) -> None:
     replaced = [(name, module) for name, module in model.named_modules() if module is not originals.get(name)
                 and _is_bnb_linear(module)]
     if not replaced:
-        raise UserError(f"--quant: {type(model).__name__} has no linear layer to quantise "
+        raise UserError(f"`quant`: {type(model).__name__} has no linear layer to quantise "
                         "(transformers keeps the LM head unquantised)")
     for name, module in replaced:
         _load_weights(model, name, module, originals[name], quantizer, fake)

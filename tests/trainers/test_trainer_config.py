@@ -15,7 +15,7 @@ import pytest
 
 from memplan.errors import UserError
 from memplan.models import TrainingSetup
-from memplan.models.trainer_config import read_trainer_config
+from memplan.trainers import read_trainer_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "trainer_configs"
 
@@ -60,7 +60,7 @@ def test_axolotl_fsdp_example_needs_the_launcher_s_world_size():
     assert config.model == "meta-llama/Llama-3.1-8B-Instruct"
     assert config.layout == {"zero": 3}
     assert config.setup["optimizer"] == "adamw" and config.setup["attn"] == "flash"
-    assert "--world-size" in config.unresolved["world_size"]
+    assert "`world_size=N`" in config.unresolved["world_size"]
     assert config.ignored["fp16"] == "empty"
 
 
@@ -185,3 +185,35 @@ def test_an_unknown_torchtune_model_leaves_the_model_to_the_command_line(tmp_pat
     path.write_text(path.read_text() + f"checkpointer:\n  checkpoint_dir: {checkpoint}\n")
     config = read_trainer_config(path)  # a local checkpoint's config.json is the model itself
     assert config.model == str(checkpoint) and "model" not in config.unresolved
+
+
+@pytest.mark.parametrize(("name", "text", "closest"), [
+    ("a.yml", "base_model: gpt2\nmicro_batch_sise: 8\n", "micro_batch_size"),
+    ("r.yaml", "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_sise: 2\n", "batch_size"),
+    ("j.toml", "[trainng]\nlocal_batch_size = 2\n", "training"),
+    ("c.yaml", "distributed_type: NO\nmixed_precison: bf16\n", "mixed_precision"),
+    ("args.json", '{"per_device_train_batch_sise": 4}', "per_device_train_batch_size"),
+])
+def test_a_misspelt_key_is_refused_naming_the_key_memplan_knows(tmp_path, name, text, closest):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(UserError, match=f"did you mean '{closest}'") as info:
+        read_trainer_config(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_key_the_trainer_knows_without_memory_effect_stays_ignored(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text('{"per_device_train_batch_size": 4, "learning_rate": 1e-4, "full_determinism": true}')
+    config = read_trainer_config(path)
+    assert config.ignored["learning_rate"] == "does not change the memory of one training step"
+    assert config.ignored["full_determinism"] == "not a key memplan maps"
+
+
+def test_a_file_builds_a_real_setup_and_layout_once_the_launcher_s_world_size_is_given():
+    config = read_trainer_config(DATA / "axolotl_fft_fsdp.yml")
+    with pytest.raises(UserError, match="`world_size=N`"):
+        config.to_layout()
+    layout = config.to_layout(world_size=8)
+    assert (layout.world_size, layout.zero, layout.zero_engine) == (8, 3, "fsdp2")
+    assert config.to_setup().attn == "flash"
