@@ -35,7 +35,7 @@ from memplan import models  # noqa: E402
 from memplan.capture.groundtruth import profiler_peak_bytes  # noqa: E402
 from memplan.estimation import estimate  # noqa: E402
 from memplan.parallel import Layout  # noqa: E402
-from memplan.parallel.deepspeed import DeepSpeedConfig  # noqa: E402
+from memplan.parallel.layout import DeepSpeedConfig  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu PYTHONPATH=src:/tmp/dsenv .venv/bin/python benchmarks/bench_deepspeed_gloo.py")
 SMALL_BUCKET = 100_000  # elements: the default 5e8 would be 2 GB per rank for a 166k-parameter model
@@ -44,8 +44,8 @@ CASES = [  # (name, setup options, ZeRO stage, layout knobs)
     ("zero2", {}, 2, {"reduce_bucket_size": SMALL_BUCKET}),
     ("zero3", {}, 3, {"reduce_bucket_size": SMALL_BUCKET, "param_persistence_threshold": 0}),
     ("zero3-persistent", {}, 3, {"reduce_bucket_size": SMALL_BUCKET}),
-    ("zero2-bf16", {"dtype": "bf16"}, 2, {"reduce_bucket_size": SMALL_BUCKET}),
-    ("zero3-bf16", {"dtype": "bf16"}, 3, {"reduce_bucket_size": SMALL_BUCKET, "param_persistence_threshold": 0}),
+    ("zero2-bf16", {"precision": "bf16-true"}, 2, {"reduce_bucket_size": SMALL_BUCKET}),
+    ("zero3-bf16", {"precision": "bf16-true"}, 3, {"reduce_bucket_size": SMALL_BUCKET, "param_persistence_threshold": 0}),
 ]
 
 
@@ -70,7 +70,7 @@ def _rank_main(rank: int, world_size: int, case: tuple, workdir: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     _, options, stage, knobs = case
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **options})
     layout = Layout(world_size=world_size, zero=stage, engine="deepspeed", deepspeed=DeepSpeedConfig(**knobs))
     torch.manual_seed(0)
     model = models.build_model(models.tiny_config("llama-2-7b"), setup)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         name, options, stage, knobs = case
         if args.only and name not in args.only:
             continue
-        setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
+        setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **options})
         layout = Layout(world_size=args.world_size, zero=stage, engine="deepspeed", deepspeed=DeepSpeedConfig(**knobs))
         predicted = estimate(models.tiny_config("llama-2-7b"), setup, layout, device="cpu",
                              allocator="none").peak_allocated_bytes

@@ -15,14 +15,13 @@ from memplan.models.setup import (
     AUTOCASTS,
     CHECKPOINTINGS,
     COMPILES,
-    DTYPES,
     HEADS,
     OPTIMIZER_IMPLS,
+    PRECISIONS,
     ZERO_GRADS,
     TrainingSetup,
 )
-from memplan.parallel.deepspeed import DeepSpeedConfig
-from memplan.parallel.layout import Layout
+from memplan.parallel.layout import DeepSpeedConfig, Layout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
 setups = st.builds(
     TrainingSetup, batch=st.integers(1, 64), seq=st.none() | st.integers(1, 1 << 17),
-    dtype=st.sampled_from(DTYPES), autocast=st.sampled_from(AUTOCASTS), optimizer=st.sampled_from(["adamw", "sgd"]),
+    precision=st.sampled_from(PRECISIONS), autocast=st.none() | st.sampled_from(AUTOCASTS), optimizer=st.sampled_from(["adamw", "sgd"]),
     optimizer_impl=st.none() | st.sampled_from(OPTIMIZER_IMPLS), checkpointing=st.sampled_from(CHECKPOINTINGS),
     lora_rank=st.integers(0, 64), grad_accum=st.integers(1, 16), attn=st.sampled_from(ATTENTIONS),
     allow_long_seq=st.booleans(), head=st.sampled_from(HEADS), num_labels=st.integers(1, 1000),
@@ -70,7 +69,7 @@ def test_a_deepspeed_size_takes_deepspeeds_own_spelling():
 
 def test_the_library_names_a_field_and_the_cli_prints_its_flag(capsys):
     try:
-        TrainingSetup(optimizer_in_backward=True, grad_accum=2)
+        TrainingSetup(precision="32-true", optimizer_in_backward=True, grad_accum=2)
     except UserError as exc:
         assert "use `grad_accum=1`" in str(exc)
     code = main(["estimate", "gpt2", "--optimizer-in-backward", "--grad-accum", "2"])

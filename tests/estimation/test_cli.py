@@ -105,7 +105,7 @@ def test_lora_targets_that_match_nothing_are_refused_before_anything_is_quantise
     code, out, err = run_cli(capsys, "estimate", "gpt2", *TINY, "--quant", "nf4", "--lora-rank", "4",
                              "--lora-targets", "q_proj")
     assert code == 2 and out == ""
-    assert "LoRA targets q_proj match no module of GPT2LMHeadModel" in err.strip().splitlines()[-1]
+    assert "LoRA target q_proj matches no module of GPT2LMHeadModel" in err.strip().splitlines()[-1]
 
 
 def test_host_memory_is_reported_apart_from_the_device_in_json_and_in_the_table(capsys):
@@ -114,7 +114,7 @@ def test_host_memory_is_reported_apart_from_the_device_in_json_and_in_the_table(
     from memplan.cli.estimate import render
     from memplan.estimation import estimate
 
-    result = estimate("llama-2-7b", models.TrainingSetup(seq=32, cpu_offload="optimizer"))
+    result = estimate("llama-2-7b", models.TrainingSetup(precision="32-true", seq=32, cpu_offload="optimizer"))
     data = result.to_json()
     rank = data["per_rank"][0]
     assert data["host_peak_bytes"] == rank["host_peak_bytes"] > 0

@@ -40,7 +40,7 @@ def test_llama_3_1_8b_lora_max_seq_on_one_rtx4090(capsys):
     doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--max", "seq")
     assert doc["max"] is None and doc["probes"][0]["value"] == doc["step"] and not doc["probes"][0]["fits"]
     # in bf16 the base fits, and the answer round-trips
-    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--dtype", "bf16",
+    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--precision", "bf16-true",
                "--max", "seq")
     assert doc["max"] is not None and doc["limit"] in ("memory", "positions")
     again = _estimate_again(capsys, doc["at"]["command"])

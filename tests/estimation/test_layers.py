@@ -8,19 +8,19 @@ from memplan.models.depth import with_layers
 from memplan.parallel import Layout
 
 CASES = [
-    ("llama-2-7b", {"dtype": "bf16"}, None),
-    ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, None),
+    ("llama-2-7b", {"precision": "bf16-true"}, None),
+    ("llama-2-7b", {"precision": "bf16-true", "checkpointing": "full"}, None),
     ("gpt2", {"batch": 2}, None),
-    ("mistral-7b", {"lora_rank": 4, "autocast": "bf16"}, None),
-    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dtype": "bf16", "grad_accum": 2}, None),
-    ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
-    ("llama-2-7b", {"dtype": "bf16"}, Layout(tp=2)),
+    ("mistral-7b", {"lora_rank": 4, "precision": "bf16-mixed"}, None),
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "precision": "bf16-true", "grad_accum": 2}, None),
+    ("llama-2-7b", {"precision": "bf16-true", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
+    ("llama-2-7b", {"precision": "bf16-true"}, Layout(tp=2)),
     ("llama-2-7b", {"checkpointing": "selective-op"}, Layout(world_size=4, zero=3, fsdp_param_dtype="bf16")),
 ]
 # FSDP2 x EP 2 under worst routing: allocated and breakdown within 0.1%; reserved is
 # 30 MiB extrapolated vs 24 MiB traced in full (three 2 MiB small-pool segments: nearly
 # every request of this tiny step is below 1 MiB), outside the reserved test's two segments
-EXPERT_PARALLEL = ("qwen3-30b-a3b", {"dtype": "bf16", "routing": "worst"}, Layout(world_size=2, zero=3, ep=2))
+EXPERT_PARALLEL = ("qwen3-30b-a3b", {"precision": "bf16-true", "routing": "worst"}, Layout(world_size=2, zero=3, ep=2))
 
 
 PAIRS: dict[str, tuple] = {}  # both tests of a case compare the same two estimates
@@ -35,7 +35,7 @@ def _pair(family, options, layout, blocks=7):
 
 def _estimate_pair(family, options, layout, blocks):
     config = with_layers(models.tiny_config(family), blocks)
-    setup = models.TrainingSetup(seq=64, **options)
+    setup = models.TrainingSetup(seq=64, **{"precision": "32-true", **options})
     fast = estimate(config, setup, layout, gpu="a100-80gb")
     full = estimate(config, setup, layout, gpu="a100-80gb", extrapolate=False)
     return fast, full
@@ -60,14 +60,14 @@ def test_extrapolated_peak_reserved_is_within_five_percent_or_two_segments_of_th
 
 
 def test_shallow_models_are_traced_at_full_depth():
-    result = estimate(models.tiny_config("gpt2"), models.TrainingSetup(seq=32), gpu="t4")
+    result = estimate(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", seq=32), gpu="t4")
     assert result.method == "full"
 
 
 def test_extrapolated_pipeline_tensor_parallel_stages_match_their_full_depth_traces():
     # 6 blocks per stage: traced at 3 and 4 blocks per stage, extrapolated to 6
     config = with_layers(models.tiny_config("llama-2-7b"), 12)
-    setup = models.TrainingSetup(seq=64, dtype="bf16")
+    setup = models.TrainingSetup(seq=64, precision="bf16-true")
     layout = Layout(pp=2, tp=2, microbatches=3)
     fast = estimate(config, setup, layout, gpu="a100-80gb")
     full = estimate(config, setup, layout, gpu="a100-80gb", extrapolate=False)

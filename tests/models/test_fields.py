@@ -8,9 +8,8 @@ import pytest
 
 from memplan.errors import UserError
 from memplan.models.fields import check_choices, declared, flags_in_message, flags_of, option
-from memplan.models.setup import DTYPES, TrainingSetup
-from memplan.parallel.deepspeed import DeepSpeedConfig
-from memplan.parallel.layout import Layout
+from memplan.models.setup import PRECISIONS, TrainingSetup
+from memplan.parallel.layout import DeepSpeedConfig, Layout
 
 
 @dataclass
@@ -49,8 +48,8 @@ def test_a_value_outside_its_literal_choices_is_a_user_error_naming_the_field():
 
 
 def test_the_setup_s_choices_are_its_literal_types():
-    dtype = next(f for f in declared(TrainingSetup) if f.name == "dtype")
-    assert dtype.choices == DTYPES
+    precision = next(f for f in declared(TrainingSetup) if f.name == "precision")
+    assert precision.choices == PRECISIONS and precision.default == "bf16-mixed"
 
 
 def test_deepspeed_knobs_are_a_nested_section_of_the_layout_with_their_ds_flags():

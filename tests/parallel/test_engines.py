@@ -13,13 +13,13 @@ from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.parallel import Layout, rank_trace
 from memplan.parallel.apply import traceable
-from memplan.parallel.deepspeed import DeepSpeedConfig
+from memplan.parallel.layout import DeepSpeedConfig
 from memplan.parallel.traced import capture_rank_step
 from memplan.trace.model import CATEGORY
 
 LLAMA = models.tiny_config("llama-2-7b")
-SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
-BF16 = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", dtype="bf16")
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
+BF16 = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", precision="bf16-true")
 PARAMETERS = 166_208  # the tiny Llama: 2 blocks of 46,208, embedding and head 32,768 each, final norm 64
 
 

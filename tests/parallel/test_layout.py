@@ -8,11 +8,11 @@ from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.parallel import Layout
 
-SETUP = models.TrainingSetup(seq=32, dtype="bf16")
+SETUP = models.TrainingSetup(seq=32, precision="bf16-true")
 
 
 def _rank0(layout, family="llama-2-7b", **options):
-    setup = models.TrainingSetup(seq=32, dtype="bf16", **options)
+    setup = models.TrainingSetup(seq=32, precision="bf16-true", **options)
     return estimate(models.tiny_config(family), setup, layout, allocator="none", device="cpu",
                     parallel_tracing=False).per_rank[0]
 
@@ -89,14 +89,14 @@ def test_fsdp_mixed_precision_is_refused_where_fsdp2_is_modelled():
     from memplan.estimation import estimate
 
     with pytest.raises(UserError, match="fsdp_param_dtype"):
-        estimate(models.tiny_config("llama-2-7b", num_hidden_layers=4), models.TrainingSetup(batch=1, seq=16),
+        estimate(models.tiny_config("llama-2-7b", num_hidden_layers=4), models.TrainingSetup(precision="32-true", batch=1, seq=16),
                  Layout(world_size=8, zero=3, pp=2, tp=2, microbatches=2, fsdp_param_dtype="bf16"), device="cpu")
 
 
 @pytest.mark.parametrize("layout", [Layout(world_size=2, tp=2), Layout(world_size=2, pp=2)])
 def test_a_factory_model_is_refused_tensor_and_pipeline_parallelism(layout):
     with pytest.raises(UserError, match="factory mypkg.models:make builds its own model"):
-        layout.check(models.FactorySpec("mypkg.models", "make"), models.TrainingSetup())
+        layout.check(models.FactorySpec("mypkg.models", "make"), models.TrainingSetup(precision="32-true"))
 
 
 @pytest.mark.parametrize(("layout", "offload", "message"), [
@@ -108,7 +108,7 @@ def test_a_factory_model_is_refused_tensor_and_pipeline_parallelism(layout):
 ])
 def test_cpu_offload_is_refused_where_no_layout_can_take_it(layout, offload, message):
     with pytest.raises(UserError, match=message):
-        layout.check(models.tiny_config("llama-2-7b"), models.TrainingSetup(cpu_offload=offload))
+        layout.check(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", cpu_offload=offload))
 
 
 def test_fsdp2_cpu_offload_is_refused_where_fsdp2_is_modelled():

@@ -21,7 +21,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("report")
-    setup = models.TrainingSetup(batch=2, seq=64, checkpointing="full")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=64, checkpointing="full")
     trace = capture_model(models.tiny_config("llama-2-7b"), setup, fake=True, device="cuda")
     path = d / "step.memtrace"
     save(trace, path)

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
-from memplan.cli.flags import add_layout_flags, add_setup_flags, layout_from_args, setup_from_args
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.flags import (
+    add_layout_flags,
+    add_setup_flags,
+    as_flags,
+    layout_from_args,
+    setup_from_args,
+)
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.table import echo, pairs, paragraph, table
 from memplan.errors import UserError
-from memplan.estimation import Estimate, estimate
-from memplan.estimation.from_trace import estimate_trace
-from memplan.hardware.devices import DeviceProfile, all_profiles
-from memplan.trace import load
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.estimation import Estimate
+    from memplan.hardware.devices import DeviceProfile
 
 IMPL_NAMES = {"hf": "Hugging Face transformers", "litgpt": "LitGPT"}  # whose model code was traced
 
@@ -22,7 +29,7 @@ IMPL_NAMES = {"hf": "Hugging Face transformers", "litgpt": "LitGPT"}  # whose mo
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "estimate",
-        help="predict per-GPU peak memory of a training step (no GPU needed)",
+        help=SUBCOMMANDS["estimate"],
         description="Trace one training step on fake tensors (or take the step a TRACE recorded) and predict, "
         "per rank, peak allocated and reserved memory, device memory used, the breakdown and phase at the "
         "peak, and whether it fits.",
@@ -51,6 +58,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.estimation import estimate
+    from memplan.estimation.from_trace import estimate_trace
+    from memplan.hardware.devices import all_profiles
+    from memplan.trace import load
+
     if args.gpu == "list":
         return list_gpus(all_profiles(), as_json=args.json)
     capacity = parse_size(args.capacity) if args.capacity is not None else None
@@ -93,6 +105,14 @@ def list_gpus(profiles: list[DeviceProfile], *, as_json: bool) -> int:
     return 0
 
 
+def render_assumptions(assumptions: dict) -> None:
+    """What the estimate assumed, in one paragraph, then each large term it explains."""
+    if assumptions:
+        echo(paragraph(as_flags(assumptions["line"])))
+    for note in assumptions.get("notes", []):
+        echo(paragraph(f"note: {as_flags(note)}"))
+
+
 def render(result: Estimate) -> None:
     """The estimate on stdout: one rank as key/value rows, several as a table; then the verdict."""
     layout = result.layout
@@ -127,6 +147,7 @@ def render(result: Estimate) -> None:
     if result.routing not in (None, "balanced") and layout.get("ep", 1) > 1:
         echo(paragraph(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
                        "the other ranks'"))
+    render_assumptions(result.assumptions)
     if result.capacity_bytes is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         echo(paragraph(f"{verdict}: {format_bytes(result.device_used_bytes)} used of "

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.estimate import render_assumptions
 from memplan.cli.flags import (
     add_layout_flags,
     add_setup_flags,
@@ -32,19 +33,25 @@ from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
 from memplan.cli.table import command, echo, paragraph, table
 from memplan.errors import UserError
-from memplan.estimation.fit import DEFAULT_TOP, FitResult, fit
-from memplan.estimation.maxshape import DEFAULT_STEP, TARGETS, MaxResult, max_shape
-from memplan.estimation.search import DEFAULT_MARGIN, Row
-from memplan.estimation.whatfits import DEFAULT_MAX_NODES, WhatFitsResult, what_fits
 from memplan.models.fields import flags_of
 from memplan.parallel.layout import Layout
 from memplan.units import format_bytes, parse_size
 
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.estimation.fit import FitResult
+    from memplan.estimation.maxshape import MaxResult
+    from memplan.estimation.search import Row
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from memplan.estimation.fit import DEFAULT_TOP
+    from memplan.estimation.maxshape import DEFAULT_STEP
+    from memplan.estimation.search import DEFAULT_MARGIN
+    from memplan.estimation.whatfits import DEFAULT_MAX_NODES
+
     p = subparsers.add_parser(
         "fit",
-        help="what fits: layouts on N GPUs, the fewest GPUs, the largest seq/batch, the changes that make a job fit",
+        help=SUBCOMMANDS["fit"],
         description="Search layouts, GPU counts, shapes or changes to a job; every row shown is a traced estimate, "
                     "with the memplan estimate command that gives it.",
     )
@@ -94,6 +101,8 @@ def parse_gpus(text: str) -> int | str:
 
 def check_modes(args: argparse.Namespace, gpus: int | str) -> None:
     """`UserError` for flags that do not go together (one line, with the fix)."""
+    from memplan.estimation.maxshape import TARGETS
+
     if args.max is not None and args.max not in TARGETS:
         raise UserError(f"unknown --max target {args.max!r}: choose {' or '.join(TARGETS)}")
     if args.max is not None and args.what_fits:
@@ -116,6 +125,11 @@ def check_modes(args: argparse.Namespace, gpus: int | str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.estimation.assumptions import setup_assumptions
+    from memplan.estimation.fit import DEFAULT_TOP, fit
+    from memplan.estimation.maxshape import MaxResult, max_shape
+    from memplan.estimation.whatfits import DEFAULT_MAX_NODES, what_fits
+
     refuse_trace(args.model, "fit", "searches layouts, micro-batches and checkpointing by re-tracing the model "
                  "(memplan estimate TRACE gives the trace's own memory)")
     gpus = parse_gpus(args.gpus)
@@ -133,12 +147,15 @@ def run(args: argparse.Namespace) -> int:
                            top=args.top or DEFAULT_TOP, max_nodes=args.max_nodes or DEFAULT_MAX_NODES, **common)
     else:
         result = fit(model, args.gpu, gpus, setup, top=args.top or DEFAULT_TOP, **common)
+    assumptions = setup_assumptions(model, setup, layout_from_args(args, gpus if isinstance(gpus, int) else 1))
     if args.json:
-        print_json({**result_json(result, args), **from_json(args)})
-    elif isinstance(result, MaxResult):
+        print_json({**result_json(result, args), "assumptions": assumptions, **from_json(args)})
+        return 0
+    if isinstance(result, MaxResult):
         render_max(result, args)
     else:
         render_rows(result, args, margin)
+    render_assumptions(assumptions)
     return 0
 
 
@@ -162,6 +179,9 @@ def _row_json(row: Row | None, args: argparse.Namespace) -> dict[str, Any] | Non
 
 def result_json(result: FitResult | MaxResult, args: argparse.Namespace) -> dict[str, Any]:
     """The result's JSON object, each row with its `memplan estimate` command."""
+    from memplan.estimation.maxshape import MaxResult
+    from memplan.estimation.whatfits import WhatFitsResult
+
     doc = result.to_json()
     if isinstance(result, MaxResult):
         doc["at"], doc["above"] = _row_json(result.at, args), _row_json(result.above, args)
@@ -174,6 +194,8 @@ def result_json(result: FitResult | MaxResult, args: argparse.Namespace) -> dict
 
 
 def _title(result: FitResult, args: argparse.Namespace) -> str:
+    from memplan.estimation.whatfits import WhatFitsResult
+
     if isinstance(result, WhatFitsResult):
         if result.base is not None and result.base.fits:
             return f"{result.model} fits as it is on {result.gpus} x {args.gpu}"
@@ -196,6 +218,8 @@ def _cells(row: Row, what_fits_mode: bool) -> list[str]:
 
 def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> None:
     """A table of `result`'s rows, then each row's `memplan estimate` command."""
+    from memplan.estimation.whatfits import WhatFitsResult
+
     what_fits_mode = isinstance(result, WhatFitsResult)
     layout = ["dp", "zero", "tp", "pp", "mb", "accum", "ckpt", "allocator"]
     header = ["#", *(["changes"] if what_fits_mode else layout), "device used", "step (s)", "ms/token"]

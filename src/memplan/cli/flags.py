@@ -5,7 +5,7 @@ batch, precision, optimizer, ... parallelism, DeepSpeed) with each field's flag,
 choices, default and help as `TrainingSetup`, `Layout` and `DeepSpeedConfig` declare them;
 `setup_from_args` and `layout_from_args` build the objects back. No flag is spelled here:
 `memplan.models.fields.flags_of(obj)` is the inverse (the flags that give `obj`), and
-`user_error_text` writes the fields a library error names as these flags.
+`as_flags` writes the fields library text names (an error, an assumption) as these flags.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def field_help(field: Declared) -> str:
 
 def _long_choices(field: Declared) -> bool:
     """Whether a field's choices are too many to show as the flag's value `{a,b,c}`."""
-    return field.choices is not None and len(",".join(map(str, field.choices))) > 40
+    return field.choices is not None and len(",".join(map(str, field.choices))) > 50
 
 
 def job_from_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:
@@ -134,6 +134,6 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     return layout
 
 
-def user_error_text(message: str) -> str:
-    """A library error's message with the fields it names written as their flags."""
+def as_flags(message: str) -> str:
+    """Library text (an error, an assumption) with the fields it names written as their flags."""
     return flags_in_message(message, TrainingSetup, Layout)

@@ -109,6 +109,8 @@ def _write_report(report: dict[str, Any]) -> None:
         by_reason.setdefault(why, []).append(key)
     for why, keys in by_reason.items():
         sys.stderr.write(f"{head}: ignored {', '.join(keys)}: {flags_in_message(why, TrainingSetup, Layout)}\n")
+    for name, text in report["defaults"].items():
+        sys.stderr.write(f"{head}: the file names no {name}: {text}\n")
     for name, text in report["overridden"].items():
         sys.stderr.write(f"{head}: {name}: {text}\n")
 

@@ -5,27 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.hardware.links import Hardware, make_hardware
-from memplan.models import load_config
-from memplan.offload.evaluate import evaluate
-from memplan.offload.plan_file import save_offload_plan
-from memplan.offload.steps import OffloadSteps, captured_steps, traced_steps
-from memplan.trace import load
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.hardware.links import Hardware
+    from memplan.offload.steps import OffloadSteps
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "offload",
-        help="plan lifetime-aware offloading to NVMe and host memory (TERAIO) and simulate the step",
+        help=SUBCOMMANDS["offload"],
         description="Capture MODEL's training step on fake tensors (or take the step a TRACE recorded), "
         "plan which idle tensors leave device memory and when (greedy benefit/cost with one bandwidth "
         "timeline per link), simulate the step with the transfers, and compare with ZeRO-Offload-, "
@@ -58,6 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.hardware.links import make_hardware
+    from memplan.offload.evaluate import evaluate
+    from memplan.offload.plan_file import save_offload_plan
+
     if args.zero == 3 and args.gpus < 2:
         raise UserError("--zero 3 shards over the node's GPUs: give --gpus N with N >= 2")
     hardware = make_hardware(args.gpu, nvme=args.nvme, host_mem=args.host_mem, gpus=args.gpus, pcie=args.pcie)
@@ -82,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _traced_steps(path: Path, args: argparse.Namespace) -> OffloadSteps:
     """The step a trace file recorded, as it is: no other setup, layout or checkpointing policy."""
+    from memplan.offload.steps import traced_steps
+    from memplan.trace import load
+
     trace = load(path)
     refuse_retracing(args.model, trace, args)
     if args.zero == 3:
@@ -95,6 +100,9 @@ def _traced_steps(path: Path, args: argparse.Namespace) -> OffloadSteps:
 
 def _captured_steps(args: argparse.Namespace) -> OffloadSteps:
     """MODEL's step captured on fake tensors, and its variants (`memplan.offload.steps`)."""
+    from memplan.models import load_config
+    from memplan.offload.steps import captured_steps
+
     if args.device is not None:
         raise UserError("--device picks a device of a TRACE; a captured MODEL step runs on one GPU")
     setup = setup_from_args(args)

@@ -29,7 +29,7 @@ def _cell(text: str) -> str:
 
 
 def _spelled(action: argparse.Action) -> str:
-    """`--batch N`, `--dtype {fp32,bf16,fp16}`, `--compile [{none,model,blocks}]`, `MODEL`."""
+    """`--batch N`, `--precision {bf16-mixed,...}`, `--compile [{none,model,blocks}]`, `MODEL`."""
     if not action.option_strings:
         return str(action.metavar or action.dest)
     flag = ", ".join(action.option_strings)

@@ -503,12 +503,20 @@ def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str] | str:
 
 
 def _check_lora_targets(model: nn.Module, setup: TrainingSetup) -> None:
-    """`UserError` when the LoRA targets name no module of `model` (before anything is
-    quantised or adapted; peft checks `all-linear` itself)."""
+    """`UserError` when a LoRA target names no module of `model`, each target checked alone
+    (peft adapts what the others match and drops it silently), with the names that exist;
+    before anything is quantised or adapted (peft checks `all-linear` itself)."""
     targets = lora_targets(model, setup)
+    if targets == ALL_LINEAR:
+        return
     names = [name for name, _ in model.named_modules()]
-    if targets != ALL_LINEAR and not any(name == t or name.endswith("." + t) for name in names for t in targets):
-        raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
+    unmatched = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if unmatched:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if name and not list(module.children()) and not name.rsplit(".", 1)[-1].isdigit()})
+        raise UserError(f"LoRA target{'s' if len(unmatched) > 1 else ''} {', '.join(unmatched)} match"
+                        f"{'' if len(unmatched) > 1 else 'es'} no module of {type(model).__name__}; its modules are "
+                        f"named {', '.join(leaves)} (or give `lora_targets=all-linear`)")
 
 
 def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
@@ -621,10 +629,10 @@ def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def autocast(setup: TrainingSetup, device: str = "cpu") -> contextlib.AbstractContextManager:
-    """`torch.autocast` for the setup's autocast dtype, or a no-op for `autocast="none"`."""
-    if setup.autocast == "none":
+    """`torch.autocast` for the setup's autocast dtype, or a no-op where it has none."""
+    if setup.autocast_dtype == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast])
+    return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast_dtype])
 
 
 def count_parameters(spec: str | PretrainedConfig | FactorySpec) -> int:

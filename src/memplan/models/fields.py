@@ -27,8 +27,9 @@ import functools
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, cast, get_args, get_origin
 
 from memplan.errors import UserError
 
@@ -201,7 +202,8 @@ def _declared(cls: type, prefix: tuple[str, ...]) -> tuple[Declared, ...]:
         if meta is None:
             continue
         kind, choices, optional = _kind(hint)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        factory = cast(Callable[[], Any], f.default_factory)
+        default = f.default if f.default is not dataclasses.MISSING else factory()
         out.append(Declared(f.name, (*prefix, f.name), kind, choices, optional, default, meta))
     return tuple(out)
 

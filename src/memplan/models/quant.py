@@ -60,7 +60,7 @@ def compute_dtype(setup: TrainingSetup) -> str:
     dtype, else its parameter dtype."""
     if setup.compute_dtype is not None:
         return setup.compute_dtype
-    return setup.autocast if setup.autocast != "none" else setup.dtype
+    return setup.autocast_dtype if setup.autocast_dtype != "none" else setup.dtype
 
 
 def bnb_config(setup: TrainingSetup) -> Any:
@@ -198,6 +198,8 @@ class _FakeQuantisedParameter:
     """What the fake counterparts of bitsandbytes' parameters change: copies and moves make a
     new fake parameter of the same size and attributes (the real ones rewrap their data with
     `Tensor._make_subclass`, which a fake tensor refuses)."""
+
+    device: Any  # the tensor's, on the bitsandbytes parameter class this is mixed into
 
     def __deepcopy__(self, memo: dict) -> Any:
         new = fake_parameter(self, type(self))

@@ -7,7 +7,19 @@ the user says nothing:
 - `batch=1` sequences per micro-batch, `grad_accum=1` micro-batch per optimizer step;
 - `seq=None`: the model's maximum positions, capped at 1024 (GPT-2's context; a
   realistic fine-tuning length that does not blow up memory on long-context models);
-- `dtype="fp32"` parameters (PyTorch's default dtype), `autocast="none"`;
+- `precision="bf16-mixed"`: what most people train LLMs with, named as Lightning names it
+  (lightning/fabric/plugins/precision/precision.py lines 26-35 and amp.py lines 31-60, Lightning
+  2.6.6): fp32 parameters, gradients and optimizer states ("master weights") and a bf16
+  forward under `torch.autocast`, as the HF Trainer's `bf16=True` runs (`TrainingArguments`
+  leaves the model in fp32 and autocasts). The other precisions: `32-true` (everything fp32,
+  PyTorch's own default), `16-mixed` (fp16 autocast over fp32 parameters, with a gradient
+  scaler), `bf16-true` and `16-true` (the parameters themselves in bf16 / fp16, no autocast:
+  lightning/fabric/plugins/precision/half.py lines 27-45). `dtype` (the parameters' dtype) and
+  `autocast_dtype` (the forward's autocast) are derived from it; `autocast` adds an autocast
+  that precision cannot say: a `-true` precision whose half-precision weights also run under
+  autocast, as axolotl's `bf16: true` and TRL's `torch_dtype=bfloat16` + `bf16=True` run.
+  Under FSDP and DeepSpeed a `-mixed` precision is traced as their own mixed precision
+  (`memplan.parallel.apply.traced_precision`);
 - `optimizer="adamw"` (HF Trainer's default); `optimizer_impl=None` resolves like
   PyTorch's `_default_to_fused_or_foreach`: "foreach" when the parameters live on CUDA,
   the per-parameter "loop" otherwise;
@@ -70,6 +82,7 @@ from memplan.errors import UserError
 from memplan.models.fields import check_choices, option
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["bf16-mixed", "32-true", "16-mixed", "bf16-true", "16-true"]
 Autocast = Literal["none", "bf16", "fp16"]
 Optimizer = Literal["adamw", "adam", "sgd", "adafactor", "adamw8bit", "paged-adamw8bit", "paged-adamw", "lion",
                     "ao-adamw8bit", "ao-adamw4bit", "ao-adamw-fp8"]
@@ -86,6 +99,10 @@ Attention = Literal["eager", "sdpa", "flash"]
 Head = Literal["lm", "seq-cls"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+# precision -> (the parameters' dtype, the forward's autocast dtype)
+PRECISION_DTYPES = {"32-true": ("fp32", "none"), "bf16-mixed": ("fp32", "bf16"), "16-mixed": ("fp32", "fp16"),
+                    "bf16-true": ("bf16", "none"), "16-true": ("fp16", "none")}
 AUTOCASTS: tuple[str, ...] = get_args(Autocast)
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 TORCH_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")  # the ones optimizer_impl applies to
@@ -123,8 +140,12 @@ class TrainingSetup:
     batch: int = option(1, "sequences per micro-batch", "model", metavar="N")
     seq: int | None = option(None, "sequence length", "model", metavar="N",
                              default_text=f"the model's max positions, at most {DEFAULT_MAX_SEQ}")
-    dtype: Dtype = option("fp32", "parameter dtype", "precision")
-    autocast: Autocast = option("none", "torch.autocast dtype of the forward", "precision")
+    precision: Precision = option("bf16-mixed", "as Lightning names it: bf16-mixed (fp32 weights and optimizer "
+                                  "states, bf16 autocast, as HF Trainer's bf16=True), 32-true, 16-mixed, or bf16-true "
+                                  "and 16-true (the weights themselves in bf16 / fp16)", "precision")
+    autocast: Autocast | None = option(None, "an autocast on top of a -true precision (axolotl's bf16: true, TRL's "
+                                       "torch_dtype=bfloat16 with bf16=True)", "precision",
+                                       default_text="the precision's own")
     optimizer: Optimizer = option("adamw", "optimizer: torch.optim's, bitsandbytes' (8-bit, paged, lion) or "
                                   "torchao's low-bit AdamW (ao-*)", "optimizer")
     optimizer_impl: OptimizerImpl | None = option(None, "torch.optim kernels", "optimizer",
@@ -266,6 +287,23 @@ class TrainingSetup:
         if self.activation_offload != "none" or self.dora:
             raise UserError("`activation_offload` and `dora` are applied to Hugging Face models: use `impl=hf`")
 
+    @property
+    def dtype(self) -> str:
+        """The parameters' dtype: fp32 under a -mixed precision (the master weights)."""
+        return PRECISION_DTYPES[self.precision][0]
+
+    @property
+    def autocast_dtype(self) -> str:
+        """The forward's autocast dtype ("none": no autocast): `autocast` where given, else
+        the precision's."""
+        return self.autocast if self.autocast is not None else PRECISION_DTYPES[self.precision][1]
+
+    @classmethod
+    def from_dtypes(cls, dtype: str, autocast: str = "none", **fields: Any) -> TrainingSetup:
+        """The setup whose parameters are `dtype` and whose forward autocasts to `autocast`
+        ("none": not at all): the precision that says both, with `autocast` added where none does."""
+        return cls(**precision_fields(dtype, autocast), **fields)
+
     def loss_chunks(self) -> int:
         """The number of chunks of a `chunked` loss (1 for `full` and `fused-linear`)."""
         if self.loss in ("full", "fused-linear"):
@@ -292,9 +330,25 @@ class TrainingSetup:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainingSetup:
-        """Inverse of `to_dict`; unknown keys are an error (a typo should not pass silently)."""
+        """Inverse of `to_dict`; unknown keys are an error (a typo should not pass silently).
+        A setup written before precisions (`dtype` and `autocast` fields) is read as the
+        precision that says both."""
+        data = dict(data)
+        if "dtype" in data and "precision" not in data:
+            data.update(precision_fields(data.pop("dtype"), data.pop("autocast", None) or "none"))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"unknown training setup field(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def precision_fields(dtype: str, autocast: str = "none") -> dict[str, Any]:
+    """`precision` (and `autocast` where the precision alone does not say it) for parameters
+    in `dtype` whose forward autocasts to `autocast`."""
+    for precision, pair in PRECISION_DTYPES.items():
+        if pair == (dtype, autocast):
+            return {"precision": precision}
+    if dtype not in DTYPES:
+        raise UserError(f"`dtype` must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return {"precision": {"fp32": "32-true", "bf16": "bf16-true", "fp16": "16-true"}[dtype], "autocast": autocast}

@@ -5,7 +5,7 @@ ZeRO optimizers allocate their buffers themselves, outside the model's step. The
 below are read from DeepSpeed 0.19.8's source (`deepspeed/runtime/zero/stage_1_and_2.py`,
 `stage3.py`, `partition_parameters.py`, `config.py`) and applied to the buffers of the
 single-device trace. T is the number of trainable parameters, d the data-parallel
-degree, e the model's element size (`--dtype`: DeepSpeed's `bf16`/`fp16` modes keep
+degree, e the model's element size (`precision`: DeepSpeed's `bf16`/`fp16` modes keep
 the model in that dtype; fp32 otherwise); gradients accumulate in the model dtype
 (`engine.get_data_types`: `grad_accum_dtype` defaults to the model dtype).
 
@@ -63,41 +63,16 @@ torch optimizer runs, as with `torch_adam`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
 
 import numpy as np
 
-from memplan.errors import UserError
-from memplan.models.fields import option
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import DeepSpeedConfig
 from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, PHASE, Trace
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class DeepSpeedConfig:
-    """The ZeRO knobs the model uses (DeepSpeed's defaults: module docstring); `Layout.deepspeed`."""
-
-    reduce_bucket_size: int = option(500_000_000, "reduce_bucket_size: one bucket of N model-dtype elements",
-                                     "deepspeed", flag="--ds-reduce-bucket-size", metavar="N")
-    prefetch_bucket_size: int = option(50_000_000, "stage3_prefetch_bucket_size", "deepspeed",
-                                       flag="--ds-prefetch-bucket-size", metavar="N")
-    param_persistence_threshold: int = option(100_000, "stage3_param_persistence_threshold: parameters this "
-                                              "small stay whole", "deepspeed",
-                                              flag="--ds-param-persistence-threshold", metavar="N")
-    max_live_parameters: int = option(1_000_000_000, "stage3_max_live_parameters", "deepspeed",
-                                      flag="--ds-max-live-parameters", metavar="N")
-    overlap_comm: bool = option(False, "overlap_comm for stages 1-2: two reduce buckets", "deepspeed",
-                                flag="--ds-overlap-comm")
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name != "overlap_comm" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise UserError(f"`deepspeed.{f.name}` must be a whole number of elements >= 0, not {value!r}")
 
 
 def element_bytes(setup: TrainingSetup) -> int:

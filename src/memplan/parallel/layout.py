@@ -15,14 +15,12 @@ parallelism (`ep`) borrows its ranks from dp x tp (`memplan.parallel.expert`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from dataclasses import fields as _fields_of
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from memplan.errors import UserError
 from memplan.models.fields import check_choices, option
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.deepspeed import DeepSpeedConfig
 
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
@@ -45,6 +43,29 @@ ENGINES: tuple[str, ...] = get_args(Engine)
 ENGINE_STAGES = {"fsdp2": (3,), "fsdp1": (3,), "deepspeed": (1, 2, 3)}  # the ZeRO stages each implements
 
 
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """The ZeRO knobs the model uses (DeepSpeed's defaults: `memplan.parallel.deepspeed`); `Layout.deepspeed`."""
+
+    reduce_bucket_size: int = option(500_000_000, "reduce_bucket_size: one bucket of N model-dtype elements",
+                                     "deepspeed", flag="--ds-reduce-bucket-size", metavar="N")
+    prefetch_bucket_size: int = option(50_000_000, "stage3_prefetch_bucket_size", "deepspeed",
+                                       flag="--ds-prefetch-bucket-size", metavar="N")
+    param_persistence_threshold: int = option(100_000, "stage3_param_persistence_threshold: parameters this "
+                                              "small stay whole", "deepspeed",
+                                              flag="--ds-param-persistence-threshold", metavar="N")
+    max_live_parameters: int = option(1_000_000_000, "stage3_max_live_parameters", "deepspeed",
+                                      flag="--ds-max-live-parameters", metavar="N")
+    overlap_comm: bool = option(False, "overlap_comm for stages 1-2: two reduce buckets", "deepspeed",
+                                flag="--ds-overlap-comm")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "overlap_comm" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise UserError(f"`deepspeed.{f.name}` must be a whole number of elements >= 0, not {value!r}")
+
+
 @dataclass
 class Layout:
     """Degrees of parallelism. `world_size` None: tp x pp x cp (x 1 data-parallel rank).
@@ -60,8 +81,10 @@ class Layout:
                      "parallelism", metavar="C")  # `memplan.parallel.context`
     microbatches: int = option(1, "pipeline micro-batches", "parallelism", metavar="M")
     schedule: Schedule = option("1f1b", "pipeline schedule", "parallelism")
-    fsdp_param_dtype: FsdpParamDtype | None = option(None, "FSDP2 mixed precision (zero 3): gather and compute "
-                                                     "in this dtype, reduce in fp32", "parallelism")
+    # FSDP's mixed precision (zero 3): gather and compute in this dtype, reduce in fp32; derived from the setup's
+    # precision (`memplan.parallel.apply.traced_precision`), no flag of its own
+    fsdp_param_dtype: FsdpParamDtype | None = option(None, "FSDP mixed precision: gather and compute in this dtype",
+                                                     "parallelism", cli=False)
     engine: Engine | None = option(None, "who shards under zero: fsdp2 (fully_shard; stage 3), fsdp1 "
                                    "(FullyShardedDataParallel as HF Trainer / accelerate set it up; stage 3) or "
                                    "deepspeed (stages 1-3)", "parallelism",
@@ -116,7 +139,7 @@ class Layout:
 
     def _check_engine(self) -> None:
         if self.deepspeed != DeepSpeedConfig() and self.zero_engine != "deepspeed":
-            given = next(f.name for f in _fields_of(DeepSpeedConfig)
+            given = next(f.name for f in fields(DeepSpeedConfig)
                          if getattr(self.deepspeed, f.name) != getattr(DeepSpeedConfig(), f.name))
             raise UserError(f"`deepspeed.{given}` configures DeepSpeed's ZeRO: add `zero=1|2|3` "
                             "`engine=deepspeed`")

@@ -36,6 +36,14 @@ else:  # Python 3.10: the same parser, published as `tomli`
 
 __all__ = ["FORMATS", "LAYOUT_FIELDS", "SETUP_FIELDS", "TrainerConfig", "detect_format", "read_trainer_config"]
 
+# The precision each trainer runs when its file names none, and why.
+DEFAULT_PRECISIONS = {
+    "axolotl": ("32-true", "axolotl loads the model in fp32 without autocast unless bf16 or fp16 is set"),
+    "torchtune": ("32-true", "torchtune's training.get_dtype(None) is fp32"),
+    "torchtitan": ("bf16-mixed", "torchtitan's training.mixed_precision_param defaults to bfloat16"),
+    "accelerate": ("32-true", "accelerate's mixed_precision defaults to no"),
+    "hf-trainer": ("32-true", "TrainingArguments' bf16 and fp16 default to false"),
+}
 READERS = {"axolotl": axolotl.read, "torchtune": torchtune.read, "torchtitan": torchtitan.read,
            "accelerate": accelerate.read, "hf-trainer": training_arguments.read}
 FORMATS = ("axolotl", "torchtune", "torchtitan", "accelerate", "hf-trainer")
@@ -52,6 +60,7 @@ def read_trainer_config(path: str | Path) -> TrainerConfig:
     fmt = detect_format(path, data)
     m = Mapper(path, fmt)
     READERS[fmt](m, data)
+    m.finish(*DEFAULT_PRECISIONS[fmt])
     return m.config
 
 

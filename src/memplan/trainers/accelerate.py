@@ -52,13 +52,14 @@ def read(m: Mapper, data: dict[str, Any]) -> None:
 
 
 def _accelerate_precision(m: Mapper, key: str, value: Any, *, fsdp: bool) -> None:
-    """Accelerator(mixed_precision=...) autocasts the forward; the parameters stay fp32. Under
-    FSDP accelerate also gives FSDP a mixed-precision policy of its own, which is not mapped."""
+    """Accelerator(mixed_precision=...) autocasts the forward; the parameters stay fp32 (a
+    -mixed precision). Under FSDP memplan traces it as FSDP2's MixedPrecisionPolicy with fp32
+    reduction, as torchtitan does; accelerate's own policy reduces in the half dtype
+    (accelerate/utils/dataclasses.py, `FullyShardedDataParallelPlugin.set_mixed_precision`)."""
     if value in ("no", None, False):  # YAML 1.1 reads an unquoted no as false
         m.ignore(key, "no: fp32")
     elif value in ("bf16", "fp16"):
-        m.set(key, "autocast", value, "FSDP's own mixed-precision policy is not mapped: give `fsdp_param_dtype` "
-                                      "to model it" if fsdp else "")
+        m.set(key, "autocast", value, "traced as FSDP2's MixedPrecisionPolicy, reducing in fp32" if fsdp else "")
     else:
         raise m.refuse(key, value, "no, bf16 or fp16")
 

@@ -18,10 +18,13 @@ from typing import Any
 
 from memplan.errors import UserError
 from memplan.models.fields import declared
-from memplan.models.setup import TrainingSetup
+from memplan.models.setup import TrainingSetup, precision_fields
 from memplan.parallel.layout import Layout
 
 SETUP_FIELDS = tuple(f.dotted for f in declared(TrainingSetup))
+# What a trainer's keys say apart (the parameters' dtype, the forward's autocast): one precision
+# together (`Mapper.finish`).
+PRECISION_PARTS = ("dtype", "autocast")
 LAYOUT_FIELDS = tuple(f.dotted for f in declared(Layout))
 
 # Reasons a key is left out, shared by the formats.
@@ -93,6 +96,7 @@ class TrainerConfig:
     ignored: dict[str, str] = field(default_factory=dict)  # file key -> why it was left out
     unresolved: dict[str, str] = field(default_factory=dict)  # field -> what the user must give
     set_by: dict[str, list[str]] = field(default_factory=dict)  # file key -> the fields it set
+    defaults: dict[str, str] = field(default_factory=dict)  # field -> the trainer's default memplan filled in
 
     def to_setup(self, **given: Any) -> TrainingSetup:
         """The `TrainingSetup` the file describes (`given` fields override it)."""
@@ -109,7 +113,7 @@ class TrainerConfig:
     def to_json(self) -> dict[str, Any]:
         return {"file": self.path, "format": self.format, "model": self.model, "setup": dict(self.setup),
                 "layout": dict(self.layout), "used": dict(self.used), "ignored": dict(self.ignored),
-                "unresolved": dict(self.unresolved)}
+                "unresolved": dict(self.unresolved), "defaults": dict(self.defaults)}
 
 
 class Mapper:
@@ -123,7 +127,7 @@ class Mapper:
         """`key` of the file sets memplan's `name` (a setup or layout field, or "model")."""
         if name == "model":
             self.config.model = value
-        elif name in SETUP_FIELDS:
+        elif name in SETUP_FIELDS or name in PRECISION_PARTS:
             self.config.setup[name] = value
         elif name in LAYOUT_FIELDS:
             self.config.layout[name] = value
@@ -134,6 +138,16 @@ class Mapper:
         text = f"{name}={shown}" + (f" ({note})" if note else "")
         used = self.config.used
         used[key] = f"{used[key]}; {text}" if key in used else text
+
+    def finish(self, precision: str, why: str) -> None:
+        """The precision the file's dtype and autocast keys say together; where it has neither,
+        the trainer's own default `precision` (filled in, with `why`)."""
+        dtype, autocast = (self.config.setup.pop(name, None) for name in PRECISION_PARTS)
+        if dtype is None and autocast is None and "precision" not in self.config.setup:
+            self.config.setup["precision"] = precision
+            self.config.defaults["precision"] = f"{precision}: {why}"
+        elif dtype is not None or autocast is not None:
+            self.config.setup.update(precision_fields(dtype or "fp32", autocast or "none"))
 
     def note(self, key: str, text: str) -> None:
         """`key` was used together with other keys (which set the fields)."""
@@ -250,10 +264,10 @@ def deepspeed(m: Mapper, key: str, value: Any) -> None:
             m.ignore(key, f"the DeepSpeed config {path} cannot be read here")
             m.unresolved("zero", f"{m.path}: {key} names {path}, which cannot be read here: give `zero=N`")
             return
-    for precision in ("fp16", "bf16"):
-        if isinstance(value, dict) and (value.get(precision) or {}).get("enabled") not in (None, False, "auto"):
-            m.ignore(f"{key}.{precision}", "DeepSpeed's own mixed-precision engine is not mapped: give `dtype` "
-                                           "and `autocast`")
+    for half, precision in (("fp16", "16-mixed"), ("bf16", "bf16-mixed")):
+        if isinstance(value, dict) and (value.get(half) or {}).get("enabled") not in (None, False, "auto"):
+            m.set(f"{key}.{half}", "precision", precision, "DeepSpeed's mixed precision: half-precision weights, "
+                                                           "an fp32 master partition")
     zero = value.get("zero_optimization", {}) if isinstance(value, dict) else {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):

@@ -70,7 +70,9 @@ def _titan_training(m: Mapper, table: dict[str, Any]) -> None:
             else:
                 m.ignore(key, "false")
         elif key == "training.mixed_precision_param":
-            m.note(key, f"{value}: FSDP2's param_dtype, read with the parallel degrees")
+            precision = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}[m.dtype(key, value)]
+            m.set(key, "precision", precision, "fp32 weights; under FSDP2 its MixedPrecisionPolicy param_dtype, "
+                                               "else torch.autocast (torchtitan's maybe_enable_amp)")
         elif key == "training.enable_cpu_offload" and m.flag(key, value):
             m.set(key, "cpu_offload", "params", "FSDP2 CPUOffloadPolicy")
         elif key == "training.mixed_precision_reduce" and value != "float32":
@@ -155,10 +157,6 @@ def _titan_batches(m: Mapper, training: dict[str, Any], par: dict[str, Any]) -> 
         m.set("parallelism.context_parallel_degree", "cp", cp)
     if shard == -1 or shard > 1 or cp > 1:  # with CP, FSDP2 shards over dp_shard x cp (ParallelDims.fsdp_enabled)
         m.set(key, "zero", 3, "torchtitan shards with FSDP2")
-        mixed = training.get("mixed_precision_param", "bfloat16")
-        if mixed != "float32":
-            m.set("training.mixed_precision_param", "fsdp_param_dtype", m.dtype("training.mixed_precision_param",
-                                                                                 mixed))
     if shard == -1:
         m.unresolved("world_size", f"{m.path}: data_parallel_shard_degree = -1 takes every GPU the launcher "
                                    "starts: give `world_size=N`")
