@@ -141,11 +141,11 @@ def apply_routing(model: nn.Module, config: PretrainedConfig | Any, routing: str
 
 def _replace_expert_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook: the router's [tokens, top_k] expert ids -> the assumed ones."""
-    args = list(args)
-    if len(args) >= 2:
-        hidden, index = args[0], args[1]
+    positional = list(args)
+    if len(positional) >= 2:
+        hidden, index = positional[0], positional[1]
     else:
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = positional[0] if positional else kwargs["hidden_states"]
         key = next((k for k in EXPERT_INDEX_NAMES if k in kwargs), None)
         if key is None:
             raise UserError(f"{type(module).__name__} is called without the router's expert ids: cannot apply "
@@ -153,8 +153,8 @@ def _replace_expert_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
         index = kwargs[key]
     assigned = assigned_experts(hidden.shape[0], index.shape[-1], module.memplan_num_experts,
                                 module.memplan_routing, index.device).to(index.dtype)
-    if len(args) >= 2:
-        args[1] = assigned
+    if len(positional) >= 2:
+        positional[1] = assigned
     else:
         kwargs[key] = assigned
-    return tuple(args), kwargs
+    return tuple(positional), kwargs

@@ -402,7 +402,7 @@ def offloaded_optimizer(params: list[nn.Parameter], setup: TrainingSetup, target
 
 
 @functools.cache
-def _offload_class(base: type) -> type:
+def _offload_class(base: Any) -> type:
     on_cuda = torch.cuda.is_available()
 
     def context() -> contextlib.AbstractContextManager:
