@@ -34,6 +34,7 @@ def _answer(argv: list[str]) -> dict:
     (["estimate", "gpt2", "--bacth", "2"], 2),
     (["estimate", "gpt2", "--precision", "fp8"], 2),
     (["trace", "gpt2", "--seq", "many", "-o", "x.memtrace"], 2),
+    (["fit", "gpt2", "--gpu", "t4", "--gpus", "1", "--bogus"], 2),
 ])
 def test_help_a_bad_flag_and_a_bad_value_import_no_torch(argv, code):
     answer = _answer(argv)

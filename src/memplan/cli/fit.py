@@ -43,15 +43,28 @@ if TYPE_CHECKING:  # imported where they are used: parsing the command line need
     from memplan.estimation.search import Row
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from memplan.estimation.fit import DEFAULT_TOP
-    from memplan.estimation.maxshape import DEFAULT_STEP
-    from memplan.estimation.search import DEFAULT_MARGIN
-    from memplan.estimation.whatfits import DEFAULT_MAX_NODES
+class _SearchDefaultsHelp(argparse.HelpFormatter):
+    """fit's help, with the search's defaults filled in when the help is printed: they live in
+    `memplan.estimation`, which imports torch, and parsing a command line needs none of them."""
 
+    def _expand_help(self, action: argparse.Action) -> str:
+        if "%(search_" not in (action.help or ""):
+            return super()._expand_help(action)
+        from memplan.estimation.fit import DEFAULT_TOP
+        from memplan.estimation.maxshape import DEFAULT_STEP
+        from memplan.estimation.search import DEFAULT_MARGIN
+        from memplan.estimation.whatfits import DEFAULT_MAX_NODES
+
+        return self._get_help_string(action) % {
+            "search_margin": f"{DEFAULT_MARGIN:.0%}", "search_top": DEFAULT_TOP, "search_step_seq": DEFAULT_STEP["seq"],
+            "search_step_batch": DEFAULT_STEP["batch"], "search_max_nodes": DEFAULT_MAX_NODES}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "fit",
         help=SUBCOMMANDS["fit"],
+        formatter_class=_SearchDefaultsHelp,
         description="Search layouts, GPU counts, shapes or changes to a job; every row shown is a traced estimate, "
                     "with the memplan estimate command that gives it.",
     )
@@ -60,18 +73,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--gpu", required=True, metavar="NAME", help="device profile, e.g. h100-80gb")
     p.add_argument("--gpus", required=True, metavar="N|auto", help="number of GPUs, or auto: the fewest that fit")
     p.add_argument("--capacity", default=None, metavar="SIZE", help="device memory in place of the profile's")
-    p.add_argument("--margin", default=f"{DEFAULT_MARGIN:.0%}", metavar="PCT",
-                   help="headroom kept free: fits when device used <= capacity x (1 - margin) (default 5%%)")
-    p.add_argument("--top", type=int, default=None, metavar="K", help=f"show the K fastest (default {DEFAULT_TOP})")
+    p.add_argument("--margin", default=None, metavar="PCT",
+                   help="headroom kept free: fits when device used <= capacity x (1 - margin) (default "
+                        "%(search_margin)s)")
+    p.add_argument("--top", type=int, default=None, metavar="K", help="show the K fastest (default %(search_top)s)")
     p.add_argument("--max", default=None, metavar="seq|batch",
                    help="the largest sequence length or micro-batch of your setup and layout that fits")
     p.add_argument("--step", type=int, default=None, metavar="N",
-                   help=f"--max granularity (default {DEFAULT_STEP['seq']} for seq, {DEFAULT_STEP['batch']} for batch)")
+                   help="--max granularity (default %(search_step_seq)s for seq, %(search_step_batch)s for batch)")
     p.add_argument("--what-fits", action="store_true",
                    help="the smallest sets of changes to your setup and layout that make the job fit")
     p.add_argument("--allow-quant", action="store_true", help="--what-fits may quantise the base model (QLoRA)")
     p.add_argument("--max-nodes", type=int, default=None, metavar="N",
-                   help=f"--what-fits: estimate at most N candidates (default {DEFAULT_MAX_NODES})")
+                   help="--what-fits: estimate at most N candidates (default %(search_max_nodes)s)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes estimating in parallel (default: the cores this process may use)")
     add_setup_flags(p)
@@ -128,13 +142,14 @@ def run(args: argparse.Namespace) -> int:
     from memplan.estimation.assumptions import setup_assumptions
     from memplan.estimation.fit import DEFAULT_TOP, fit
     from memplan.estimation.maxshape import MaxResult, max_shape
+    from memplan.estimation.search import DEFAULT_MARGIN
     from memplan.estimation.whatfits import DEFAULT_MAX_NODES, what_fits
 
     refuse_trace(args.model, "fit", "searches layouts, micro-batches and checkpointing by re-tracing the model "
                  "(memplan estimate TRACE gives the trace's own memory)")
     gpus = parse_gpus(args.gpus)
     check_modes(args, gpus)
-    margin = parse_margin(args.margin)
+    margin = parse_margin(args.margin) if args.margin is not None else DEFAULT_MARGIN
     capacity = parse_size(args.capacity) if args.capacity is not None else None
     setup = setup_from_args(args)
     model = model_arg(args)

@@ -44,13 +44,15 @@ def _spelled(action: argparse.Action) -> str:
     return f"{flag} [{value}]" if action.nargs == "?" else f"{flag} {value}"
 
 
-def _group_table(group: argparse._ArgumentGroup) -> list[str]:
-    """A group's flags as a table (nothing for a group without any)."""
+def _group_table(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> list[str]:
+    """A group's flags as a table (nothing for a group without any), each help as `--help`
+    prints it (the parser's formatter fills in what it leaves to print time)."""
     actions = [a for a in group._group_actions if a.help != argparse.SUPPRESS and a.dest != "help"]
     if not actions:
         return []
+    formatter = parser._get_formatter()
     lines = [f"**{group.title}**", "", "| flag | what it sets |", "|---|---|"]
-    lines += [f"| `{_cell(_spelled(a))}` | {_cell(a.help or '')} |".replace("%%", "%") for a in actions]
+    lines += [f"| `{_cell(_spelled(a))}` | {_cell(formatter._expand_help(a) if a.help else '')} |" for a in actions]
     return [*lines, ""]
 
 
@@ -61,7 +63,7 @@ def job_markdown(parser: argparse.ArgumentParser) -> str:
              "declaration; each subcommand below names the sections it takes.", ""]
     for group in parser._action_groups:
         if group.title in SECTIONS.values():
-            lines += _group_table(group)
+            lines += _group_table(parser, group)
     return "\n".join(lines)
 
 
@@ -73,7 +75,7 @@ def subcommand_markdown(name: str, parser: argparse.ArgumentParser) -> str:
         lines += [f"Takes [the job's flags](#the-jobs-flags): {', '.join(map(str, sections))}.", ""]
     for group in parser._action_groups:
         if group.title not in SECTIONS.values():
-            lines += _group_table(group)
+            lines += _group_table(parser, group)
     return "\n".join(lines)
 
 
