@@ -49,7 +49,7 @@ def job_assumptions(config: PretrainedConfig | FactorySpec, setup: TrainingSetup
     }
     if not isinstance(config, FactorySpec) and experts_of(config) is not None:
         out["routing"] = setup.routing
-    out["defaults"] = filled_defaults(config, setup)
+    out["defaults"] = filled_defaults(config, setup, device)
     out["notes"] = surprising_terms(config, setup, layout)
     out["line"] = _line(out, device)
     return out
@@ -92,7 +92,7 @@ def optimizer_states(setup: TrainingSetup, layout: Layout) -> str:
     return f"{setup.optimizer}: {count} {dtype} states per trainable parameter {where}{shard}"
 
 
-def filled_defaults(config: PretrainedConfig | FactorySpec, setup: TrainingSetup) -> dict[str, str]:
+def filled_defaults(config: PretrainedConfig | FactorySpec, setup: TrainingSetup, device: str = "cuda") -> dict[str, str]:
     """Field -> the value memplan filled in for it (and why, where that is not just the
     default), where the caller left it out."""
     out: dict[str, str] = {}
@@ -104,6 +104,8 @@ def filled_defaults(config: PretrainedConfig | FactorySpec, setup: TrainingSetup
     for field in declared(TrainingSetup):
         if field.name in SAID_DEFAULTS and getattr(setup, field.name) == field.default:
             out[field.name] = field.format(field.default)
+    if setup.optimizer_impl is None and setup.optimizer in TORCH_OPTIMIZERS:
+        out["optimizer_impl"] = f"{setup.resolved_optimizer_impl(device)} (PyTorch's choice on {device})"
     return out
 
 
