@@ -23,8 +23,8 @@ from memplan.models.setup import TrainingSetup  # noqa: E402
 
 BENCH = "alloc_traces"
 SETUPS = {
-    "full checkpointing": dict(batch=4, seq=1024, dtype="bf16", checkpointing="full"),
-    "4 grad-accum micro-batches": dict(batch=2, seq=1024, dtype="bf16", grad_accum=4),
+    "full checkpointing": dict(batch=4, seq=1024, precision="bf16-true", checkpointing="full"),
+    "4 grad-accum micro-batches": dict(batch=2, seq=1024, precision="bf16-true", grad_accum=4),
 }
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         for label, fields in SETUPS.items():
             start = time.perf_counter()
-            trace = capture_model(model, TrainingSetup(**fields), fake=True, device=args.device)
+            trace = capture_model(model, TrainingSetup(**{"precision": "32-true", **fields}), fake=True, device=args.device)
             capture_s = time.perf_counter() - start
             results = {name: replay(trace, name, segment_map=False) for name in ("caching", "expandable", "ideal")}
             print(f"{model} / {label}: {trace.num_events:,} events, capture {capture_s:.1f} s", file=sys.stderr)

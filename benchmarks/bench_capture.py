@@ -28,9 +28,9 @@ from memplan.models import TrainingSetup  # noqa: E402
 from memplan.units import format_bytes  # noqa: E402
 
 CASES = [
-    ("llama-2-70b", TrainingSetup(batch=1, seq=4096, dtype="bf16", checkpointing="full")),
-    ("llama-2-7b", TrainingSetup(batch=1, seq=4096, dtype="bf16", checkpointing="full")),
-    ("gpt2-xl", TrainingSetup(batch=4, seq=1024, dtype="bf16")),
+    ("llama-2-70b", TrainingSetup(batch=1, seq=4096, precision="bf16-true", checkpointing="full")),
+    ("llama-2-7b", TrainingSetup(batch=1, seq=4096, precision="bf16-true", checkpointing="full")),
+    ("gpt2-xl", TrainingSetup(batch=4, seq=1024, precision="bf16-true")),
 ]
 
 

@@ -35,22 +35,23 @@ from memplan import models  # noqa: E402
 from memplan.capture.groundtruth import profiler_peak_bytes  # noqa: E402
 from memplan.estimation import estimate  # noqa: E402
 from memplan.parallel import Layout  # noqa: E402
+from memplan.parallel.layout import DeepSpeedConfig  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu PYTHONPATH=src:/tmp/dsenv .venv/bin/python benchmarks/bench_deepspeed_gloo.py")
 SMALL_BUCKET = 100_000  # elements: the default 5e8 would be 2 GB per rank for a 166k-parameter model
 CASES = [  # (name, setup options, ZeRO stage, layout knobs)
-    ("zero1", {}, 1, {"ds_reduce_bucket_size": SMALL_BUCKET}),
-    ("zero2", {}, 2, {"ds_reduce_bucket_size": SMALL_BUCKET}),
-    ("zero3", {}, 3, {"ds_reduce_bucket_size": SMALL_BUCKET, "ds_param_persistence_threshold": 0}),
-    ("zero3-persistent", {}, 3, {"ds_reduce_bucket_size": SMALL_BUCKET}),
-    ("zero2-bf16", {"dtype": "bf16"}, 2, {"ds_reduce_bucket_size": SMALL_BUCKET}),
-    ("zero3-bf16", {"dtype": "bf16"}, 3, {"ds_reduce_bucket_size": SMALL_BUCKET, "ds_param_persistence_threshold": 0}),
+    ("zero1", {}, 1, {"reduce_bucket_size": SMALL_BUCKET}),
+    ("zero2", {}, 2, {"reduce_bucket_size": SMALL_BUCKET}),
+    ("zero3", {}, 3, {"reduce_bucket_size": SMALL_BUCKET, "param_persistence_threshold": 0}),
+    ("zero3-persistent", {}, 3, {"reduce_bucket_size": SMALL_BUCKET}),
+    ("zero2-bf16", {"precision": "bf16-true"}, 2, {"reduce_bucket_size": SMALL_BUCKET}),
+    ("zero3-bf16", {"precision": "bf16-true"}, 3, {"reduce_bucket_size": SMALL_BUCKET, "param_persistence_threshold": 0}),
 ]
 
 
 def ds_config(setup: models.TrainingSetup, stage: int, layout: Layout) -> dict[str, Any]:
     """The DeepSpeed config of one case (memplan's knobs under DeepSpeed's names)."""
-    knobs = layout.deepspeed_config
+    knobs = layout.deepspeed
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": knobs.reduce_bucket_size,
                             "overlap_comm": knobs.overlap_comm if stage < 3 else True}
     if stage == 3:
@@ -69,8 +70,8 @@ def _rank_main(rank: int, world_size: int, case: tuple, workdir: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     _, options, stage, knobs = case
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
-    layout = Layout(world_size=world_size, zero=stage, engine="deepspeed", **knobs)
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **options})
+    layout = Layout(world_size=world_size, zero=stage, engine="deepspeed", deepspeed=DeepSpeedConfig(**knobs))
     torch.manual_seed(0)
     model = models.build_model(models.tiny_config("llama-2-7b"), setup)
     optimizer = models.build_optimizer(model, setup)
@@ -110,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         name, options, stage, knobs = case
         if args.only and name not in args.only:
             continue
-        setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
-        layout = Layout(world_size=args.world_size, zero=stage, engine="deepspeed", **knobs)
+        setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **options})
+        layout = Layout(world_size=args.world_size, zero=stage, engine="deepspeed", deepspeed=DeepSpeedConfig(**knobs))
         predicted = estimate(models.tiny_config("llama-2-7b"), setup, layout, device="cpu",
                              allocator="none").peak_allocated_bytes
         real = measure(case, args.world_size)
         errors = ", ".join(f"{100 * (predicted - r) / r:+.2f}%" for r in real)
         print(f"{name}: estimate {predicted}, real {real} ({errors})", flush=True)
-        label = ", ".join(f"{k.removeprefix('ds_')}={v}" for k, v in {**options, **knobs}.items())
+        label = ", ".join(f"{k}={v}" for k, v in {**options, **knobs}.items())
         rows.append(f"| {name} (zero {stage}) | {label} | {predicted:,} | {', '.join(f'{r:,}' for r in real)} "
                     f"| {errors} |")
     if not args.no_write and not args.only:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks_md import write_section  # noqa: E402
 
 MODEL = "llama-2-70b"
-SETUP = {"seq": 4096, "dtype": "bf16", "checkpointing": "full"}
+SETUP = {"seq": 4096, "precision": "bf16-true", "checkpointing": "full"}
 LAYOUT = {"world_size": 64, "zero": 3}
 MARK = "estimate_speed"
 
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeat-reference", type=int, default=1, help="MemTracker runs (about 4 min each)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    setup = models.TrainingSetup(**SETUP)
+    setup = models.TrainingSetup(**{"precision": "32-true", **SETUP})
     layout = Layout(**LAYOUT)
     memplan_estimate_s(setup, layout)  # warm the lazy imports of both paths
     ours, modelled, theirs, result, result_modelled = [], [], [], None, None
@@ -108,7 +108,7 @@ def main() -> None:
 
 
 def memplan_estimate_s(setup: models.TrainingSetup, layout: Layout) -> None:
-    estimate(MODEL, models.TrainingSetup(seq=128, dtype="bf16"), None, gpu="h100-80gb")
+    estimate(MODEL, models.TrainingSetup(seq=128, precision="bf16-true"), None, gpu="h100-80gb")
 
 
 if __name__ == "__main__":

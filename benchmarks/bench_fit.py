@@ -31,14 +31,15 @@ from benchmarks_md import write_section  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "fit"
 CASES = {
-    "layouts": ["llama-3.1-70b", "--gpu", "h100-80gb", "--gpus", "64", "--seq", "8192"],
-    "auto": ["llama-3.1-70b", "--gpu", "h100-80gb", "--gpus", "auto", "--seq", "8192"],
-    "max-seq": ["llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--max", "seq"],
-    # the same LoRA with the base in bf16, as LoRA fine-tunes load it (the default is fp32: 32 GB of weights)
-    "max-seq-bf16": ["llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--dtype", "bf16",
+    "layouts": ["llama-3.1-70b", "--gpu", "h100-80gb", "--gpus", "64", "--seq", "8192", "--precision", "32-true"],
+    "auto": ["llama-3.1-70b", "--gpu", "h100-80gb", "--gpus", "auto", "--seq", "8192", "--precision", "32-true"],
+    "max-seq": ["llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--precision", "32-true",
+                "--max", "seq"],
+    # the same LoRA with the base in bf16, as LoRA fine-tunes load it (32-true: 32 GB of weights)
+    "max-seq-bf16": ["llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--precision", "bf16-true",
                      "--max", "seq"],
     # a full fine-tune (bf16) that does not fit one 24 GB card: what fits on that one card
-    "what-fits": ["llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--dtype", "bf16", "--what-fits"],
+    "what-fits": ["llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--precision", "bf16-true", "--what-fits"],
 }
 TARGETS_S = {"layouts": 20.0, "what-fits": 60.0}  # on 2 cores
 

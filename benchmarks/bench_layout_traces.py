@@ -33,8 +33,8 @@ from memplan.models.setup import TrainingSetup  # noqa: E402
 
 BENCH = "layout_traces"
 SETUPS = {
-    "full checkpointing (batch 4, seq 1024)": dict(batch=4, seq=1024, dtype="bf16", checkpointing="full"),
-    "4 grad-accum micro-batches (batch 2, seq 1024)": dict(batch=2, seq=1024, dtype="bf16", grad_accum=4),
+    "full checkpointing (batch 4, seq 1024)": dict(batch=4, seq=1024, precision="bf16-true", checkpointing="full"),
+    "4 grad-accum micro-batches (batch 2, seq 1024)": dict(batch=2, seq=1024, precision="bf16-true", grad_accum=4),
 }
 
 
@@ -55,7 +55,7 @@ def varying_moe_trace(iterations: int):
     config = models.tiny_config("mixtral-8x7b", hidden_size=128, intermediate_size=256,
                                 num_hidden_layers=4, num_local_experts=8)
     config._experts_implementation = "eager"  # the per-expert loop: data-dependent sizes
-    setup = TrainingSetup(batch=4, seq=64, optimizer_impl="foreach")
+    setup = TrainingSetup(precision="32-true", batch=4, seq=64, optimizer_impl="foreach")
     built = build_training_step(config, setup, device="cpu")
     calls = [0]
 
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models.split(","):
         for label, fields in SETUPS.items():
-            trace = capture_model(model, TrainingSetup(**fields), fake=True, device="cuda", iterations=args.iterations)
+            trace = capture_model(model, TrainingSetup(**{"precision": "32-true", **fields}), fake=True, device="cuda", iterations=args.iterations)
             rows.append(measure(f"{model} / {label}", trace))
     stage = capture_pipeline_stage(
-        "llama-3.2-1b", TrainingSetup(batch=2, seq=1024, dtype="bf16"), stages=4, stage=0, microbatches=8,
+        "llama-3.2-1b", TrainingSetup(batch=2, seq=1024, precision="bf16-true"), stages=4, stage=0, microbatches=8,
         iterations=args.iterations,
     )
     rows.append(measure("llama-3.2-1b / 1F1B stage 0 of 4, 8 micro-batches (batch 2, seq 1024)", stage))

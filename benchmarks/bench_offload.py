@@ -41,7 +41,7 @@ PAPER = {"llama-3-8b": "80.7% of ideal (avg), ZeRO-Offload 65.9%", "llama-3-70b"
 def main() -> None:
     rows = []
     for model, batch, seq, host_limits in CASES:
-        setup = TrainingSetup(batch=batch, seq=seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
+        setup = TrainingSetup(batch=batch, seq=seq, precision="32-true", optimizer="adamw", optimizer_impl="loop")
         t0 = time.perf_counter()
         step = capture_step(load_config(model), setup, "cuda")
         trace = rank_trace(step, Layout(world_size=2, zero=3), setup, 0)

@@ -128,7 +128,7 @@ def planned_trace(b: Stream, directory: str):
 
 def measure(args: argparse.Namespace, batch: int, seq: int, resident_mib: int, mode_name: str) -> tuple[str, list[float]]:
     """One shape's A/B run in one offload mode: its table row and its pair ratios."""
-    setup = TrainingSetup(batch=batch, seq=seq, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
+    setup = TrainingSetup(batch=batch, seq=seq, precision="32-true", optimizer="adamw", optimizer_impl="loop")
     config = load_config(args.model)
 
     ref = build_training_step(config, setup, device="cpu")

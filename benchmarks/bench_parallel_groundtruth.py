@@ -61,7 +61,7 @@ OPTIONS = {
     "ckpt": {"checkpointing": "full"},
     "LoRA r4": {"lora_rank": 4},
     "LoRA r4 (q, o, down)": {"lora_rank": 4, "lora_targets": ("q_proj", "o_proj", "down_proj")},
-    "bf16 autocast": {"autocast": "bf16"},
+    "bf16 autocast": {"precision": "bf16-mixed"},
     "routing worst": {"routing": "worst"},
 }
 CASES = (
@@ -94,7 +94,7 @@ def _row(family: str, option: str, layout_name: str, repeats: int) -> str:
     """One case's table row: the estimate against the real run's per-rank medians."""
     layout = Layout(**LAYOUTS[layout_name])
     config = models.tiny_config(family, **({"num_hidden_layers": PIPELINE_BLOCKS} if layout.pp > 1 else {}))
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **OPTIONS[option])
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **OPTIONS[option]})
     head = f"| {family} | {option or '-'} | {layout_name} |"
     try:
         result = estimate(config, setup, layout, device="cpu", allocator="none")

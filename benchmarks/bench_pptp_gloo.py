@@ -42,7 +42,7 @@ def rank_main(rank: int, world: int, workdir: str, fam: str, layers: int, mb: in
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     layout = Layout(pp=2, tp=2, microbatches=mb)
     config = models.tiny_config(fam, num_hidden_layers=layers)
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
     mesh = pipeline_mesh(layout)
     stage = rank // 2
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     config = models.tiny_config(args.model, num_hidden_layers=args.layers)
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
     rows = []
     for mb in [int(x) for x in args.microbatches.split(",")]:
         real = measure(args.model, args.layers, mb)

@@ -160,7 +160,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Estimate one case and compare it with its published figure."""
     if case.get("kind") == "loss_op":
         return run_loss_op_case(case)
-    setup = models.TrainingSetup(**case["setup"])
+    setup = models.TrainingSetup.from_dict(case["setup"])
     layout = Layout(**case["layout"])
     start = time.perf_counter()
     cache: dict[Any, Any] = {}

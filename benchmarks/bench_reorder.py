@@ -88,7 +88,7 @@ def run_case(spec: str, batch: int, seq: int | None, time_limit_s: float, optimi
 
     start = time.perf_counter()
     model = models.load_config(spec)
-    setup = models.TrainingSetup(batch=batch, seq=seq, optimizer=optimizer)
+    setup = models.TrainingSetup(precision="32-true", batch=batch, seq=seq, optimizer=optimizer)
     graph = capture_model_step(model, setup, device="cuda")
     result = optimize_order(graph, time_limit_s=time_limit_s)
     total = time.perf_counter() - start

@@ -88,7 +88,7 @@ def training_row() -> list[str]:
     from memplan import models
     from memplan.capture.step import build_training_step
 
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     step = build_training_step(models.tiny_config("gpt2"), setup, device="cpu")
     for _ in range(2):
         step.run()

@@ -54,7 +54,7 @@ def hf_forward_activation(config: Any, tokens: int, blocks: int) -> tuple[int, s
     from memplan.models.setup import TrainingSetup
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = build_model(with_layers(config, blocks), TrainingSetup(dtype="bf16", attn="sdpa", seq=tokens,
+        model = build_model(with_layers(config, blocks), TrainingSetup(precision="bf16-true", attn="sdpa", seq=tokens,
                                                                        allow_long_seq=True))
         model.eval()
         decoder = model.get_decoder()

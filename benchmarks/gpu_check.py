@@ -109,7 +109,7 @@ class Case:
     def training_setup(self) -> Any:
         from memplan.models.setup import TrainingSetup
 
-        return TrainingSetup(**self.setup)
+        return TrainingSetup.from_dict(self.setup)
 
     def generation_setup(self) -> Any:
         from memplan.inference.gen_capture import GenerationSetup

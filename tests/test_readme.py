@@ -47,7 +47,7 @@ def test_the_readme_python_block_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     torch.manual_seed(0)
-    step = build_training_step(tiny_config("gpt2"), TrainingSetup(batch=2, seq=32), device="cpu")
+    step = build_training_step(tiny_config("gpt2"), TrainingSetup(precision="32-true", batch=2, seq=32), device="cpu")
     batch = step.batches[0]
 
     def step_fn(batch):

@@ -3,7 +3,6 @@
 import importlib
 
 from memplan.errors import UserError
-from memplan.trace import Trace, load, save, validate
 
 __version__ = "0.1.0"
 
@@ -11,7 +10,11 @@ __all__ = ["Trace", "UserError", "load", "save", "validate", "__version__"]
 
 # Names `memplan.<name>` gives, and the module each comes from; imported on first use,
 # which keeps `import memplan` free of torch.
-_LAZY_NAMES = {
+_LAZY_NAMES = {  # imported on first use: `memplan --help` imports neither numpy nor torch
+    "Trace": "memplan.trace",
+    "load": "memplan.trace",
+    "save": "memplan.trace",
+    "validate": "memplan.trace",
     "capture": "memplan.capture",
     "replay": "memplan.alloc",
     "planned_allocator": "memplan.runtime",

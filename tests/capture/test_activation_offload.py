@@ -39,7 +39,7 @@ def test_offloading_does_not_change_training():
     config = models.tiny_config("llama-2-7b")
     params = {}
     for mode in ("none", "torchtune"):
-        step = build_training_step(config, models.TrainingSetup(batch=2, seq=32, activation_offload=mode))
+        step = build_training_step(config, models.TrainingSetup(precision="32-true", batch=2, seq=32, activation_offload=mode))
         for _ in range(2):
             step.run()
         params[mode] = [p.detach().clone() for p in step.model.parameters()]
@@ -48,7 +48,7 @@ def test_offloading_does_not_change_training():
 
 def test_a_cuda_job_keeps_its_host_copies_apart_from_the_device_and_its_device_peak_drops():
     config = models.tiny_config("llama-2-7b")
-    traces = {mode: capture_model(config, models.TrainingSetup(batch=2, seq=64, activation_offload=mode))
+    traces = {mode: capture_model(config, models.TrainingSetup(precision="32-true", batch=2, seq=64, activation_offload=mode))
               for mode in ("none", "torchtune")}
     offloaded = traces["torchtune"]
     assert set(offloaded.devices) == {"cuda:0", "host:pinned"}
@@ -65,7 +65,7 @@ def test_the_output_head_and_the_loss_are_not_offloaded():
     host = {}
     for vocab in (512, 4096):
         config = models.tiny_config("llama-2-7b", vocab_size=vocab)
-        setup = models.TrainingSetup(batch=2, seq=32, activation_offload="torchtune")
+        setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, activation_offload="torchtune")
         with FakeTensorMode(allow_non_fake_inputs=True):
             step = build_training_step(config, setup)
             trace = capture(step.run, model=step.model, optimizer=step.optimizer, warmup=1, inputs=step.batches)

@@ -20,9 +20,9 @@ CHECKPOINTING = ["none", "full"]
 
 def setup_for(checkpointing: str, family: str = "") -> models.TrainingSetup:
     # MoE in bf16, the dtype its published weights train in (fp32 MoE: tests/models/test_moe.py)
-    dtype = "bf16" if family.startswith("mixtral") else "fp32"
+    precision = "bf16-true" if family.startswith("mixtral") else "32-true"
     return models.TrainingSetup(
-        batch=2, seq=32, dtype=dtype, checkpointing=checkpointing, optimizer_impl="foreach"
+        batch=2, seq=32, precision=precision, checkpointing=checkpointing, optimizer_impl="foreach"
     )
 
 
@@ -60,7 +60,7 @@ def test_real_capture_does_not_change_the_training_result():
 
 
 def test_fake_lora_capture_matches_the_real_one_exactly():
-    setup = models.TrainingSetup(batch=2, seq=32, lora_rank=4, optimizer_impl="foreach")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, lora_rank=4, optimizer_impl="foreach")
     config = models.tiny_config("llama-2-7b")
     real = capture_model(config, setup, fake=False, device="cpu").peak()[0]
     fake = capture_model(config, setup, fake=True, device="cpu").peak()[0]

@@ -36,7 +36,7 @@ TRUTH: dict[tuple[str, str], int] = {}  # profiler peaks of the real compiled st
 
 
 def setup_for(compile_mode: str) -> models.TrainingSetup:
-    return models.TrainingSetup(batch=2, seq=32, optimizer="sgd", optimizer_impl="foreach", compile=compile_mode)
+    return models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer="sgd", optimizer_impl="foreach", compile=compile_mode)
 
 
 @contextlib.contextmanager
@@ -99,17 +99,17 @@ def inductor_ops(trace) -> list[tuple[str, int]]:
 
 
 def test_blocks_refuses_a_model_whose_forward_computes_its_loss_inline():
-    with pytest.raises(UserError, match="--compile model"):
-        models.build_model(models.tiny_config("bert-base"), models.TrainingSetup(batch=2, seq=32, compile="blocks"))
+    with pytest.raises(UserError, match="`compile=model`"):
+        models.build_model(models.tiny_config("bert-base"), models.TrainingSetup(precision="32-true", batch=2, seq=32, compile="blocks"))
 
 
 def test_compile_wraps_each_block_and_the_loss_and_a_recorder_stays_eager_by_default():
-    model = models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32,
+    model = models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32,
                                                                                       compile="blocks"))
     blocks = transformer_blocks(model)
     assert all(type(block).__name__ == "OptimizedModule" for block in blocks)
     assert hasattr(model.loss_function, "_torchdynamo_orig_callable")  # torch.compile's wrapper
-    whole = models.build_model(models.tiny_config("gpt2"), models.TrainingSetup(batch=2, seq=32, compile="model"))
+    whole = models.build_model(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", batch=2, seq=32, compile="model"))
     assert whole._compiled_call_impl is not None
     assert not Recorder().ignore_compile_internals()
     assert Recorder(compiled_regions=True).ignore_compile_internals()
@@ -118,7 +118,7 @@ def test_compile_wraps_each_block_and_the_loss_and_a_recorder_stays_eager_by_def
 @pytest.mark.parametrize("change", [{"quant": "nf4", "lora_rank": 8}, {"dora": True, "lora_rank": 8},
                                     {"cpu_offload": "optimizer"}])
 def test_compile_blocks_with_a_technique_that_breaks_the_block_s_graph_is_refused_in_one_line(change):
-    setup = models.TrainingSetup(batch=2, seq=32, compile="blocks", **change)
-    with pytest.raises(UserError, match="breaks that graph: use --compile model") as info:
+    setup = models.TrainingSetup(batch=2, seq=32, compile="blocks", **{"precision": "32-true", **change})
+    with pytest.raises(UserError, match="breaks that graph: use `compile=model`") as info:
         models.build_model(models.tiny_config("llama-2-7b"), setup)
     assert "\n" not in str(info.value)

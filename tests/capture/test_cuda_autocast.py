@@ -79,7 +79,7 @@ def test_gpt2_gelu_of_a_cuda_fp16_job_raises_to_the_third_power_in_fp32_and_of_a
     # gelu_new: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     batch, seq = 2, 32
     config = models.tiny_config("gpt2")
-    setup = models.TrainingSetup(batch=batch, seq=seq, autocast="fp16")
+    setup = models.TrainingSetup(batch=batch, seq=seq, precision="16-mixed")
     elements = batch * seq * 4 * config.n_embd  # the MLP's inner width
     cuda = capture_model(config, setup, fake=True, device="cuda")
     cpu = capture_model(config, setup, fake=True, device="cpu")

@@ -24,7 +24,7 @@ def attention_matrices(trace, batch, heads, seq):
 
 @pytest.mark.parametrize("dtype,kernel", [("bf16", "flash"), ("fp32", "efficient")])
 def test_cuda_job_uses_the_kernel_a_gpu_would_pick(dtype, kernel):
-    setup = models.TrainingSetup(batch=2, seq=64, dtype=dtype)
+    setup = models.TrainingSetup.from_dtypes(dtype, batch=2, seq=64)
     trace = capture_model(models.tiny_config("gpt2"), setup, fake=True, device="cuda")
     names = set(trace.op_names)
     assert f"aten._scaled_dot_product_{kernel}_attention.default" in names
@@ -34,7 +34,7 @@ def test_cuda_job_uses_the_kernel_a_gpu_would_pick(dtype, kernel):
 def test_gpt2_with_dropout_keeps_no_attention_matrix_on_cuda_but_does_on_cpu():
     # GPT-2 trains with attention dropout, which sends CPU SDPA down the math path
     config = models.tiny_config("gpt2", n_positions=512)
-    setup = models.TrainingSetup(batch=2, seq=256, dtype="bf16")
+    setup = models.TrainingSetup(batch=2, seq=256, precision="bf16-true")
     heads = config.n_head
     cpu = capture_model(config, setup, fake=True, device="cpu")
     cuda = capture_model(config, setup, fake=True, device="cuda")
@@ -44,7 +44,7 @@ def test_gpt2_with_dropout_keeps_no_attention_matrix_on_cuda_but_does_on_cpu():
 
 
 def test_checkpointed_recomputation_runs_the_same_kernels():
-    setup = models.TrainingSetup(batch=2, seq=64, dtype="bf16", checkpointing="full")
+    setup = models.TrainingSetup(batch=2, seq=64, precision="bf16-true", checkpointing="full")
     trace = capture_model(models.tiny_config("llama-2-7b"), setup, fake=True, device="cuda")
     flash = trace.op_names.index("aten._scaled_dot_product_flash_attention.default")
     # forward + recomputation, once per layer

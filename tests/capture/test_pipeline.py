@@ -27,7 +27,7 @@ def test_fewer_micro_batches_than_warm_up_runs_all_forwards_first():
 @pytest.fixture(scope="module")
 def stages():
     config = models.tiny_config("llama-2-7b", num_hidden_layers=4)
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     return [
         capture_pipeline_stage(config, setup, stages=2, stage=s, microbatches=4, fake=True) for s in (0, 1)
     ]
@@ -54,7 +54,7 @@ def test_each_stage_owns_only_its_parameters(stages):
 
 def test_fake_stage_capture_matches_the_real_one():
     config = models.tiny_config("llama-2-7b", num_hidden_layers=4)
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     real = capture_pipeline_stage(config, setup, stages=2, stage=0, microbatches=3, fake=False, device="cpu")
     fake = capture_pipeline_stage(config, setup, stages=2, stage=0, microbatches=3, fake=True, device="cpu")
     assert real.peak()[0] == fake.peak()[0]
@@ -62,7 +62,7 @@ def test_fake_stage_capture_matches_the_real_one():
 
 def test_a_model_without_a_llama_layout_is_refused():
     with pytest.raises(UserError, match="Llama-style"):
-        capture_pipeline_stage(models.tiny_config("gpt2"), models.TrainingSetup(seq=16), stages=2, stage=0,
+        capture_pipeline_stage(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", seq=16), stages=2, stage=0,
                                microbatches=2)
 
 

@@ -73,7 +73,7 @@ def test_a_fake_4bit_layer_allocates_what_the_real_one_does(double_quant):
 
 def test_quantisation_constants_are_frozen_parameters_in_the_trace():
     config = models.tiny_config("llama-2-7b")
-    setup = models.TrainingSetup(batch=2, seq=16, quant="nf4", double_quant=True, lora_rank=4, dtype="bf16")
+    setup = models.TrainingSetup(batch=2, seq=16, quant="nf4", double_quant=True, lora_rank=4, precision="bf16-true")
     trace = capture_model(config, setup, fake=True, device="cpu")
     pre = trace.buffers["alloc_op"] < 0
     parameter = trace.buffers["category"] == CATEGORY["parameter"]
@@ -86,12 +86,12 @@ def test_quantisation_constants_are_frozen_parameters_in_the_trace():
 
 
 @pytest.mark.parametrize("options", [
-    {"quant": "nf4", "double_quant": True, "lora_rank": 4, "dtype": "bf16", "checkpointing": "full"},
-    {"quant": "int8", "lora_rank": 4, "dtype": "bf16", "lora_targets": ("all-linear",)},
+    {"quant": "nf4", "double_quant": True, "lora_rank": 4, "precision": "bf16-true", "checkpointing": "full"},
+    {"quant": "int8", "lora_rank": 4, "precision": "bf16-true", "lora_targets": ("all-linear",)},
 ])
 def test_fake_capture_of_a_quantised_step_equals_the_real_one(options):
     config = models.tiny_config("llama-2-7b")
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **options})
     real = capture_model(config, setup, fake=False, device="cpu")
     fake = capture_model(config, setup, fake=True, device="cpu")
     assert fake.summary()["peak_bytes"] == real.summary()["peak_bytes"]

@@ -150,7 +150,7 @@ def test_gradient_accumulation_into_a_parameter_belongs_to_the_parameters_module
 
 
 def test_gradient_accumulation_numbers_the_micro_batches():
-    setup = models.TrainingSetup(batch=1, seq=16, grad_accum=3)
+    setup = models.TrainingSetup(precision="32-true", batch=1, seq=16, grad_accum=3)
     trace = capture_model(models.tiny_config("gpt2"), setup, fake=True, device="cpu")
     fwd = trace.ops["phase"] == PHASE["forward"]
     assert sorted(set(trace.ops["microbatch"][fwd].tolist())) == [0, 1, 2]
@@ -186,7 +186,7 @@ def test_fake_capture_uses_no_real_memory_for_a_huge_layer():
 
 
 def test_cuda_jobs_are_labelled_with_the_cuda_device():
-    trace = capture_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(seq=16), fake=True, device="cuda")
+    trace = capture_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", seq=16), fake=True, device="cuda")
     assert trace.devices == ["cuda:0"]
     assert trace.meta["device"] == "cuda"
 

@@ -146,7 +146,7 @@ def test_the_trace_s_own_setup_flags_are_accepted(inputs, capsys):
     assert main(["estimate", paths["memtrace"], *TINY_SETUP, "--json"]) == 0
 
 
-@pytest.mark.parametrize("flags", [["--try-checkpointing"], ["--zero", "3", "--gpus", "2"], ["--dtype", "bf16"]])
+@pytest.mark.parametrize("flags", [["--try-checkpointing"], ["--zero", "3", "--gpus", "2"], ["--precision", "bf16-true"]])
 def test_offload_of_a_trace_refuses_what_needs_re_tracing(inputs, capsys, flags):
     _, paths = inputs
     assert main(["offload", paths["memtrace"], "--gpu", "h100-80gb", *flags]) == 2

@@ -58,7 +58,7 @@ def test_accelerate_fsdp_file_sets_the_layout_and_autocast(capsys, tiny):
     result, err = run_json(capsys, ["estimate", tiny, "--from", str(DATA / "accelerate_fsdp.yaml"), *SMALL,
                                     "--json"])
     assert result["layout"]["world_size"] == 2 and result["layout"]["zero"] == 3
-    assert result["setup"]["autocast"] == "bf16" and result["parallel"] == "traced"
+    assert result["setup"]["precision"] == "bf16-mixed" and result["parallel"] == "traced"
     assert result["from"]["format"] == "accelerate"
     assert result["from"]["used"]["num_processes"] == "world_size=2"
     assert "fsdp_config.fsdp_state_dict_type" in result["from"]["ignored"]
@@ -67,9 +67,9 @@ def test_accelerate_fsdp_file_sets_the_layout_and_autocast(capsys, tiny):
 
 def test_a_flag_on_the_command_line_wins_over_the_file_and_says_so(capsys, tiny):
     result, err = run_json(capsys, ["estimate", tiny, "--from", str(DATA / "accelerate_fsdp.yaml"), *SMALL,
-                                    "--world-size", "4", "--autocast", "none", "--json"])
-    assert result["layout"]["world_size"] == 4 and result["setup"]["autocast"] == "none"
-    assert set(result["from"]["overridden"]) == {"world_size", "autocast"}
+                                    "--world-size", "4", "--precision", "32-true", "--json"])
+    assert result["layout"]["world_size"] == 4 and result["setup"]["precision"] == "32-true"
+    assert set(result["from"]["overridden"]) == {"world_size", "precision"}
     assert "world_size: --world-size 4 (command line) over 2 (file)" in err
 
 
@@ -77,7 +77,7 @@ def test_axolotl_file_names_the_model_by_hub_id(capsys, hub_cache):
     result, err = run_json(capsys, ["estimate", "--from", str(DATA / "axolotl_fft_fsdp.yml"), "--world-size", "2",
                                     *SMALL, "--json"])
     assert result["model"] == "meta-llama/Llama-3.1-8B-Instruct"
-    assert result["layout"]["zero"] == 3 and result["setup"]["dtype"] == "bf16"
+    assert result["layout"]["zero"] == 3 and result["setup"]["precision"] == "bf16-true" and result["setup"]["autocast"] == "bf16"
     assert result["setup"]["attn"] == "flash" and result["setup"]["optimizer"] == "adamw"
     assert result["from"]["overridden"]["seq"].startswith("--seq 32 (command line) over 8192")
 
@@ -102,7 +102,7 @@ def test_a_subcommand_without_layout_flags_leaves_the_layout_out(capsys, tiny, t
     report = result["from"]
     assert report["layout"] == {} and "num_processes" in report["ignored"]
     assert "no parallel-layout flags" in report["ignored"]["num_processes"]
-    assert report["used"]["mixed_precision"].startswith("autocast=bf16 (FSDP's own mixed-precision policy")
+    assert report["used"]["mixed_precision"].startswith("autocast=bf16 (traced as FSDP2's MixedPrecisionPolicy")
 
 
 def test_gpu_list_prints_every_profile(capsys):

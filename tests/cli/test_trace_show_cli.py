@@ -67,7 +67,7 @@ def test_lora_rank_on_targets_that_match_nothing_is_refused(tmp_path, monkeypatc
     from memplan.models import TrainingSetup, build_model, tiny_config
 
     with pytest.raises(UserError):
-        build_model(tiny_config("gpt2"), TrainingSetup(lora_rank=4, lora_targets=("no_such_module",)))
+        build_model(tiny_config("gpt2"), TrainingSetup(precision="32-true", lora_rank=4, lora_targets=("no_such_module",)))
 
 
 def test_show_of_a_file_that_is_not_a_trace_is_one_line(tmp_path):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _job(batch=2, seq=32):
-    setup = models.TrainingSetup(batch=batch, seq=seq)
+    setup = models.TrainingSetup(precision="32-true", batch=batch, seq=seq)
     torch.manual_seed(0)
     model = models.build_model(models.tiny_config("llama-3.2-1b"), setup, device="cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)

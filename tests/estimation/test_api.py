@@ -7,7 +7,7 @@ from memplan.parallel import Layout
 
 
 def test_memplan_estimate_is_a_function_taking_model_setup_layout_and_device():
-    result = memplan.estimate(models.tiny_config("gpt2"), models.TrainingSetup(seq=32), Layout(world_size=2),
+    result = memplan.estimate(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", seq=32), Layout(world_size=2),
                               device="cpu", allocator="none")
     assert result.layout["world_size"] == 2
     assert result.peak_allocated_bytes > 0
@@ -21,8 +21,8 @@ def test_memplan_fit_is_the_fit_search():
 
 def test_gradients_kept_as_zeros_between_steps_are_in_the_peak():
     config = models.tiny_config("llama-2-7b")
-    freed = memplan.estimate(config, models.TrainingSetup(batch=2, seq=32), device="cpu", allocator="none").per_rank[0]
-    kept = memplan.estimate(config, models.TrainingSetup(batch=2, seq=32, zero_grad="zeros"), device="cpu",
+    freed = memplan.estimate(config, models.TrainingSetup(precision="32-true", batch=2, seq=32), device="cpu", allocator="none").per_rank[0]
+    kept = memplan.estimate(config, models.TrainingSetup(precision="32-true", batch=2, seq=32, zero_grad="zeros"), device="cpu",
                             allocator="none").per_rank[0]
     assert freed.breakdown["gradients"] == 0 and kept.breakdown["gradients"] == kept.breakdown["parameters"]
 
@@ -33,7 +33,7 @@ def test_a_cpu_job_holds_one_cpu_rng_state_per_checkpointed_block_and_the_op_lev
 
     config = models.tiny_config("llama-2-7b")
     for policy, count in (("full", config.num_hidden_layers), ("selective-op", 0), ("none", 0)):
-        setup = models.TrainingSetup(batch=1, seq=16, checkpointing=policy)
+        setup = models.TrainingSetup(precision="32-true", batch=1, seq=16, checkpointing=policy)
         step = capture_step(config, setup, "cpu")
         extras = checkpoint_rng_states(step.trace, step.blocks_path, setup)
         assert [x.nbytes for x in extras] == [CPU_RNG_STATE_BYTES] * count, policy

@@ -19,7 +19,7 @@ def _rounded_to_512(nbytes: int) -> int:
 
 
 def test_breakdown_rounds_each_buffer_as_the_alloc_conf_asks():
-    config, setup = models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32)
+    config, setup = models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32)
     rank = memplan.estimate(config, setup, device="cpu", alloc_conf=ROUNDUP).per_rank[0]
     trace = capture_step(config, setup, "cpu").trace
     parameters = trace.buffers["nbytes"][trace.buffers["category"] == CATEGORY["parameter"]]
@@ -29,7 +29,7 @@ def test_breakdown_rounds_each_buffer_as_the_alloc_conf_asks():
 
 
 def test_breakdown_without_an_alloc_conf_rounds_to_512_byte_blocks():
-    config, setup = models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32)
+    config, setup = models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32)
     rank = memplan.estimate(config, setup, device="cpu").per_rank[0]
     trace = capture_step(config, setup, "cpu").trace
     parameters = trace.buffers["nbytes"][trace.buffers["category"] == CATEGORY["parameter"]]

@@ -38,7 +38,7 @@ def test_estimate_json_has_the_issue_keys(capsys):
     (["--tp", "5"], "does not divide the 12 attention heads"),
     (["--gpu", "h1000"], "unknown GPU 'h1000': did you mean h100-80gb"),
     (["--capacity", "80 parsecs"], "cannot read size"),
-    (["--zero", "4"], "zero stage must be"),
+    (["--zero", "4"], "invalid choice: 4"),
     (["--allocator", "buddy"], "unknown allocator"),
     (["--cuda-context", "lots"], "cannot read size"),
     (["--quant", "nf4"], "full fine-tuning cannot train nf4-quantised weights: add --lora-rank R"),
@@ -106,7 +106,7 @@ def test_lora_targets_that_match_nothing_are_refused_before_anything_is_quantise
     code, out, err = run_cli(capsys, "estimate", "gpt2", *TINY, "--quant", "nf4", "--lora-rank", "4",
                              "--lora-targets", "q_proj")
     assert code == 2 and out == ""
-    assert "LoRA targets q_proj match no module of GPT2LMHeadModel" in err.strip().splitlines()[-1]
+    assert "LoRA target q_proj matches no module of GPT2LMHeadModel" in err.strip().splitlines()[-1]
 
 
 def test_host_memory_is_reported_apart_from_the_device_in_json_and_in_the_table(capsys):
@@ -115,7 +115,7 @@ def test_host_memory_is_reported_apart_from_the_device_in_json_and_in_the_table(
     from memplan.cli.estimate import render
     from memplan.estimation import estimate
 
-    result = estimate("llama-2-7b", models.TrainingSetup(seq=32, cpu_offload="optimizer"))
+    result = estimate("llama-2-7b", models.TrainingSetup(precision="32-true", seq=32, cpu_offload="optimizer"))
     data = result.to_json()
     rank = data["per_rank"][0]
     assert data["host_peak_bytes"] == rank["host_peak_bytes"] > 0

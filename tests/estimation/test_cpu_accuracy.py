@@ -20,23 +20,23 @@ CASES = [
     ("llama-2-7b", {}),
     ("llama-2-7b", {"checkpointing": "full"}),
     ("llama-2-7b", {"lora_rank": 4}),
-    ("mistral-7b", {"autocast": "bf16"}),
+    ("mistral-7b", {"precision": "bf16-mixed"}),
     ("opt-125m", {"checkpointing": "full", "lora_rank": 4}),
     ("qwen2.5-0.5b", {}),
-    ("bert-base", {"autocast": "bf16"}),
+    ("bert-base", {"precision": "bf16-mixed"}),
     ("phi-3-mini", {"checkpointing": "selective"}),
     ("bert-base", {"head": "seq-cls", "zero_grad": "zeros"}),
     # quantised bases through bitsandbytes + peft, and LoRA variants
-    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dtype": "bf16"}),
-    ("llama-2-7b", {"quant": "nf4", "double_quant": True, "lora_rank": 4, "dtype": "bf16"}),
-    ("mistral-7b", {"quant": "int8", "lora_rank": 4, "dtype": "bf16"}),
-    ("llama-2-7b", {"quant": "nf4", "kbit_prep": False, "lora_rank": 4, "dtype": "bf16"}),
-    ("gpt2", {"quant": "fp4", "quant_storage": "bf16", "lora_rank": 4, "autocast": "bf16",
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "precision": "bf16-true"}),
+    ("llama-2-7b", {"quant": "nf4", "double_quant": True, "lora_rank": 4, "precision": "bf16-true"}),
+    ("mistral-7b", {"quant": "int8", "lora_rank": 4, "precision": "bf16-true"}),
+    ("llama-2-7b", {"quant": "nf4", "kbit_prep": False, "lora_rank": 4, "precision": "bf16-true"}),
+    ("gpt2", {"quant": "fp4", "quant_storage": "bf16", "lora_rank": 4, "precision": "bf16-mixed",
               "checkpointing": "full"}),
-    ("llama-2-7b", {"quant": "nf4", "frozen_base": True, "dtype": "bf16"}),
+    ("llama-2-7b", {"quant": "nf4", "frozen_base": True, "precision": "bf16-true"}),
     ("llama-2-7b", {"lora_rank": 4, "lora_targets": ("all-linear",), "lora_alpha": 16.0}),
     ("llama-2-7b", {"lora_rank": 4, "dora": True}),
-    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dora": True, "dtype": "bf16"}),
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dora": True, "precision": "bf16-true"}),
     ("llama-2-7b", {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj", "lm_head")}),
     ("mistral-7b", {"lora_rank": 4, "lora_targets": ("embed_tokens", "v_proj")}),
 ]
@@ -45,7 +45,7 @@ CASES = [
 @pytest.mark.parametrize(("family", "options"), CASES)
 def test_cpu_estimate_matches_the_profiler_peak_of_a_real_step_within_one_percent(family, options):
     config = models.tiny_config(family)
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **options)
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", **{"precision": "32-true", **options})
     step = build_training_step(config, setup, device="cpu")
     step.run()  # warm-up: optimizer state exists, as in the estimate's traced step
     truth = profiler_peak_bytes(step.run)
@@ -59,7 +59,7 @@ def test_cpu_estimate_matches_the_profiler_peak_of_a_real_step_within_one_percen
 LITGPT_CASES = [
     ("llama-2-7b", {}),
     ("llama-2-7b", {"lora_rank": 4, "checkpointing": "full"}),
-    ("mistral-7b", {"dtype": "bf16", "lora_rank": 4,
+    ("mistral-7b", {"precision": "bf16-true", "lora_rank": 4,
                     "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "lm_head")}),
 ]
@@ -70,7 +70,7 @@ def test_cpu_estimate_of_litgpt_s_model_matches_the_profiler_peak_of_a_real_step
     from memplan.models.build import carried_between_steps
 
     config = models.tiny_config(family)
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", impl="litgpt", **options)
+    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", impl="litgpt", **{"precision": "32-true", **options})
     step = build_training_step(config, setup, device="cpu")
     step.run()
     truth = profiler_peak_bytes(step.run, carried=carried_between_steps(step.model))
@@ -85,9 +85,9 @@ def test_op_level_selective_checkpointing_matches_the_profiler_where_activations
     config = models.tiny_config("llama-2-7b")
     peaks = {}
     for policy in ("none", "selective-op", "full"):
-        setup = models.TrainingSetup(batch=8, seq=256, optimizer_impl="foreach", checkpointing=policy)
+        setup = models.TrainingSetup(precision="32-true", batch=8, seq=256, optimizer_impl="foreach", checkpointing=policy)
         peaks[policy] = estimate(config, setup, device="cpu", allocator="none").peak_allocated_bytes
-    setup = models.TrainingSetup(batch=8, seq=256, optimizer_impl="foreach", checkpointing="selective-op")
+    setup = models.TrainingSetup(precision="32-true", batch=8, seq=256, optimizer_impl="foreach", checkpointing="selective-op")
     step = build_training_step(config, setup, device="cpu")
     step.run()
     truth = profiler_peak_bytes(step.run)
@@ -111,7 +111,7 @@ def test_losses_and_activation_offload_match_the_profiler_within_one_percent(opt
     """torch.profiler counts all of a CPU step's memory: the estimate's device peak plus the
     host copies of offloaded activations at their peak (both at the end of the forward)."""
     config = models.tiny_config("llama-2-7b", **LOGITS_HEAVY)
-    setup = models.TrainingSetup(batch=2, seq=64, optimizer_impl="foreach", **options)
+    setup = models.TrainingSetup(batch=2, seq=64, optimizer_impl="foreach", **{"precision": "32-true", **options})
     step = build_training_step(config, setup, device="cpu")
     step.run()
     truth = profiler_peak_bytes(step.run)
@@ -123,7 +123,7 @@ def test_losses_and_activation_offload_match_the_profiler_within_one_percent(opt
 
 def test_chunked_and_fused_losses_lower_the_peak_where_the_logits_dominate():
     config = models.tiny_config("llama-2-7b", **LOGITS_HEAVY)
-    peaks = {loss: estimate(config, models.TrainingSetup(batch=2, seq=64, loss=loss), device="cpu",
+    peaks = {loss: estimate(config, models.TrainingSetup(precision="32-true", batch=2, seq=64, loss=loss), device="cpu",
                             allocator="none").peak_allocated_bytes
              for loss in ("full", "chunked", "fused-linear")}
     assert peaks["fused-linear"] < peaks["chunked"] < peaks["full"]

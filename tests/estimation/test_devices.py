@@ -82,8 +82,8 @@ def test_rocm_profiles_take_hipblaslt_workspace_and_refuse_what_is_not_modelled(
     mi300x = device_profile("mi300x")
     assert mi300x.platform == "rocm" and mi300x.cublas_workspace_bytes == 76 * 2**20
     assert mi300x.cuda_context_bytes is None
-    assert "--attn eager" in mi300x.unmodelled(attn="sdpa", world_size=1, context_override=2**30)
-    assert "--world-size 1" in mi300x.unmodelled(attn="eager", world_size=8, context_override=2**30)
+    assert "`attn=eager`" in mi300x.unmodelled(attn="sdpa", world_size=1, context_override=2**30)
+    assert "`world_size=1`" in mi300x.unmodelled(attn="eager", world_size=8, context_override=2**30)
     assert "--cuda-context" in mi300x.unmodelled(attn="eager", world_size=1, context_override=None)
     assert mi300x.unmodelled(attn="eager", world_size=1, context_override=2**30) is None
     assert device_profile("h100-80gb").unmodelled(attn="sdpa", world_size=8, context_override=None) is None

@@ -9,8 +9,7 @@ import pytest
 
 from memplan import models
 from memplan.cli import build_parser, main
-from memplan.cli.layout_flags import layout_argv, layout_from_args
-from memplan.cli.setup_flags import setup_argv, setup_from_args
+from memplan.cli.flags import layout_from_args, setup_from_args
 from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.estimation.fit import SearchSpace, fit
@@ -18,6 +17,7 @@ from memplan.estimation.search import Candidate
 from memplan.estimation.steptime import step_time
 from memplan.estimation.whatfits import what_fits
 from memplan.hardware.devices import device_profile
+from memplan.models.fields import flags_of
 from memplan.parallel import Layout
 
 ONE_SETUP = SearchSpace(micro_batches=(2,), checkpointing=("none",))
@@ -30,7 +30,7 @@ def _estimate_of(config, row, gpu="t4", capacity=None):
 
 def test_fit_rows_are_the_traced_estimates_of_estimate_ranked_by_time_per_token():
     config = models.tiny_config("llama-2-7b")
-    result = fit(config, "t4", 2, models.TrainingSetup(seq=32, batch=2), top=5, progress=False, workers=2,
+    result = fit(config, "t4", 2, models.TrainingSetup(precision="32-true", seq=32, batch=2), top=5, progress=False, workers=2,
                  space=ONE_SETUP)
     rows = result.rows
     assert rows and all(r.traced and r.fits for r in rows)
@@ -50,7 +50,7 @@ def test_the_step_time_counts_each_accumulated_micro_batch_once():
     profile, layout = device_profile("t4"), Layout()
     per_token = []
     for accum in (1, 2):
-        setup = models.TrainingSetup(seq=32, batch=2, grad_accum=accum)
+        setup = models.TrainingSetup(precision="32-true", seq=32, batch=2, grad_accum=accum)
         result = estimate(config, setup, layout, gpu="t4")
         timing = step_time(result, setup, layout, config, profile)
         assert timing.tokens_per_step == 2 * 32 * accum
@@ -60,22 +60,22 @@ def test_the_step_time_counts_each_accumulated_micro_batch_once():
 
 
 @pytest.mark.parametrize("setup", [
-    models.TrainingSetup(seq=64, batch=4, grad_accum=2, checkpointing="selective-op", dtype="bf16"),
-    models.TrainingSetup(lora_rank=8, lora_targets=("q_proj", "v_proj"), attn="eager", zero_grad="zeros"),
-    models.TrainingSetup(quant="nf4", lora_rank=16, double_quant=True, kbit_prep=False, loss="chunked:4",
+    models.TrainingSetup(seq=64, batch=4, grad_accum=2, checkpointing="selective-op", precision="bf16-true"),
+    models.TrainingSetup(precision="32-true", lora_rank=8, lora_targets=("q_proj", "v_proj"), attn="eager", zero_grad="zeros"),
+    models.TrainingSetup(precision="32-true", quant="nf4", lora_rank=16, double_quant=True, kbit_prep=False, loss="chunked:4",
                          activation_offload="torchtune", optimizer="adamw8bit", compile="model"),
 ])
 def test_a_setup_and_layout_are_the_estimate_flags_that_give_them_back(setup):
     layout = Layout(world_size=8, zero=3, tp=2, pp=2, microbatches=4)
-    args = build_parser().parse_args(["estimate", "gpt2", *setup_argv(setup), *layout_argv(layout)])
+    args = build_parser().parse_args(["estimate", "gpt2", *flags_of(setup), *flags_of(layout)])
     assert setup_from_args(args).to_dict() == setup.to_dict()
     assert layout_from_args(args) == layout
 
 
 @pytest.mark.parametrize("setup", [
-    models.TrainingSetup(seq=64, batch=4, grad_accum=2, checkpointing="selective-op", dtype="bf16"),
-    models.TrainingSetup(lora_rank=8, lora_targets=("q_proj", "v_proj"), attn="eager", zero_grad="zeros"),
-    models.TrainingSetup(quant="nf4", lora_rank=16, double_quant=True, kbit_prep=False, loss="chunked:4",
+    models.TrainingSetup(seq=64, batch=4, grad_accum=2, checkpointing="selective-op", precision="bf16-true"),
+    models.TrainingSetup(precision="32-true", lora_rank=8, lora_targets=("q_proj", "v_proj"), attn="eager", zero_grad="zeros"),
+    models.TrainingSetup(precision="32-true", quant="nf4", lora_rank=16, double_quant=True, kbit_prep=False, loss="chunked:4",
                          activation_offload="torchtune", optimizer="adamw8bit", compile="model"),
 ])
 def test_the_watch_spells_a_setup_and_layout_as_flags_that_give_them_back(setup):
@@ -132,19 +132,19 @@ def test_what_fits_finds_the_smallest_changes_and_each_round_trips(tiny_config_p
 
 def test_activation_offload_by_memplan_s_planner_is_refused_in_one_line_pointing_at_memplan_offload():
     with pytest.raises(UserError, match="memplan offload MODEL") as info:
-        models.TrainingSetup(activation_offload="memplan")
+        models.TrainingSetup(precision="32-true", activation_offload="memplan")
     assert "\n" not in str(info.value)
 
 def test_a_job_that_fits_as_it_is_is_its_own_answer():
     config = models.tiny_config("gpt2")
-    result = what_fits(config, "h100-80gb", models.TrainingSetup(seq=32, batch=2), progress=False, workers=1)
+    result = what_fits(config, "h100-80gb", models.TrainingSetup(precision="32-true", seq=32, batch=2), progress=False, workers=1)
     assert result.base.fits and result.rows == [result.base] and result.estimates == 1
 
 
 def test_gpus_auto_is_the_fewest_gpus_whose_traced_row_fits():
     # wide enough that its optimizer state (fp32 AdamW) matters next to the CUDA context
     config = models.tiny_config("llama-2-7b", hidden_size=512, intermediate_size=1408, vocab_size=32000)
-    setup = models.TrainingSetup(seq=32)
+    setup = models.TrainingSetup(precision="32-true", seq=32)
     space = SearchSpace(micro_batches=(1,), checkpointing=("full",), max_pp=1)
     one = estimate(config, setup, Layout(), gpu="t4")
     capacity = int((one.device_used_bytes - 64 * 2**20) / 0.95)  # one GPU is 64 MiB short
@@ -157,8 +157,8 @@ def test_gpus_auto_is_the_fewest_gpus_whose_traced_row_fits():
 
 
 def test_a_candidate_is_one_setup_under_one_layout():
-    cand = Candidate(models.TrainingSetup(), Layout(world_size=2, zero=3))
-    assert cand.key() != Candidate(models.TrainingSetup(), Layout(world_size=2, zero=2)).key()
+    cand = Candidate(models.TrainingSetup(precision="32-true"), Layout(world_size=2, zero=3))
+    assert cand.key() != Candidate(models.TrainingSetup(precision="32-true"), Layout(world_size=2, zero=2)).key()
 
 
 @pytest.mark.parametrize(("flags", "says"), [

@@ -40,7 +40,7 @@ def test_llama_3_1_8b_lora_max_seq_on_one_rtx4090(capsys):
     doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--max", "seq")
     assert doc["max"] is None and doc["probes"][0]["value"] == doc["step"] and not doc["probes"][0]["fits"]
     # in bf16 the base fits, and the answer round-trips
-    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--dtype", "bf16",
+    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--lora-rank", "16", "--precision", "bf16-true",
                "--max", "seq")
     assert doc["max"] is not None and doc["limit"] in ("memory", "positions")
     again = _estimate_again(capsys, doc["at"]["command"])
@@ -61,7 +61,7 @@ def test_llama_3_1_70b_fewest_h100s_at_seq_8192(capsys):
 
 def test_llama_3_1_8b_full_fine_tune_on_one_rtx4090_fits_on_that_gpu_within_a_minute(capsys):
     # before: 224 s, and "8 GPUs, TP 8" first (4090s have no NVLink or peer-to-peer)
-    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--dtype", "bf16", "--what-fits")
+    doc = _fit(capsys, "llama-3.1-8b", "--gpu", "rtx4090", "--gpus", "1", "--precision", "bf16-true", "--what-fits")
     assert not doc["base"]["fits"] and doc["configurations"]
     assert all(row["world_size"] == 1 and row["tp"] == 1 for row in doc["configurations"])
     assert doc["search"]["wall_s"] <= 60

@@ -9,15 +9,15 @@ from memplan.models.depth import with_layers
 from memplan.parallel import Layout
 
 CASES = [
-    ("llama-2-7b", {"dtype": "bf16"}, None),
-    ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, None),
-    ("gpt2", {"batch": 2}, None),
-    ("mistral-7b", {"lora_rank": 4, "autocast": "bf16"}, None),
-    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "dtype": "bf16", "grad_accum": 2}, None),
-    ("llama-2-7b", {"dtype": "bf16", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
-    ("llama-2-7b", {"dtype": "bf16"}, Layout(tp=2)),
-    ("llama-2-7b", {"checkpointing": "selective-op"}, Layout(world_size=4, zero=3, fsdp_param_dtype="bf16")),
-    ("qwen3-30b-a3b", {"dtype": "bf16", "routing": "worst"}, Layout(world_size=2, zero=3, ep=2)),
+    ("llama-2-7b", {"precision": "bf16-true"}, None),
+    ("llama-2-7b", {"precision": "bf16-true", "checkpointing": "full"}, None),
+    ("gpt2", {"batch": 2, "precision": "32-true"}, None),
+    ("mistral-7b", {"lora_rank": 4, "precision": "bf16-mixed"}, None),
+    ("llama-2-7b", {"quant": "nf4", "lora_rank": 4, "precision": "bf16-true", "grad_accum": 2}, None),
+    ("llama-2-7b", {"precision": "bf16-true", "checkpointing": "full"}, Layout(world_size=8, zero=3)),
+    ("llama-2-7b", {"precision": "bf16-true"}, Layout(tp=2)),
+    ("llama-2-7b", {"checkpointing": "selective-op", "precision": "32-true"}, Layout(world_size=4, zero=3, fsdp_param_dtype="bf16")),
+    ("qwen3-30b-a3b", {"precision": "bf16-true", "routing": "worst"}, Layout(world_size=2, zero=3, ep=2)),
 ]
 
 
@@ -38,14 +38,14 @@ def test_the_unrolled_step_has_the_figures_of_the_step_traced_at_full_depth(fami
 
 
 def test_shallow_models_are_traced_at_full_depth():
-    result = estimate(models.tiny_config("gpt2"), models.TrainingSetup(seq=32), gpu="t4")
+    result = estimate(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", seq=32), gpu="t4")
     assert result.method == "full"
 
 
 def test_unrolled_pipeline_tensor_parallel_stages_have_the_figures_of_their_full_depth_traces():
     # 6 blocks per stage: traced at 4 blocks per stage, unrolled to 6
     config = with_layers(models.tiny_config("llama-2-7b"), 12)
-    setup = models.TrainingSetup(seq=64, dtype="bf16")
+    setup = models.TrainingSetup(seq=64, precision="bf16-true")
     layout = Layout(pp=2, tp=2, microbatches=3)
     fast = estimate(config, setup, layout, gpu="a100-80gb")
     full = estimate(config, setup, layout, gpu="a100-80gb", extrapolate=False)

@@ -63,7 +63,7 @@ def test_the_deep_estimate_says_what_the_full_depth_one_says_where_its_reserved_
     # 3 and 4 blocks (memplan before the unrolled trace) put reserved 9.5% (4 MiB) above the traced full
     # depth at 8 blocks (39% at 24), so the verdicts differed in between
     config = with_layers(models.tiny_config("qwen3-30b-a3b"), 8)
-    setup = models.TrainingSetup(dtype="bf16", lora_rank=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+    setup = models.TrainingSetup(precision="bf16-true", lora_rank=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
                                  seq=256)
     layout = Layout(world_size=2, zero=3)
     full = estimate(config, setup, layout, gpu="h100-80gb", extrapolate=False)

@@ -38,7 +38,7 @@ def _real_peak(setup):
     {"optimizer": "adamw8bit", "optimizer_in_backward": True},
 ], ids=["bnb-8bit", "bnb-32bit-lion", "torchao-4bit", "in-backward-adamw", "in-backward-bnb-8bit"])
 def test_cpu_estimate_of_an_optimizer_matches_the_profiler_peak_of_a_real_step_within_one_percent(fields):
-    setup = models.TrainingSetup(batch=2, seq=32, **fields)
+    setup = models.TrainingSetup(batch=2, seq=32, **{"precision": "32-true", **fields})
     truth = _real_peak(setup)
     predicted = estimate(LLAMA, setup, device="cpu", allocator="none").peak_allocated_bytes
     assert abs(predicted - truth) / truth <= 0.01, f"estimate {predicted} vs profiler {truth}"
@@ -47,7 +47,7 @@ def test_cpu_estimate_of_an_optimizer_matches_the_profiler_peak_of_a_real_step_w
 def test_cpu_offloaded_optimizer_device_plus_host_is_the_profiler_total_and_the_host_holds_the_offloaded_tensors():
     """torchao's CPUOffloadOptimizer: a pinned host copy of every parameter of at least
     4096 elements and of its gradient, and the host optimizer's states."""
-    setup = models.TrainingSetup(batch=2, seq=32, cpu_offload="optimizer")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, cpu_offload="optimizer")
     truth = _real_peak(setup)
     trace = capture_model(LLAMA, setup, fake=True, device="cpu")
     assert abs(trace.peak()[0] - truth) / truth <= 0.01, f"device + host {trace.peak()[0]} vs profiler {truth}"

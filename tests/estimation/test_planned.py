@@ -7,7 +7,7 @@ from memplan import models
 from memplan.cli import main
 
 TINY_LLAMA = models.tiny_config("llama-2-7b")
-SETUP = models.TrainingSetup(seq=32, dtype="bf16")
+SETUP = models.TrainingSetup(seq=32, precision="bf16-true")
 
 
 def _estimate(allocator):

@@ -186,7 +186,7 @@ def test_a_pipeline_stage_plan_beats_greedy_by_size_with_micro_batch_staircases(
                                 vocab_size=4096)
     # CPU kernels: with CUDA's flash attention the offset-order search wins on this trace
     # (within 0.3% of its live peak), and the staircases are not the method chosen
-    trace = capture_pipeline_stage(config, TrainingSetup(batch=2, seq=128, dtype="bf16"), stages=4, stage=0,
+    trace = capture_pipeline_stage(config, TrainingSetup(batch=2, seq=128, precision="bf16-true"), stages=4, stage=0,
                                    microbatches=8, iterations=3, device="cpu")
     result = plan_addresses(trace)
     assert result.stats["method"].startswith("cross-phase staircases")

@@ -42,7 +42,7 @@ def saved_activation_bytes(model, batch) -> int:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_model_runs_a_real_cpu_training_step(name):
-    setup = TrainingSetup(batch=2, seq=32)
+    setup = TrainingSetup(precision="32-true", batch=2, seq=32)
     model = build_model(tiny_config(name), setup)
     optimizer = build_optimizer(model, setup)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -55,7 +55,7 @@ def test_tiny_model_runs_a_real_cpu_training_step(name):
 
 
 def test_build_is_deterministic_for_a_seed_and_leaves_the_global_rng_alone():
-    setup = TrainingSetup(seed=7)
+    setup = TrainingSetup(precision="32-true", seed=7)
     torch.manual_seed(123)
     expected_next = torch.rand(1)
     torch.manual_seed(123)
@@ -63,24 +63,24 @@ def test_build_is_deterministic_for_a_seed_and_leaves_the_global_rng_alone():
     assert torch.equal(torch.rand(1), expected_next)
     second = build_model(tiny_config("llama-2-7b"), setup).state_dict()
     assert all(torch.equal(first[k], second[k]) for k in first)
-    other = build_model(tiny_config("llama-2-7b"), TrainingSetup(seed=8)).state_dict()
+    other = build_model(tiny_config("llama-2-7b"), TrainingSetup(precision="32-true", seed=8)).state_dict()
     assert not all(torch.equal(first[k], other[k]) for k in first)
 
 
 @pytest.mark.parametrize(("dtype", "torch_dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16),
                                                     ("fp16", torch.float16)])
 def test_parameters_take_the_setup_dtype(dtype, torch_dtype):
-    model = build_model(tiny_config("gpt2"), TrainingSetup(dtype=dtype))
+    model = build_model(tiny_config("gpt2"), TrainingSetup.from_dtypes(dtype))
     assert {p.dtype for p in model.parameters()} == {torch_dtype}
 
 
 def test_model_is_built_for_training_without_a_kv_cache():
-    model = build_model(tiny_config("llama-2-7b"), TrainingSetup())
+    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(precision="32-true"))
     assert model.training and model.config.use_cache is False
 
 
 def test_bert_builds_the_masked_lm_class_the_config_names():
-    model = build_model(tiny_config("bert-base"), TrainingSetup())
+    model = build_model(tiny_config("bert-base"), TrainingSetup(precision="32-true"))
     assert type(model).__name__ == "BertForMaskedLM"
 
 
@@ -88,14 +88,14 @@ def test_bert_builds_the_masked_lm_class_the_config_names():
 def test_checkpointing_saves_less_for_backward_full_least(name):
     saved = {}
     for mode in ("none", "selective", "full"):
-        setup = TrainingSetup(batch=2, seq=64, checkpointing=mode)
+        setup = TrainingSetup(precision="32-true", batch=2, seq=64, checkpointing=mode)
         model = build_model(tiny_config(name), setup)
         saved[mode] = saved_activation_bytes(model, make_batch(model, setup))
     assert saved["full"] < saved["selective"] < saved["none"]
 
 
 def test_selective_checkpointing_wraps_only_the_attention_of_each_block():
-    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(checkpointing="selective"))
+    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(precision="32-true", checkpointing="selective"))
     wrapped = [n for n, m in model.named_modules() if getattr(m, "memplan_checkpointed", False)]
     assert wrapped == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
@@ -103,7 +103,7 @@ def test_selective_checkpointing_wraps_only_the_attention_of_each_block():
 def test_checkpointed_step_gives_the_same_gradients_as_a_plain_step():
     grads = {}
     for mode in ("none", "full", "selective"):
-        setup = TrainingSetup(batch=1, seq=16, checkpointing=mode)
+        setup = TrainingSetup(precision="32-true", batch=1, seq=16, checkpointing=mode)
         model = build_model(tiny_config("llama-2-7b"), setup)
         forward_loss(model, make_batch(model, setup)).backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
@@ -112,23 +112,23 @@ def test_checkpointed_step_gives_the_same_gradients_as_a_plain_step():
 
 
 def test_flash_attention_builds_sdpa_and_records_flash():
-    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(attn="flash"))
+    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(precision="32-true", attn="flash"))
     assert model.config._attn_implementation == "sdpa"
     assert (model.memplan_attention, model.memplan_attn_implementation) == ("flash", "sdpa")
 
 
 def test_eager_attention_is_honoured():
-    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(attn="eager"))
+    model = build_model(tiny_config("llama-2-7b"), TrainingSetup(precision="32-true", attn="eager"))
     assert model.config._attn_implementation == "eager"
 
 
 def test_a_family_without_sdpa_falls_back_to_eager():
-    model = build_model(tiny_config("bloom-560m"), TrainingSetup(attn="sdpa"))
+    model = build_model(tiny_config("bloom-560m"), TrainingSetup(precision="32-true", attn="sdpa"))
     assert model.memplan_attn_implementation == "eager"
 
 
 def test_lora_rank_4_leaves_only_lora_parameters_trainable():
-    setup = TrainingSetup(lora_rank=4)
+    setup = TrainingSetup(precision="32-true", lora_rank=4)
     model = build_model(tiny_config("llama-2-7b"), setup)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -139,43 +139,51 @@ def test_lora_rank_4_leaves_only_lora_parameters_trainable():
 
 
 def test_lora_targets_matching_no_module_are_a_user_error():
-    with pytest.raises(UserError, match="match no module"):
-        build_model(tiny_config("gpt2"), TrainingSetup(lora_rank=4, lora_targets=("q_proj",)))
+    with pytest.raises(UserError, match="matches no module"):
+        build_model(tiny_config("gpt2"), TrainingSetup(precision="32-true", lora_rank=4, lora_targets=("q_proj",)))
+
+
+def test_a_lora_target_matching_nothing_is_refused_even_when_another_matches_naming_the_modules():
+    setup = TrainingSetup(precision="32-true", lora_rank=4, lora_targets=("c_attn", "q_proj"))
+    with pytest.raises(UserError, match="LoRA target q_proj matches no module of GPT2LMHeadModel; its modules are "
+                                        "named .*c_attn.*c_fc.*c_proj") as info:
+        build_model(tiny_config("gpt2"), setup)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt-350m", "bloom-560m", "bert-base", "phi-3-mini"])
 def test_lora_finds_default_targets_for_each_family(name):
-    model = build_model(tiny_config(name), TrainingSetup(lora_rank=2))
+    model = build_model(tiny_config(name), TrainingSetup(precision="32-true", lora_rank=2))
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
 def test_sequence_longer_than_the_model_allows_is_a_user_error():
     with pytest.raises(UserError, match="sequence length 300 exceeds the model's maximum of 256"):
-        build_model(tiny_config("llama-2-7b"), TrainingSetup(seq=300))
+        build_model(tiny_config("llama-2-7b"), TrainingSetup(precision="32-true", seq=300))
 
 
 def test_allow_long_seq_lets_a_rope_model_run_past_its_maximum():
-    setup = TrainingSetup(seq=300, allow_long_seq=True)
+    setup = TrainingSetup(precision="32-true", seq=300, allow_long_seq=True)
     model = build_model(tiny_config("llama-2-7b"), setup)
     assert make_batch(model, setup)["input_ids"].shape == (1, 300)
 
 
 def test_allow_long_seq_cannot_stretch_a_learned_position_table():
     with pytest.raises(UserError, match="learned position table"):
-        build_model(tiny_config("gpt2"), TrainingSetup(seq=300, allow_long_seq=True))
+        build_model(tiny_config("gpt2"), TrainingSetup(precision="32-true", seq=300, allow_long_seq=True))
 
 
 def test_default_sequence_is_the_model_maximum_capped_at_1024():
-    assert sequence_length(TrainingSetup(), tiny_config("llama-2-7b")) == 256
+    assert sequence_length(TrainingSetup(precision="32-true"), tiny_config("llama-2-7b")) == 256
     from memplan.models import load_config
 
-    assert sequence_length(TrainingSetup(), load_config("llama-2-7b")) == 1024
-    assert sequence_length(TrainingSetup(), load_config("bert-base")) == 512
-    assert sequence_length(TrainingSetup(), load_config("roberta-base")) == 512  # 514 - padding offset
+    assert sequence_length(TrainingSetup(precision="32-true"), load_config("llama-2-7b")) == 1024
+    assert sequence_length(TrainingSetup(precision="32-true"), load_config("bert-base")) == 512
+    assert sequence_length(TrainingSetup(precision="32-true"), load_config("roberta-base")) == 512  # 514 - padding offset
 
 
 def test_causal_batch_has_labels_equal_to_inputs_and_is_seeded():
-    setup = TrainingSetup(batch=3, seq=10)
+    setup = TrainingSetup(precision="32-true", batch=3, seq=10)
     config = tiny_config("gpt2")
     batch = make_batch(config, setup, seed=1)
     assert batch["input_ids"].shape == (3, 10) and batch["input_ids"].dtype == torch.long
@@ -186,13 +194,13 @@ def test_causal_batch_has_labels_equal_to_inputs_and_is_seeded():
 
 
 def test_batch_from_a_registry_name_uses_its_vocab_and_default_length():
-    batch = make_batch("bert-base", TrainingSetup(batch=2))
+    batch = make_batch("bert-base", TrainingSetup(precision="32-true", batch=2))
     assert batch["input_ids"].shape == (2, 512)
     assert int(batch["input_ids"].max()) < 30522 and (batch["labels"] == -100).any()
 
 
 def test_masked_lm_batch_asks_for_about_15_percent_of_tokens():
-    setup = TrainingSetup(batch=8, seq=256)
+    setup = TrainingSetup(precision="32-true", batch=8, seq=256)
     batch = make_batch(tiny_config("bert-base"), setup)
     asked = batch["labels"] != -100
     assert 0.10 < asked.float().mean().item() < 0.20
@@ -201,14 +209,14 @@ def test_masked_lm_batch_asks_for_about_15_percent_of_tokens():
 
 @pytest.mark.parametrize(("impl", "flag"), [("foreach", "foreach"), ("fused", "fused"), ("loop", "foreach")])
 def test_optimizer_uses_the_implementation_the_setup_names(impl, flag):
-    setup = TrainingSetup(optimizer_impl=impl)
+    setup = TrainingSetup(precision="32-true", optimizer_impl=impl)
     optimizer = build_optimizer(build_model(tiny_config("gpt2"), setup), setup)
     assert isinstance(optimizer, torch.optim.AdamW)
     assert bool(optimizer.defaults[flag]) is (impl != "loop")
 
 
 def test_default_optimizer_impl_follows_the_target_device():
-    setup = TrainingSetup()
+    setup = TrainingSetup(precision="32-true")
     model = build_model(tiny_config("gpt2"), setup)
     assert not build_optimizer(model, setup).defaults["foreach"]  # cpu parameters: loop
     assert build_optimizer(model, setup, device="cuda").defaults["foreach"]
@@ -217,7 +225,7 @@ def test_default_optimizer_impl_follows_the_target_device():
 @pytest.mark.parametrize(("name", "cls"), [("adam", torch.optim.Adam), ("sgd", torch.optim.SGD),
                                            ("adafactor", torch.optim.Adafactor)])
 def test_each_optimizer_steps_the_model(name, cls):
-    setup = TrainingSetup(optimizer=name, batch=1, seq=16)
+    setup = TrainingSetup(precision="32-true", optimizer=name, batch=1, seq=16)
     model = build_model(tiny_config("gpt2"), setup)
     optimizer = build_optimizer(model, setup)
     assert isinstance(optimizer, cls)
@@ -226,7 +234,7 @@ def test_each_optimizer_steps_the_model(name, cls):
 
 
 def test_autocast_runs_matmuls_in_the_autocast_dtype():
-    setup = TrainingSetup(autocast="bf16", batch=1, seq=8)
+    setup = TrainingSetup(precision="bf16-mixed", batch=1, seq=8)
     model = build_model(tiny_config("llama-2-7b"), setup)
     with autocast(setup, "cpu"):
         logits = model(input_ids=make_batch(model, setup)["input_ids"]).logits
@@ -234,7 +242,7 @@ def test_autocast_runs_matmuls_in_the_autocast_dtype():
 
 
 def test_llama_2_70b_builds_under_fake_tensors_with_fake_bf16_parameters():
-    setup = TrainingSetup(dtype="bf16", seq=4096, checkpointing="full")
+    setup = TrainingSetup(precision="bf16-true", seq=4096, checkpointing="full")
     with FakeTensorMode():
         model = build_model("llama-2-70b", setup)
     params = list(model.parameters())
@@ -243,7 +251,7 @@ def test_llama_2_70b_builds_under_fake_tensors_with_fake_bf16_parameters():
 
 
 def test_fake_tensor_training_step_runs_with_lora_and_checkpointing():
-    setup = TrainingSetup(batch=2, seq=64, lora_rank=4, checkpointing="full", dtype="bf16")
+    setup = TrainingSetup(batch=2, seq=64, lora_rank=4, checkpointing="full", precision="bf16-true")
     with FakeTensorMode():
         model = build_model(tiny_config("mistral-7b"), setup)
         optimizer = build_optimizer(model, setup, device="cuda")
@@ -255,7 +263,7 @@ def test_fake_tensor_training_step_runs_with_lora_and_checkpointing():
 
 
 def test_build_on_fake_cuda_places_parameters_and_adapters_on_cuda():
-    setup = TrainingSetup(lora_rank=2)
+    setup = TrainingSetup(precision="32-true", lora_rank=2)
     with FakeTensorMode():
         model = build_model(tiny_config("llama-2-7b"), setup, device="cuda")
         batch = make_batch(model, setup, device="cuda")
@@ -265,7 +273,7 @@ def test_build_on_fake_cuda_places_parameters_and_adapters_on_cuda():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fake_lora_model_has_the_real_models_trainable_parameters(dtype):
-    setup = TrainingSetup(lora_rank=4, dtype=dtype)
+    setup = TrainingSetup.from_dtypes(dtype, lora_rank=4)
 
     def trainable(model):
         return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad]
@@ -319,7 +327,7 @@ def factory_module(tmp_path, monkeypatch):
 
 
 def test_factory_spec_builds_a_model_that_steps(factory_module):
-    setup = TrainingSetup(batch=2, checkpointing="full")
+    setup = TrainingSetup(precision="32-true", batch=2, checkpointing="full")
     model = build_model(f"{factory_module}:make_plain", setup)
     optimizer = build_optimizer(model, setup)
     loss = forward_loss(model, make_batch(model, setup))
@@ -329,23 +337,23 @@ def test_factory_spec_builds_a_model_that_steps(factory_module):
 
 
 def test_factory_taking_one_argument_gets_the_setup(factory_module):
-    model = build_model(f"{factory_module}:make_for_setup", TrainingSetup(batch=3))
+    model = build_model(f"{factory_module}:make_for_setup", TrainingSetup(precision="32-true", batch=3))
     assert model.blocks[0].in_features == 24
 
 
 def test_factory_returning_a_non_module_is_a_user_error(factory_module):
     with pytest.raises(UserError, match="not a torch.nn.Module"):
-        build_model(f"{factory_module}:not_a_module", TrainingSetup())
+        build_model(f"{factory_module}:not_a_module", TrainingSetup(precision="32-true"))
 
 
 def test_factory_in_a_missing_module_is_a_user_error():
     with pytest.raises(UserError, match="cannot import module 'no_such_memplan_module'"):
-        build_model("no_such_memplan_module:factory", TrainingSetup())
+        build_model("no_such_memplan_module:factory", TrainingSetup(precision="32-true"))
 
 
 @pytest.mark.parametrize("impl", ["foreach", "loop"])
 def test_adafactor_steps_under_fake_tensors_with_the_real_state(impl):
-    setup = TrainingSetup(optimizer="adafactor", optimizer_impl=impl, batch=1, seq=16)
+    setup = TrainingSetup(precision="32-true", optimizer="adafactor", optimizer_impl=impl, batch=1, seq=16)
 
     def state_after_step():
         model = build_model(tiny_config("llama-2-7b"), setup)
@@ -369,7 +377,7 @@ def test_op_level_selective_checkpointing_recomputes_every_second_matmul_of_each
     from memplan.trace.model import PHASE
 
     config = models.tiny_config("llama-2-7b")
-    trace = capture_model(config, models.TrainingSetup(batch=2, seq=32, checkpointing="selective-op"), fake=True,
+    trace = capture_model(config, models.TrainingSetup(precision="32-true", batch=2, seq=32, checkpointing="selective-op"), fake=True,
                           device="cpu")
     mm = [i for i in range(trace.num_ops) if trace.op_name(i) == "aten.mm.default"]
     phases = trace.ops["phase"][np.array(mm)]

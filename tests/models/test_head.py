@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.models import (
     TrainingSetup,
@@ -21,11 +21,11 @@ from memplan.models import (
 
 
 def classification(**fields) -> TrainingSetup:
-    return TrainingSetup(head="seq-cls", batch=3, seq=16, **fields)
+    return TrainingSetup(head="seq-cls", batch=3, seq=16, **{"precision": "32-true", **fields})
 
 
 def test_head_defaults_to_the_language_model_head_with_two_labels():
-    setup = TrainingSetup()
+    setup = TrainingSetup(precision="32-true")
     assert (setup.head, setup.num_labels) == ("lm", 2)
 
 
@@ -37,14 +37,14 @@ def test_head_and_num_labels_flags_parse_into_the_setup():
 
 
 def test_an_unknown_head_is_a_user_error():
-    with pytest.raises(UserError, match="head must be one of lm, seq-cls"):
-        TrainingSetup(head="token-cls")
+    with pytest.raises(UserError, match="`head` must be one of lm, seq-cls"):
+        TrainingSetup(precision="32-true", head="token-cls")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_num_labels_below_one_or_not_whole_is_a_user_error(bad):
-    with pytest.raises(UserError, match="num_labels must be a whole number >= 1"):
-        TrainingSetup(head="seq-cls", num_labels=bad)
+    with pytest.raises(UserError, match="`num_labels` must be a whole number >= 1"):
+        TrainingSetup(precision="32-true", head="seq-cls", num_labels=bad)
 
 
 @pytest.mark.parametrize("name, cls_name", [("bert-large", "BertForSequenceClassification"),
@@ -57,7 +57,7 @@ def test_seq_cls_builds_the_sequence_classification_class(name, cls_name):
 
 
 def test_the_lm_head_still_builds_the_language_model_class():
-    assert type(build_model(tiny_config("bert-large"), TrainingSetup())).__name__ == "BertForMaskedLM"
+    assert type(build_model(tiny_config("bert-large"), TrainingSetup(precision="32-true"))).__name__ == "BertForMaskedLM"
 
 
 def test_classifier_output_is_num_labels_wide():
@@ -136,7 +136,7 @@ def test_a_model_type_without_a_classification_class_is_a_user_error(monkeypatch
     names = dict(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
     names.pop("bert")
     monkeypatch.setattr(modeling_auto, "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", names)
-    with pytest.raises(UserError, match="no sequence-classification class.*--head lm"):
+    with pytest.raises(UserError, match="no sequence-classification class.*`head=lm`"):
         build_model(tiny_config("bert-large"), classification())
 
 

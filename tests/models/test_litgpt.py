@@ -65,8 +65,8 @@ def test_every_registry_model_litgpt_names_maps_onto_litgpt_s_own_config():
 @pytest.mark.parametrize("family", ["gpt2", "opt-125m", "bert-base", "bloom-560m", "qwen3-30b-a3b"])
 def test_a_family_memplan_maps_no_litgpt_model_for_is_refused_in_one_line(family):
     with pytest.raises(UserError, match="memplan maps no LitGPT model for model type") as info:
-        models.build_model(models.tiny_config(family), models.TrainingSetup(**SETUP))
-    assert "\n" not in str(info.value) and "--impl hf" in str(info.value)
+        models.build_model(models.tiny_config(family), models.TrainingSetup(**{"precision": "32-true", **SETUP}))
+    assert "\n" not in str(info.value) and "`impl=hf`" in str(info.value)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -77,20 +77,20 @@ def test_a_family_memplan_maps_no_litgpt_model_for_is_refused_in_one_line(family
     ({"seq": 512}, "exceeds the block size of LitGPT's config"),
 ])
 def test_what_litgpt_cannot_build_is_refused_in_one_line(options, message):
-    setup = models.TrainingSetup(**{**SETUP, **options})
+    setup = models.TrainingSetup(**{"precision": "32-true", **SETUP, **options})
     with pytest.raises(UserError, match=message) as info:
         models.build_model(models.tiny_config("llama-2-7b"), setup)
     assert "\n" not in str(info.value)
 
 
 def test_a_factory_model_refuses_impl_litgpt():
-    with pytest.raises(UserError, match="--impl litgpt builds a model from a Hugging Face config"):
-        models.build_model(models.FactorySpec("torch.nn", "Linear"), models.TrainingSetup(**SETUP))
+    with pytest.raises(UserError, match="`impl=litgpt` builds a model from a Hugging Face config"):
+        models.build_model(models.FactorySpec("torch.nn", "Linear"), models.TrainingSetup(**{"precision": "32-true", **SETUP}))
 
 
 def test_a_mixture_of_experts_is_refused_on_fake_tensors_with_advice():
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(UserError, match="data-dependent shapes"):
-        models.build_model(models.tiny_config("mixtral-8x7b"), models.TrainingSetup(**SETUP, dtype="bf16"))
+        models.build_model(models.tiny_config("mixtral-8x7b"), models.TrainingSetup(**SETUP, precision="bf16-true"))
 
 
 def test_the_built_model_is_litgpt_s_gpt_with_its_lora_checkpointing_and_chunked_head():
@@ -99,10 +99,10 @@ def test_the_built_model_is_litgpt_s_gpt_with_its_lora_checkpointing_and_chunked
     from litgpt.model import GPT
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    plain = models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(**SETUP))
+    plain = models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(**{"precision": "32-true", **SETUP}))
     assert type(plain.gpt) is GPT
     assert plain.gpt.cos.shape[0] == 32 and plain.gpt.cos.dtype == torch.float32  # fit(): max_seq_length = 32
-    setup = models.TrainingSetup(**SETUP, dtype="bf16", lora_rank=4, checkpointing="full",
+    setup = models.TrainingSetup(**SETUP, precision="bf16-true", lora_rank=4, checkpointing="full",
                                  lora_targets=("q_proj", "v_proj", "lm_head"))
     model = models.build_model(models.tiny_config("llama-2-7b"), setup)
     assert type(model.gpt) is LoraGPT
@@ -117,7 +117,7 @@ def test_the_built_model_is_litgpt_s_gpt_with_its_lora_checkpointing_and_chunked
 
 
 def test_a_step_keeps_the_previous_logits_until_the_next_forward_returns_as_litgpt_s_loop_does():
-    setup = models.TrainingSetup(**SETUP, grad_accum=2)
+    setup = models.TrainingSetup(**{"precision": "32-true", **SETUP}, grad_accum=2)
     step = build_training_step(models.tiny_config("llama-2-7b"), setup)
     step.run()
     logits = models.build.carried_between_steps(step.model)["logits"]

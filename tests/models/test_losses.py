@@ -47,7 +47,7 @@ def _no_dropout(family):
 @pytest.mark.parametrize("family", ["llama-2-7b", "gpt2"])
 def test_the_losses_equal_the_models_own_loss_and_gradients(family):
     config = _no_dropout(family)
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     model = models.build_model(config, setup)
     batch = models.make_batch(model, setup)
     batch["labels"][0, :5] = IGNORE_INDEX  # ignored labels count in neither loss
@@ -56,7 +56,7 @@ def test_the_losses_equal_the_models_own_loss_and_gradients(family):
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     for loss in LOSSES:
-        value = step_loss(model, batch, loss, chunks=models.TrainingSetup(loss=loss).loss_chunks())
+        value = step_loss(model, batch, loss, chunks=models.TrainingSetup(precision="32-true", loss=loss).loss_chunks())
         value.backward()
         assert torch.allclose(value, reference, atol=1e-5), loss
         for name, p in model.named_parameters():
@@ -66,7 +66,7 @@ def test_the_losses_equal_the_models_own_loss_and_gradients(family):
 
 def test_the_fused_loss_under_bf16_autocast_is_close_to_the_full_loss():
     config = models.tiny_config("llama-2-7b")
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     model = models.build_model(config, setup)
     batch = models.make_batch(model, setup)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -79,7 +79,7 @@ def test_a_fused_step_never_holds_the_logits_and_a_chunked_step_holds_them_in_ch
     config = models.tiny_config("llama-2-7b", vocab_size=2048)
     largest = {}
     for loss in ("full", "chunked", "fused-linear"):
-        setup = models.TrainingSetup(batch=2, seq=64, loss=loss)
+        setup = models.TrainingSetup(precision="32-true", batch=2, seq=64, loss=loss)
         with FakeTensorMode(allow_non_fake_inputs=True):
             step = build_training_step(config, setup)
             trace = capture(step.run, model=step.model, optimizer=step.optimizer, warmup=1, inputs=step.batches)
@@ -95,7 +95,7 @@ def test_the_fused_loss_on_cuda_reuses_one_logits_buffer_for_every_chunk():
     """Liger's `_can_use_mm_out` path (a CUDA job): `torch.mm(..., out=)` into one
     [chunk, V] buffer; elsewhere a new product per chunk."""
     config = models.tiny_config("llama-2-7b", vocab_size=3000)  # ceil(3000 / 64) = 47: chunks of 4 rows
-    setup = models.TrainingSetup(batch=2, seq=64, loss="fused-linear", dtype="bf16")
+    setup = models.TrainingSetup(batch=2, seq=64, loss="fused-linear", precision="bf16-true")
     counts = {}
     for cuda in (False, True):
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -126,7 +126,7 @@ def test_a_model_without_an_output_head_is_refused_in_one_line():
 
 
 def test_a_masked_lm_is_refused():
-    setup = models.TrainingSetup(batch=2, seq=16)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=16)
     model = models.build_model(models.tiny_config("bert-base"), setup)
     with pytest.raises(UserError, match="masked LM"):
         step_loss(model, models.make_batch(model, setup), "fused-linear")
@@ -146,9 +146,9 @@ def test_a_model_that_soft_caps_its_logits_is_refused():
 
 def test_lora_on_the_head_chunks_but_does_not_fuse():
     config = models.tiny_config("llama-2-7b")
-    setup = models.TrainingSetup(batch=2, seq=16, lora_rank=4, lora_targets=("q_proj", "lm_head"))
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=16, lora_rank=4, lora_targets=("q_proj", "lm_head"))
     model = models.build_model(config, setup)
     batch = models.make_batch(model, setup)
     assert torch.allclose(step_loss(model, batch, "chunked", chunks=4), models.forward_loss(model, batch), atol=1e-5)
-    with pytest.raises(UserError, match="use --loss chunked"):
+    with pytest.raises(UserError, match="use `loss=chunked`"):
         step_loss(model, batch, "fused-linear")

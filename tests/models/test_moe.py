@@ -32,7 +32,7 @@ MOE_FAMILIES = ["mixtral-8x22b", "qwen3-30b-a3b", "olmoe-1b-7b", "gpt-oss-20b", 
 ])
 def test_a_bad_routing_is_one_line(text, message):
     with pytest.raises(UserError, match=message) as exc:
-        models.TrainingSetup(routing=text)
+        models.TrainingSetup(precision="32-true", routing=text)
     assert "\n" not in str(exc.value)
 
 
@@ -82,19 +82,19 @@ def test_experts_of_reads_each_family_s_own_key():
 
 
 def test_a_routing_on_a_dense_model_is_refused_in_one_line():
-    with pytest.raises(UserError, match="has no experts: leave --routing out"):
-        models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(routing="worst"))
-    models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup())  # the default is no routing
+    with pytest.raises(UserError, match="has no experts: leave `routing` out"):
+        models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", routing="worst"))
+    models.build_model(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true"))  # the default is no routing
 
 
 def test_the_router_s_own_routing_needs_real_tensors():
     with pytest.raises(UserError, match="router's real token counts"):
-        capture_model(models.tiny_config("mixtral-8x7b"), models.TrainingSetup(seq=16, routing="router"), fake=True)
+        capture_model(models.tiny_config("mixtral-8x7b"), models.TrainingSetup(precision="32-true", seq=16, routing="router"), fake=True)
 
 
 @pytest.mark.parametrize("routing", ["balanced", "worst", "capacity:1.5"])
 def test_the_experts_run_on_the_assumed_assignment_and_the_router_still_runs(routing):
-    setup = models.TrainingSetup(batch=2, seq=16, routing=routing)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=16, routing=routing)
     model = models.build_model(models.tiny_config("mixtral-8x7b"), setup)
     seen, routers = [], []
     for _, module in expert_modules(model):
@@ -109,7 +109,7 @@ def test_the_experts_run_on_the_assumed_assignment_and_the_router_still_runs(rou
 
 
 def test_the_model_s_own_router_is_left_alone_on_real_tensors():
-    setup = models.TrainingSetup(batch=2, seq=16, routing="router")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=16, routing="router")
     model = models.build_model(models.tiny_config("mixtral-8x7b"), setup)
     assert all(not m._forward_pre_hooks for _, m in expert_modules(model))
 
@@ -119,7 +119,7 @@ def test_moe_family_traces_on_fake_tensors_as_it_runs_on_real_ones_in_fp32(famil
     # fp32 experts run torch._grouped_mm, whose PyTorch meta kernel is bf16-only
     # (memplan.capture.grouped_mm gives it CUDA's one output); DeepSeek's latent attention,
     # gpt-oss's sinks and biased experts, OLMoE's q/k norms run as they are
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
     config = models.tiny_config(family)
     real = capture_model(config, setup, fake=False, device="cpu").peak()[0]
     fake = capture_model(config, setup, fake=True, device="cpu").peak()[0]
@@ -128,7 +128,7 @@ def test_moe_family_traces_on_fake_tensors_as_it_runs_on_real_ones_in_fp32(famil
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_family_traces_in_bf16_for_a_cuda_job(family):
-    trace = capture_model(models.tiny_config(family), models.TrainingSetup(batch=1, seq=32, dtype="bf16"),
+    trace = capture_model(models.tiny_config(family), models.TrainingSetup(batch=1, seq=32, precision="bf16-true"),
                           fake=True, device="cuda")
     names = {trace.op_name(i) for i in range(trace.num_ops)}
     assert "aten._grouped_mm.default" in names and trace.peak()[0] > 0

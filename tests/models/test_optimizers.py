@@ -37,7 +37,7 @@ def test_bitsandbytes_8bit_states_are_uint8_with_fp32_block_maxima_and_a_shared_
     def three_linears():  # the third, 1,008 elements, is below min_8bit_size: fp32 states
         return nn.Sequential(*_two_linears(), nn.Linear(16, 63, bias=False))
 
-    model, optimizer = _fake_step(three_linears, models.TrainingSetup(optimizer="adamw8bit"))
+    model, optimizer = _fake_step(three_linears, models.TrainingSetup(precision="32-true", optimizer="adamw8bit"))
     big, last, tiny = (optimizer.state[p] for p in model.parameters())
     assert big["state1"].dtype == big["state2"].dtype == torch.uint8 and big["state1"].shape == (256, 512)
     assert big["absmax1"].shape == (131072 // 256,) and big["absmax1"].dtype == torch.float32
@@ -46,7 +46,7 @@ def test_bitsandbytes_8bit_states_are_uint8_with_fp32_block_maxima_and_a_shared_
 
 
 def test_paged_states_of_large_parameters_are_cuda_managed_host_memory():
-    model, optimizer = _fake_step(_two_linears, models.TrainingSetup(optimizer="paged-adamw8bit"))
+    model, optimizer = _fake_step(_two_linears, models.TrainingSetup(precision="32-true", optimizer="paged-adamw8bit"))
     big, small = (optimizer.state[p] for p in model.parameters())
     assert tracing.host_kind(big["state1"].untyped_storage()) == "managed"  # >= 1e5 elements: cudaMallocManaged
     assert tracing.host_kind(big["absmax1"].untyped_storage()) is None
@@ -54,8 +54,8 @@ def test_paged_states_of_large_parameters_are_cuda_managed_host_memory():
 
 
 def test_a_paged_optimizer_for_a_cpu_job_is_refused():
-    with pytest.raises(UserError, match="use --optimizer adamw8bit with --device cpu"):
-        models.build_optimizer(nn.Linear(4, 4), models.TrainingSetup(optimizer="paged-adamw8bit"), device="cpu")
+    with pytest.raises(UserError, match="use `optimizer=adamw8bit` with --device cpu"):
+        models.build_optimizer(nn.Linear(4, 4), models.TrainingSetup(precision="32-true", optimizer="paged-adamw8bit"), device="cpu")
 
 
 def _optimizer_state_bytes(trace):
@@ -70,8 +70,8 @@ def _step_temporary_bytes(trace):
 
 
 def test_torchao_8bit_states_are_traced_as_codes_scales_and_maps():
-    trace = capture_model(LLAMA, models.TrainingSetup(batch=2, seq=32, optimizer="ao-adamw8bit"))
-    params = list(models.build_model(LLAMA, models.TrainingSetup()).parameters())
+    trace = capture_model(LLAMA, models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer="ao-adamw8bit"))
+    params = list(models.build_model(LLAMA, models.TrainingSetup(precision="32-true")).parameters())
     quantised = [p.numel() for p in params if p.numel() >= 4096 and p.numel() % 256 == 0]
     plain = [p.numel() for p in params if p.numel() < 4096]
     per_state = sum(n + n // 256 * 4 + 256 * 4 for n in quantised) + sum(4 * n for n in plain)
@@ -79,13 +79,13 @@ def test_torchao_8bit_states_are_traced_as_codes_scales_and_maps():
 
 
 def test_torchaos_compiled_update_allocates_nothing_on_cuda_and_its_eager_temporaries_on_cpu():
-    setup = models.TrainingSetup(batch=2, seq=32, optimizer="ao-adamw-fp8")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer="ao-adamw-fp8")
     assert _step_temporary_bytes(capture_model(LLAMA, setup, device="cuda")) == 0
     assert _step_temporary_bytes(capture_model(LLAMA, setup, device="cpu")) > 0
 
 
 def test_optimizer_in_backward_steps_each_parameter_inside_backward_and_frees_its_gradient():
-    trace = capture_model(LLAMA, models.TrainingSetup(batch=2, seq=32, optimizer_in_backward=True))
+    trace = capture_model(LLAMA, models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_in_backward=True))
     phase = trace.ops["phase"]
     optimizer_ops = (phase == PHASE["optimizer"]).nonzero()[0]
     backward_ops = (phase == PHASE["backward"]).nonzero()[0]

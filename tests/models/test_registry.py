@@ -79,8 +79,8 @@ def test_unknown_model_name_is_a_user_error_listing_close_matches():
 
 def test_local_config_json_path_loads_its_model_type(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                "hidden_size": 128, "num_hidden_layers": 3}))
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+                                "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 1000}))
     config = load_config(str(path))
     assert type(config).__name__ == "LlamaConfig"
     assert (config.hidden_size, config.num_hidden_layers) == (128, 3)
@@ -162,3 +162,21 @@ def test_tiny_config_scales_long_context_rope_with_the_positions():
     # Llama 3.1: 8192 original of 131072 positions -> 256 / 16 = 16 of 256
     rope = tiny_config("llama-3.1-8b").rope_parameters
     assert (rope["rope_type"], rope["original_max_position_embeddings"]) == ("llama3", 16)
+
+
+def test_a_config_of_an_architecture_memplan_cannot_build_names_its_type_and_what_is_supported(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}')
+    with pytest.raises(UserError, match="model type 'mamba' has no attention heads; memplan builds attention-block "
+                                        "language models .*gpt2, .*llama") as info:
+        load_config(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_a_config_missing_the_sizes_memplan_needs_is_refused_naming_them(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "hidden_size": 64}')  # transformers would make the rest Llama-7B's
+    with pytest.raises(UserError, match="lacks num_hidden_layers, num_attention_heads, vocab_size"):
+        load_config(str(path))
+    path.write_text('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100}')
+    assert load_config(str(path)).hidden_size == 64  # a family's own spelling of the fields

@@ -8,16 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.errors import UserError
 from memplan.models import TrainingSetup
 from memplan.models.setup import (
     ATTENTIONS,
     AUTOCASTS,
     CHECKPOINTINGS,
-    DTYPES,
     HEADS,
     OPTIMIZER_IMPLS,
+    PRECISIONS,
     TORCH_OPTIMIZERS,
     ZERO_GRADS,
 )
@@ -32,7 +32,7 @@ def parse(argv: list[str]) -> TrainingSetup:
 def test_defaults_are_what_pytorch_and_hf_do_unasked():
     setup = TrainingSetup()
     assert (setup.batch, setup.seq, setup.grad_accum) == (1, None, 1)
-    assert (setup.dtype, setup.autocast) == ("fp32", "none")
+    assert (setup.precision, setup.dtype, setup.autocast_dtype) == ("bf16-mixed", "fp32", "bf16")
     assert (setup.optimizer, setup.optimizer_impl) == ("adamw", None)
     assert (setup.checkpointing, setup.lora_rank, setup.attn) == ("none", 0, "sdpa")
     assert setup.zero_grad == "none"  # set_to_none=True, PyTorch >= 2.0
@@ -42,12 +42,34 @@ def test_no_flags_give_the_dataclass_defaults():
     assert parse([]) == TrainingSetup()
 
 
+@pytest.mark.parametrize(("precision", "dtype", "autocast"), [
+    ("32-true", "fp32", "none"), ("bf16-mixed", "fp32", "bf16"), ("16-mixed", "fp32", "fp16"),
+    ("bf16-true", "bf16", "none"), ("16-true", "fp16", "none"),
+])
+def test_a_precision_is_lightnings_weights_dtype_and_autocast(precision, dtype, autocast):
+    setup = TrainingSetup(precision=precision)
+    assert (setup.dtype, setup.autocast_dtype) == (dtype, autocast)
+    assert TrainingSetup.from_dtypes(dtype, autocast) == setup
+
+
+def test_half_weights_under_autocast_are_a_true_precision_with_an_autocast():
+    # axolotl's bf16: true and TRL's torch_dtype=bfloat16 with bf16=True: bf16 weights, bf16 autocast
+    setup = TrainingSetup.from_dtypes("bf16", "bf16")
+    assert (setup.precision, setup.autocast, setup.dtype, setup.autocast_dtype) == ("bf16-true", "bf16", "bf16", "bf16")
+
+
+def test_a_setup_recorded_before_precisions_reads_as_its_precision():
+    old = {**TrainingSetup().to_dict(), "dtype": "fp32", "autocast": "none"}
+    del old["precision"]
+    assert TrainingSetup.from_dict(old).precision == "32-true"
+
+
 def test_every_flag_parses_into_the_setup():
-    setup = parse(["--batch", "4", "--seq", "2048", "--dtype", "bf16", "--autocast", "fp16",
+    setup = parse(["--batch", "4", "--seq", "2048", "--precision", "bf16-true", "--autocast", "fp16",
                    "--optimizer", "adafactor", "--optimizer-impl", "foreach",
                    "--checkpointing", "selective", "--lora-rank", "8", "--grad-accum", "3",
                    "--attn", "flash", "--zero-grad", "zeros"])
-    assert setup == TrainingSetup(batch=4, seq=2048, dtype="bf16", autocast="fp16",
+    assert setup == TrainingSetup(batch=4, seq=2048, precision="bf16-true", autocast="fp16",
                                   optimizer="adafactor", optimizer_impl="foreach",
                                   checkpointing="selective", lora_rank=8, grad_accum=3, attn="flash",
                                   zero_grad="zeros")
@@ -55,7 +77,7 @@ def test_every_flag_parses_into_the_setup():
 
 def test_a_flag_value_outside_its_choices_exits_with_a_usage_error():
     with pytest.raises(SystemExit) as exc:
-        parse(["--dtype", "fp8"])
+        parse(["--precision", "fp8"])
     assert exc.value.code == 2
 
 
@@ -68,20 +90,20 @@ def test_impossible_numbers_are_user_errors(argv):
 
 def test_fused_adafactor_is_a_user_error():
     with pytest.raises(UserError, match="Adafactor has no fused"):
-        TrainingSetup(optimizer="adafactor", optimizer_impl="fused")
+        TrainingSetup(precision="32-true", optimizer="adafactor", optimizer_impl="fused")
 
 
-def test_unknown_dtype_is_a_user_error():
-    with pytest.raises(UserError, match="dtype must be one of fp32, bf16, fp16"):
-        TrainingSetup(dtype="float32")
+def test_unknown_precision_is_a_user_error():
+    with pytest.raises(UserError, match="`precision` must be one of bf16-mixed, 32-true"):
+        TrainingSetup(precision="float32")
 
 
 def test_optimizer_impl_defaults_to_foreach_on_cuda_and_loop_elsewhere():
-    setup = TrainingSetup()
+    setup = TrainingSetup(precision="32-true")
     assert setup.resolved_optimizer_impl("cuda") == "foreach"
     assert setup.resolved_optimizer_impl("cuda:3") == "foreach"
     assert setup.resolved_optimizer_impl("cpu") == "loop"
-    assert TrainingSetup(optimizer_impl="fused").resolved_optimizer_impl("cpu") == "fused"
+    assert TrainingSetup(precision="32-true", optimizer_impl="fused").resolved_optimizer_impl("cpu") == "fused"
 
 
 def test_from_dict_rejects_unknown_fields():
@@ -93,8 +115,8 @@ setups = st.builds(
     TrainingSetup,
     batch=st.integers(1, 64),
     seq=st.none() | st.integers(1, 1 << 17),
-    dtype=st.sampled_from(DTYPES),
-    autocast=st.sampled_from(AUTOCASTS),
+    precision=st.sampled_from(PRECISIONS),
+    autocast=st.none() | st.sampled_from(AUTOCASTS),
     optimizer=st.sampled_from([o for o in TORCH_OPTIMIZERS if o != "adafactor"]),
     optimizer_impl=st.none() | st.sampled_from(OPTIMIZER_IMPLS),
     checkpointing=st.sampled_from(CHECKPOINTINGS),
@@ -120,15 +142,15 @@ def test_to_dict_and_from_dict_round_trip(setup):
     ({"quant": "nf4"}, "full fine-tuning cannot train nf4-quantised weights"),
     ({"double_quant": True}, "describe a quantised base"),
     ({"quant": "int8", "lora_rank": 8, "double_quant": True}, "4-bit options"),
-    ({"optimizer_in_backward": True, "grad_accum": 4}, "use --grad-accum 1"),
-    ({"loss": "fused-linear", "head": "seq-cls"}, "use --loss full"),
-    ({"dora": True}, "add --lora-rank R"),
+    ({"optimizer_in_backward": True, "grad_accum": 4}, "use `grad_accum=1`"),
+    ({"loss": "fused-linear", "head": "seq-cls"}, "use `loss=full`"),
+    ({"dora": True}, "add `lora_rank=R`"),
     ({"lora_rank": 4, "lora_targets": ("all-linear", "lm_head")}, "stands alone"),
-    ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave --optimizer-impl out"),
+    ({"optimizer": "adamw8bit", "optimizer_impl": "fused"}, "leave `optimizer_impl` out"),
     ({"loss": "chunked:0"}, "chunked:N"),
-    ({"cpu_offload": "optimizer", "optimizer": "adamw8bit"}, "use --optimizer adamw or adam with --cpu-offload"),
+    ({"cpu_offload": "optimizer", "optimizer": "adamw8bit"}, "use `optimizer=adamw or adam` with `cpu_offload`"),
     ({"cpu_offload": "params", "optimizer_in_backward": True}, "use one of them"),
-    ({"cpu_offload": "optimizer", "zero_grad": "zeros"}, "use --zero-grad none"),
+    ({"cpu_offload": "optimizer", "zero_grad": "zeros"}, "use `zero_grad=none`"),
 ])
 def test_techniques_that_do_not_go_together_are_user_errors(fields, message):
     with pytest.raises(UserError, match=message):
@@ -136,9 +158,9 @@ def test_techniques_that_do_not_go_together_are_user_errors(fields, message):
 
 
 def test_a_chunked_loss_has_torchtunes_eight_chunks_unless_told():
-    assert TrainingSetup(loss="chunked").loss_chunks() == 8
-    assert TrainingSetup(loss="chunked:16").loss_chunks() == 16
-    assert TrainingSetup(loss="fused-linear").loss_chunks() == 1
+    assert TrainingSetup(precision="32-true", loss="chunked").loss_chunks() == 8
+    assert TrainingSetup(precision="32-true", loss="chunked:16").loss_chunks() == 16
+    assert TrainingSetup(precision="32-true", loss="fused-linear").loss_chunks() == 1
 
 
 def test_technique_flags_parse_into_the_setup():

@@ -70,7 +70,7 @@ def build_trace(nbytes, categories, ops, persistent=(), durations=None):
         ops=opcols,
         csr=csr,
         op_names=["op"],
-        meta={"setup": {"dtype": "fp32"}},
+        meta={"setup": {"precision": "32-true"}},
     )
 
 

@@ -121,7 +121,7 @@ def tiny_traces():
     from memplan.models import TrainingSetup, tiny_config
 
     config = tiny_config("llama-2-7b")
-    setup = TrainingSetup(batch=8, seq=256, dtype="fp32", optimizer="adamw", optimizer_impl="loop")
+    setup = TrainingSetup(batch=8, seq=256, precision="32-true", optimizer="adamw", optimizer_impl="loop")
     plain = capture_model(config, setup, fake=True, device="cuda")
     ckpt = capture_model(config, TrainingSetup(**{**setup.to_dict(), "checkpointing": "full"}), fake=True, device="cuda")
     return plain, ckpt

@@ -79,7 +79,7 @@ def test_roofline_is_the_slower_of_compute_and_memory(make_trace):
 def test_roofline_times_matmuls_at_the_autocast_rate_of_the_traced_setup(make_trace):
     # fp32 parameters under bf16 autocast: the matmuls run in bf16 (memplan.hardware.roofline)
     tr = make_trace([8, 8], ["activation", "activation"], [{"alloc": [0]}, {"alloc": [1]}])
-    tr.meta["setup"] = {"dtype": "fp32", "autocast": "bf16"}
+    tr.meta["setup"] = {"precision": "bf16-mixed"}
     gpu = device_profile("h100-80gb")
     flops = [4e12, 2e12]
     tr.ops["flops"][:] = flops
@@ -103,7 +103,7 @@ def test_a_real_capture_measures_each_op_and_a_fake_one_has_no_measured_times():
     from memplan import models
     from memplan.capture.step import capture_model
 
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     real = capture_model(models.tiny_config("gpt2"), setup, fake=False, device="cpu")
     measured = measured_op_durations_s(real)
     assert measured.shape == (real.num_ops,) and (measured >= 0).all()

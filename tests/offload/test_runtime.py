@@ -14,7 +14,7 @@ from memplan.offload.runtime import engine as engine_module
 
 
 def tiny_step():
-    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=2, seq=32), device="cpu")
+    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", batch=2, seq=32), device="cpu")
 
 
 def train(step, steps, **offload):
@@ -177,7 +177,7 @@ def test_a_full_file_system_degrades_to_host_memory_or_fails_clearly(small_tmpfs
 def mid_step():
     # 4 layers of width 256: ~3.3M parameters, so parameters, gradients and AdamW states dominate
     config = models.tiny_config("gpt2", n_embd=256, n_layer=4, n_head=4)
-    return build_training_step(config, models.TrainingSetup(batch=1, seq=32), device="cpu")
+    return build_training_step(config, models.TrainingSetup(precision="32-true", batch=1, seq=32), device="cpu")
 
 
 def two_steps_each(tmp_path, **mode):
@@ -317,7 +317,7 @@ def test_a_page_aligned_tensor_moves_through_o_direct_without_the_bounce_buffer(
 def act_step():
     # activations dominate: 2 layers of width 128, batch 8 x seq 128
     config = models.tiny_config("gpt2", n_embd=128, n_layer=2, n_head=4)
-    return build_training_step(config, models.TrainingSetup(batch=8, seq=128), device="cpu")
+    return build_training_step(config, models.TrainingSetup(precision="32-true", batch=8, seq=128), device="cpu")
 
 
 def saved_storages(step, min_nbytes):

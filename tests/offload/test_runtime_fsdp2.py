@@ -30,7 +30,7 @@ def _rank_main(rank: int, workdir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
-    config, setup, layout = models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32), Layout(world_size=2, zero=3)
+    config, setup, layout = models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32), Layout(world_size=2, zero=3)
     out = {}
     try:
         ref = build_parallel_step(config, setup, layout)

@@ -26,7 +26,7 @@ HARDWARE = make_hardware("h100-nvl-94gb", nvme="1x1GB/s")
 
 
 def tiny_step(seq=32):
-    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=2, seq=seq), device="cpu")
+    return build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", batch=2, seq=seq), device="cpu")
 
 
 def captured_trace(seq=32, iterations=1):
@@ -165,7 +165,7 @@ def test_a_plan_that_moves_gradients_is_refused_without_the_streamed_step(tmp_pa
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path, planned):
-    other = build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32), device="cpu")
+    other = build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32), device="cpu")
     with pytest.raises(OffloadError, match="parameters this model does not have"):
         with run(other.model, other.optimizer, planned, RunOptions(directory=tmp_path)):
             pass
@@ -213,7 +213,7 @@ def test_a_llama_plan_applies_where_q_k_v_each_save_a_view_of_one_input(tmp_path
     the runtime must still see one storage, as the trace does, or the plan's order slips."""
 
     def llama():
-        return build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32),
+        return build_training_step(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32),
                                    device="cpu")
 
     cap = llama()

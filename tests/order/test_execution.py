@@ -18,7 +18,7 @@ NO_DROPOUT = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 def _pair(name, foreach, overrides=None):
     """Two identical real models with their own SGD-momentum step, warmed up once."""
     config = models.tiny_config(name, **(overrides or {}))
-    setup = models.TrainingSetup(batch=1, seq=8)
+    setup = models.TrainingSetup(precision="32-true", batch=1, seq=8)
     torch.manual_seed(0)
     eager_model = models.build_model(config, setup)
     ours_model = copy.deepcopy(eager_model)

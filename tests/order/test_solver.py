@@ -234,5 +234,5 @@ def test_a_step_that_keeps_zeroed_gradients_is_refused_before_tracing():
     from memplan import models
     from memplan.order.graph import capture_model_step
 
-    with pytest.raises(UserError, match="zero-grad"):
-        capture_model_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=1, seq=8, zero_grad="zeros"))
+    with pytest.raises(UserError, match="drop `zero_grad=zeros`"):
+        capture_model_step(models.tiny_config("gpt2"), models.TrainingSetup(precision="32-true", batch=1, seq=8, zero_grad="zeros"))

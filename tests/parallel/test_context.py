@@ -10,7 +10,7 @@ from memplan.estimation import estimate
 from memplan.parallel import Layout
 
 LLAMA = models.tiny_config("llama-2-7b")
-SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -13,24 +13,25 @@ from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.parallel import Layout, rank_trace
 from memplan.parallel.apply import traceable
+from memplan.parallel.layout import DeepSpeedConfig
 from memplan.parallel.traced import capture_rank_step
 from memplan.trace.model import CATEGORY
 
 LLAMA = models.tiny_config("llama-2-7b")
-SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
-BF16 = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", dtype="bf16")
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
+BF16 = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach", precision="bf16-true")
 PARAMETERS = 166_208  # the tiny Llama: 2 blocks of 46,208, embedding and head 32,768 each, final norm 64
 
 
 @pytest.mark.parametrize(("layout", "message"), [
-    ({"world_size": 2, "engine": "fsdp1"}, "--zero 0 \\(DDP\\) shards nothing"),
+    ({"world_size": 2, "engine": "fsdp1"}, "`zero=0` \\(DDP\\) shards nothing"),
     ({"world_size": 2, "zero": 1, "engine": "fsdp2"}, "implements ZeRO stage 3, not 1"),
     ({"world_size": 2, "zero": 2, "engine": "fsdp1"}, "implements ZeRO stage 3, not 2"),
     ({"world_size": 4, "zero": 3, "tp": 2, "engine": "fsdp1"}, "estimated alone"),
     ({"world_size": 2, "zero": 3, "engine": "deepspeed", "fsdp_param_dtype": "bf16"}, "DeepSpeed trains in"),
-    ({"world_size": 2, "zero": 3, "ds_reduce_bucket_size": 10}, "configures DeepSpeed's ZeRO"),
-    ({"world_size": 2, "zero": 3, "engine": "deepspeed", "ds_prefetch_bucket_size": -1}, "whole number"),
-    ({"world_size": 2, "zero": 3, "engine": "megatron"}, "engine must be one of"),
+    ({"world_size": 2, "zero": 3, "deepspeed": DeepSpeedConfig(reduce_bucket_size=10)}, "configures DeepSpeed's ZeRO"),
+    ({"world_size": 2, "zero": 3, "engine": "deepspeed", "deepspeed": {"prefetch_bucket_size": -1}}, "whole number"),
+    ({"world_size": 2, "zero": 3, "engine": "megatron"}, "`engine` must be one of"),
 ])
 def test_an_engine_that_cannot_shard_the_layout_is_a_one_line_user_error(layout, message):
     with pytest.raises(UserError, match=message) as info:
@@ -80,11 +81,11 @@ def _params(trace):
 
 def test_deepspeed_zero3_partitions_every_parameter_above_the_persistence_threshold(single):
     full = _params(single.trace)
-    sharded = rank_trace(single, Layout(world_size=2, zero=3, engine="deepspeed", ds_param_persistence_threshold=0,
-                                        ds_reduce_bucket_size=1000), BF16, 0)
+    sharded = rank_trace(single, Layout(world_size=2, zero=3, engine="deepspeed", deepspeed=DeepSpeedConfig(
+                                        param_persistence_threshold=0, reduce_bucket_size=1000)), BF16, 0)
     numel = full // 2
     assert np.array_equal(_params(sharded)[: len(full)], np.ceil(numel / 2).astype(np.int64) * 2)
-    kept = rank_trace(single, Layout(world_size=2, zero=3, engine="deepspeed", ds_reduce_bucket_size=1000), BF16, 0)
+    kept = rank_trace(single, Layout(world_size=2, zero=3, engine="deepspeed", deepspeed=DeepSpeedConfig(reduce_bucket_size=1000)), BF16, 0)
     assert np.array_equal(_params(kept)[: len(full)], full)  # every tiny parameter is below 1e5 elements
 
 
@@ -94,7 +95,7 @@ def _extra_sizes(layout, single):
 
 
 def test_deepspeed_zero3_adds_its_master_weights_gradient_partitions_and_reduce_bucket(single):
-    layout = Layout(world_size=2, zero=3, engine="deepspeed", ds_reduce_bucket_size=1000)
+    layout = Layout(world_size=2, zero=3, engine="deepspeed", deepspeed=DeepSpeedConfig(reduce_bucket_size=1000))
     sizes = _extra_sizes(layout, single)
     half = math.ceil(PARAMETERS / 2)
     # fp32 master half and the fp32 gradient buffer (4 B each), the bf16 gradient partition,
@@ -105,18 +106,18 @@ def test_deepspeed_zero3_adds_its_master_weights_gradient_partitions_and_reduce_
 
 
 def test_deepspeed_zero2_adds_master_weights_fp32_step_gradients_and_bucket(single):
-    sizes = _extra_sizes(Layout(world_size=2, zero=2, ds_reduce_bucket_size=1000), single)
+    sizes = _extra_sizes(Layout(world_size=2, zero=2, deepspeed=DeepSpeedConfig(reduce_bucket_size=1000)), single)
     half = math.ceil(PARAMETERS / 2)
     # fp32 master half, fp32 gradient half for the step, the bf16 gradient partition, one bucket
     for nbytes in (half * 4, half * 4, half * 2, 1000 * 2):
         assert nbytes in sizes
         sizes.remove(nbytes)
-    with_overlap = _extra_sizes(Layout(world_size=2, zero=2, ds_reduce_bucket_size=1000, ds_overlap_comm=True), single)
+    with_overlap = _extra_sizes(Layout(world_size=2, zero=2, deepspeed=DeepSpeedConfig(reduce_bucket_size=1000, overlap_comm=True)), single)
     assert with_overlap.count(2000) == 2  # double buffers with overlap_comm
 
 
 def test_deepspeed_zero1_keeps_whole_gradients_and_fp32_states_over_the_partition(single):
-    layout = Layout(world_size=2, zero=1, ds_reduce_bucket_size=1000)
+    layout = Layout(world_size=2, zero=1, deepspeed=DeepSpeedConfig(reduce_bucket_size=1000))
     trace = rank_trace(single, layout, BF16, 0)
     cat, n = single.trace.buffers["category"], single.trace.num_buffers
     states = cat == CATEGORY["optimizer_state"]

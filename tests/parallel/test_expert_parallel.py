@@ -40,7 +40,7 @@ PLAIN = dict(batch=2, seq=32, optimizer_impl="foreach")
     (["mixtral-8x7b", "--tp", "2"], r"split by expert parallelism.*add --ep"),
     (["mixtral-8x7b", "--world-size", "2", "--zero", "3", "--ep", "2", "--modelled-layout"],
      r"leave out --modelled-layout"),
-    (["llama-2-7b", "--routing", "balanced"], r"llama-2-7b has no experts: leave --routing out"),
+    (["llama-2-7b", "--routing", "worst"], r"llama-2-7b has no experts: leave --routing out"),
     (["mixtral-8x7b", "--routing", "capacity:0.8"], r"capacity factor must be a number >= 1"),
 ])
 def test_bad_expert_parallel_input_is_one_line_and_exit_code_2(capsys, argv, message):
@@ -72,7 +72,7 @@ def test_split_sizes_conserve_tokens_and_load_rank_0_most_under_skew(tokens, top
 
 
 def _rank0_peak(family: str, batch: int, seq: int, ep: int, routing: str) -> int:
-    setup = models.TrainingSetup(batch=batch, seq=seq, optimizer_impl="foreach", routing=routing)
+    setup = models.TrainingSetup(precision="32-true", batch=batch, seq=seq, optimizer_impl="foreach", routing=routing)
     step = capture_rank_step(models.tiny_config(family), setup, Layout(world_size=ep, zero=3, ep=ep), 0, "cpu")
     return int(step.trace.peak()[0])
 
@@ -116,7 +116,7 @@ def _measure(setup, layout, **kwargs):
 @pytest.mark.parametrize("layout", [Layout(world_size=2, zero=3, ep=2), Layout(world_size=4, zero=3, tp=2, ep=2)],
                          ids=["fsdp2-x-ep2", "ep2-x-tp2"])
 def test_expert_parallel_estimate_matches_every_rank_of_a_real_gloo_run_within_one_percent(layout):
-    setup = models.TrainingSetup(**PLAIN)
+    setup = models.TrainingSetup(**{"precision": "32-true", **PLAIN})
     result = estimate(MIXTRAL, setup, layout, device="cpu", allocator="none")
     assert result.parallel == "traced" and result.routing == "balanced"
     predicted = result.per_rank[0].peak_allocated_bytes
@@ -135,12 +135,12 @@ def test_a_router_biased_to_one_expert_measures_between_the_balanced_and_the_wor
 
     config = models.tiny_config("gpt-oss-20b")
     layout = Layout(world_size=2, zero=3, ep=2)
-    bounds = {routing: estimate(config, models.TrainingSetup(**PLAIN, routing=routing), layout, device="cpu",
+    bounds = {routing: estimate(config, models.TrainingSetup(**{"precision": "32-true", **PLAIN}, routing=routing), layout, device="cpu",
                                 allocator="none").per_rank[0].peak_allocated_bytes
               for routing in ("balanced", "worst")}
     os.environ[skewed_router.COUNTS_ENV] = str(tmp_path)
     try:
-        real = _measure((config, models.TrainingSetup(**PLAIN, routing="router")), layout,
+        real = _measure((config, models.TrainingSetup(**{"precision": "32-true", **PLAIN}, routing="router")), layout,
                         prepare=skewed_router.bias_first_expert)
     finally:
         del os.environ[skewed_router.COUNTS_ENV]

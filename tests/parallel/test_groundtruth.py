@@ -36,7 +36,7 @@ from memplan.parallel.groundtruth import measure_rank_peaks
 pytestmark = pytest.mark.gloo
 
 LLAMA = models.tiny_config("llama-2-7b")
-PLAIN = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+PLAIN = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
 # PyTorch's interleaved 1F1B over 2 x 2 chunks of one block: 4 blocks
 LLAMA4 = models.tiny_config("llama-2-7b", num_hidden_layers=4)
 
@@ -122,7 +122,7 @@ def test_fsdp2_cpu_offload_device_plus_host_is_the_profiler_total_of_every_rank_
     from memplan.trace.edit import with_extra_buffers
     from memplan.trace.model import CATEGORY, PHASE
 
-    setup = models.TrainingSetup(batch=2, seq=32, cpu_offload="params")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32, cpu_offload="params")
     layout = Layout(world_size=2, zero=3)
     truth = measure_rank_peaks([(LLAMA, setup, layout)])[0]
     shard_bytes = sum(p.numel() * p.element_size() for p in models.build_model(LLAMA, setup).parameters()) // 2

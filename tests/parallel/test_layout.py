@@ -8,11 +8,11 @@ from memplan.errors import UserError
 from memplan.estimation import estimate
 from memplan.parallel import Layout
 
-SETUP = models.TrainingSetup(seq=32, dtype="bf16")
+SETUP = models.TrainingSetup(seq=32, precision="bf16-true")
 
 
 def _rank0(layout, family="llama-2-7b", **options):
-    setup = models.TrainingSetup(seq=32, dtype="bf16", **options)
+    setup = models.TrainingSetup(seq=32, precision="bf16-true", **options)
     return estimate(models.tiny_config(family), setup, layout, allocator="none", device="cpu",
                     parallel_tracing=False).per_rank[0]
 
@@ -30,7 +30,7 @@ def test_world_size_not_divisible_by_tp_times_pp_is_a_user_error():
 def test_shard_size_must_divide_the_data_parallel_degree_and_needs_zero_3():
     with pytest.raises(UserError, match="must divide"):
         Layout(world_size=8, zero=3, shard_size=3)
-    with pytest.raises(UserError, match="needs --zero 3"):
+    with pytest.raises(UserError, match="needs `zero=3`"):
         Layout(world_size=8, zero=2, shard_size=2)
 
 
@@ -80,7 +80,7 @@ def test_pipeline_reports_first_middle_and_last_stage_ranks():
 
 
 def test_fsdp_mixed_precision_needs_zero_3():
-    with pytest.raises(UserError, match="zero 3"):
+    with pytest.raises(UserError, match="`zero=3`"):
         Layout(world_size=2, zero=2, fsdp_param_dtype="bf16")
 
 
@@ -88,27 +88,27 @@ def test_fsdp_mixed_precision_is_refused_where_fsdp2_is_modelled():
     from memplan import models
     from memplan.estimation import estimate
 
-    with pytest.raises(UserError, match="fsdp-param-dtype"):
-        estimate(models.tiny_config("llama-2-7b", num_hidden_layers=4), models.TrainingSetup(batch=1, seq=16),
+    with pytest.raises(UserError, match="fsdp_param_dtype"):
+        estimate(models.tiny_config("llama-2-7b", num_hidden_layers=4), models.TrainingSetup(precision="32-true", batch=1, seq=16),
                  Layout(world_size=8, zero=3, pp=2, tp=2, microbatches=2, fsdp_param_dtype="bf16"), device="cpu")
 
 
 @pytest.mark.parametrize("layout", [Layout(world_size=2, tp=2), Layout(world_size=2, pp=2)])
 def test_a_factory_model_is_refused_tensor_and_pipeline_parallelism(layout):
     with pytest.raises(UserError, match="factory mypkg.models:make builds its own model"):
-        layout.check(models.FactorySpec("mypkg.models", "make"), models.TrainingSetup())
+        layout.check(models.FactorySpec("mypkg.models", "make"), models.TrainingSetup(precision="32-true"))
 
 
 @pytest.mark.parametrize(("layout", "offload", "message"), [
-    (Layout(world_size=2, zero=2), "params", "add --zero 3 and --world-size 2"),
-    (Layout(), "params", "add --zero 3 and --world-size 2"),
-    (Layout(world_size=2, zero=1), "optimizer", "add --zero 2 or 3"),
-    (Layout(world_size=2), "optimizer", "add --zero 2 or 3"),
-    (Layout(world_size=4, zero=3, tp=2), "params", "leave out --tp, --pp, --cp"),
+    (Layout(world_size=2, zero=2), "params", "add `zero=3` and `world_size=2`"),
+    (Layout(), "params", "add `zero=3` and `world_size=2`"),
+    (Layout(world_size=2, zero=1), "optimizer", "add `zero=2` or 3"),
+    (Layout(world_size=2), "optimizer", "add `zero=2` or 3"),
+    (Layout(world_size=4, zero=3, tp=2), "params", "leave out `tp`, `pp`, `cp`"),
 ])
 def test_cpu_offload_is_refused_where_no_layout_can_take_it(layout, offload, message):
     with pytest.raises(UserError, match=message):
-        layout.check(models.tiny_config("llama-2-7b"), models.TrainingSetup(cpu_offload=offload))
+        layout.check(models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", cpu_offload=offload))
 
 
 def test_fsdp2_cpu_offload_is_refused_where_fsdp2_is_modelled():

@@ -10,7 +10,7 @@ from memplan.estimation import estimate
 from memplan.parallel import Layout
 from memplan.parallel.schedules import rank_chunks
 
-SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
 LLAMA4 = models.tiny_config("llama-2-7b", num_hidden_layers=4)
 
 
@@ -42,7 +42,7 @@ def test_a_multi_stage_schedule_of_a_non_llama_model_is_refused_not_modelled():
 def test_pytorchs_own_microbatch_constraint_is_one_line():
     # ScheduleInterleaved1F1B: micro-batches a multiple of the rounds (9 // 4 = 2 rounds)
     config = models.tiny_config("llama-2-7b", num_hidden_layers=8)
-    with pytest.raises(UserError, match="--schedule interleaved: .*multiple of the number of rounds") as info:
+    with pytest.raises(UserError, match="`schedule=interleaved`: .*multiple of the number of rounds") as info:
         estimate(config, SETUP, Layout(pp=4, microbatches=9, schedule="interleaved"), device="cpu",
                  allocator="none")
     assert "\n" not in str(info.value)

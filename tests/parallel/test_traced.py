@@ -11,7 +11,7 @@ from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_
 from memplan.trace.model import ALLOC, CATEGORY
 
 LLAMA = models.tiny_config("llama-2-7b")
-SETUP = models.TrainingSetup(batch=2, seq=32, optimizer_impl="foreach")
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32, optimizer_impl="foreach")
 
 
 def _parameter_bytes_at_start(trace):
@@ -110,7 +110,7 @@ def test_tensor_parallel_of_a_tied_embedding_model_is_traced():
     ("qwen2.5-0.5b", {}, Layout(world_size=4, tp=2), "tied input/output embeddings"),
 ])
 def test_estimate_refuses_tensor_parallel_it_cannot_trace(family, options, layout, reason):
-    setup = models.TrainingSetup(batch=2, seq=32, **options)
+    setup = models.TrainingSetup(batch=2, seq=32, **{"precision": "32-true", **options})
     with pytest.raises(UserError, match=reason):
         estimate(models.tiny_config(family), setup, layout, device="cpu", allocator="none")
 
@@ -276,7 +276,7 @@ def test_lora_layers_under_tensor_parallel_shard_the_frozen_base_and_the_adapter
     from memplan.models.build import transformer_blocks
     from memplan.parallel.apply import tensor_parallel_plan
 
-    model = models.build_model(LLAMA, models.TrainingSetup(batch=1, seq=8, lora_rank=4), device="meta")
+    model = models.build_model(LLAMA, models.TrainingSetup(precision="32-true", batch=1, seq=8, lora_rank=4), device="meta")
     blocks = transformer_blocks(model)
     path = next(name for name, mod in model.named_modules() if mod is blocks)
     plan = tensor_parallel_plan(model, path)
@@ -289,7 +289,7 @@ def test_lora_layers_under_tensor_parallel_shard_the_frozen_base_and_the_adapter
 
 
 def test_lora_under_tensor_parallel_keeps_only_the_adapters_trainable():
-    result = estimate(LLAMA, models.TrainingSetup(batch=2, seq=32, lora_rank=4), Layout(tp=2), device="cpu",
+    result = estimate(LLAMA, models.TrainingSetup(precision="32-true", batch=2, seq=32, lora_rank=4), Layout(tp=2), device="cpu",
                       allocator="none")
     plain = estimate(LLAMA, SETUP, Layout(tp=2), device="cpu", allocator="none")
     assert result.parallel == "traced"
@@ -297,7 +297,7 @@ def test_lora_under_tensor_parallel_keeps_only_the_adapters_trainable():
 
 
 def test_lora_under_pipeline_and_tensor_parallel_is_traced_with_adapter_only_optimizer_states():
-    lora = estimate(PP_LLAMA, models.TrainingSetup(batch=2, seq=32, lora_rank=4),
+    lora = estimate(PP_LLAMA, models.TrainingSetup(precision="32-true", batch=2, seq=32, lora_rank=4),
                     Layout(tp=2, pp=2, microbatches=2), device="cpu", allocator="none")
     full = estimate(PP_LLAMA, SETUP, Layout(tp=2, pp=2, microbatches=2), device="cpu", allocator="none")
     assert lora.parallel == "traced"

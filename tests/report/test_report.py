@@ -21,7 +21,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("report")
-    setup = models.TrainingSetup(batch=2, seq=64, checkpointing="full")
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=64, checkpointing="full")
     trace = capture_model(models.tiny_config("llama-2-7b"), setup, fake=True, device="cuda")
     path = d / "step.memtrace"
     save(trace, path)
@@ -169,7 +169,7 @@ def test_every_panel_names_the_step_it_shows(traced, tmp_path):
                                "baseline_peak_bytes": 10 << 30, "inductor_peak_bytes": 9 << 30,
                                "optimized_peak_bytes": 8 << 30, "lower_bound_bytes": None}))
     page = build_report([trace, reo], tmp_path / "out").read_text()
-    assert "Step: " in page and "batch 2 x seq 64, fp32, checkpointing full" in page  # the trace's own setup
+    assert "Step: " in page and "batch 2 x seq 64, 32-true, checkpointing full" in page  # the trace's own setup
     assert "Step reordered: gpt2, batch 1 x seq 128, bf16." in page
 
 

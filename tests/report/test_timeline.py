@@ -25,7 +25,7 @@ HOVER_FIELDS = ("name", "category", "module", "op", "nbytes", "size", "alloc", "
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     d = tmp_path_factory.mktemp("timeline")
-    config, setup = models.tiny_config("llama-2-7b"), models.TrainingSetup(batch=2, seq=32)
+    config, setup = models.tiny_config("llama-2-7b"), models.TrainingSetup(precision="32-true", batch=2, seq=32)
     estimated = d / "estimated.memtrace"
     save(capture_model(config, setup, fake=True, device="cuda"), estimated)
     measured = d / "measured.memtrace"

@@ -24,7 +24,7 @@ def grpo(config_path):
     measured = trl_truth.grpo_phases(tiny_config("qwen2.5-0.5b"), prompt_len=P, completion_len=C, batch=4,
                                      generations=4, beta=0.04)
     result = estimate_rl(config_path, "grpo", "trl", rollout="hf", prompt_len=P, completion_len=C,
-                         num_generations=4, setup=TrainingSetup(batch=4), beta=0.04, device="cpu")
+                         num_generations=4, setup=TrainingSetup(batch=4, precision="32-true"), beta=0.04, device="cpu")
     return measured, {p.name: p.device_used_bytes for p in result.phases}
 
 
@@ -46,6 +46,6 @@ def test_grpo_training_step_phase_is_within_2_percent_of_trl(grpo):
 def test_dpo_training_step_with_the_reference_scored_inside_is_within_2_percent_of_trl(config_path):
     measured = trl_truth.dpo_phases(tiny_config("qwen2.5-0.5b"), prompt_len=P, completion_len=C, batch=2)
     result = estimate_rl(config_path, "dpo", "trl", rollout="hf", prompt_len=P, completion_len=C, num_generations=1,
-                         setup=TrainingSetup(batch=2), device="cpu")
+                         setup=TrainingSetup(batch=2, precision="32-true"), device="cpu")
     predicted = {p.name: p.device_used_bytes for p in result.phases}
     assert predicted["training step"] == pytest.approx(measured["training step"], rel=0.02)

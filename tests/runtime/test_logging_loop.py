@@ -23,7 +23,7 @@ WARMUP = 2
 
 class LoggingLoop:
     def __init__(self, name: str) -> None:
-        setup = models.TrainingSetup(batch=2, seq=32)
+        setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
         built = build_training_step(models.tiny_config(name), setup, device="cpu")
         self.model, self.optimizer = built.model, built.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + s))

@@ -17,10 +17,10 @@ class Training:
     """A tiny model's training loop; `step(seq)` trains on one batch and records its loss."""
 
     def __init__(self, name: str) -> None:
-        setup = models.TrainingSetup(batch=2, seq=32)
+        setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
         self.built = build_training_step(models.tiny_config(name), setup, device="cpu")
         self.batches = {
-            seq: models.make_batch(self.built.model, models.TrainingSetup(batch=2, seq=seq), seed=seq)
+            seq: models.make_batch(self.built.model, models.TrainingSetup(precision="32-true", batch=2, seq=seq), seed=seq)
             for seq in (16, 24, 32, 40)
         }
         self.losses: list[float] = []

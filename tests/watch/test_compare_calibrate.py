@@ -16,7 +16,7 @@ from memplan.trace import load, save
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory):
     out = tmp_path_factory.mktemp("watched")
-    setup = models.TrainingSetup(batch=2, seq=32)
+    setup = models.TrainingSetup(precision="32-true", batch=2, seq=32)
     torch.manual_seed(0)
     model = models.build_model(models.tiny_config("llama-3.2-1b"), setup, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)

@@ -10,7 +10,7 @@ import torch
 from memplan import models
 from memplan.trace import load
 
-SETUP = models.TrainingSetup(batch=2, seq=32)
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32)
 
 
 def _model():

@@ -11,11 +11,11 @@ from memplan import models
 from memplan.errors import UserError
 from memplan.trace import load, load_snapshot
 
-SETUP = models.TrainingSetup(batch=2, seq=32)
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32)
 
 
 def _job(seed=0, batch=2, seq=32):
-    setup = models.TrainingSetup(batch=batch, seq=seq)
+    setup = models.TrainingSetup(precision="32-true", batch=batch, seq=seq)
     torch.manual_seed(seed)
     model = models.build_model(models.tiny_config("llama-3.2-1b"), setup, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
@@ -134,7 +134,7 @@ def test_the_gpu_search_finds_the_smallest_changes_that_fit_and_each_command_giv
     from memplan.watch.oom import fitting_changes
 
     config = models.tiny_config("llama-3.2-1b")
-    setup = models.TrainingSetup(batch=4, seq=256)
+    setup = models.TrainingSetup(precision="32-true", batch=4, seq=256)
     target = {"gpu": "t4", "gpus": 1, "capacity_bytes": 360 * 2**20}  # 95% usable: 342 MiB, below the 350 MiB the job uses
     changes = fitting_changes(config, setup, target)
     assert 1 <= len(changes) <= 3 and all(len(c["changes"]) == 1 for c in changes)
@@ -155,7 +155,7 @@ def test_the_gpu_search_refuses_in_one_line_a_job_the_estimate_already_fits():
     from memplan.watch.oom import fitting_changes
 
     with pytest.raises(UserError, match="fits t4 as it is") as info:
-        fitting_changes(models.tiny_config("llama-3.2-1b"), models.TrainingSetup(batch=4, seq=256),
+        fitting_changes(models.tiny_config("llama-3.2-1b"), models.TrainingSetup(precision="32-true", batch=4, seq=256),
                         {"gpu": "t4", "gpus": 1})
     assert "\n" not in str(info.value)
 

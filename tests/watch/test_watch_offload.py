@@ -15,7 +15,7 @@ from memplan.capture.groundtruth import profiler_peak_bytes
 from memplan.errors import UserError
 from memplan.offload import load_offload_plan
 
-SETUP = models.TrainingSetup(batch=2, seq=32)
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32)
 STEPS = 5
 MEASURED = 2  # step 2 measured and planned, steps 3-5 offloaded
 PROFILED = 3  # the index (from 0) of the offloaded step the test measures with torch.profiler

@@ -14,7 +14,7 @@ from memplan.errors import UserError
 from memplan.native import missing_build_tools
 from memplan.runtime import FALLBACK_REASONS
 
-SETUP = models.TrainingSetup(batch=2, seq=32)
+SETUP = models.TrainingSetup(precision="32-true", batch=2, seq=32)
 STEPS = 6
 MEASURED = 3  # steps 1-2 recorded, 2 planned, 3 measured, 4-6 served from the plan
 

@@ -75,7 +75,7 @@ def refuse_compiled_step(setup: Any, what: str) -> None:
     compiled code (parallel ranks, pipeline stages, the reordering graph): Dynamo would run
     it eagerly and the trace would be the eager step's."""
     if getattr(setup, "compile", "none") != "none":
-        raise UserError(f"--compile is traced on one device, not {what}: leave out --compile")
+        raise UserError(f"`compile` is traced on one device, not {what}: leave out `compile`")
 
 
 def _empty_strided(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -156,8 +156,8 @@ def build_training_step(
         # bitsandbytes trains int8 layers with MatMul8bitFp on CPU and MatMul8bitLt on CUDA
         # (autograd/_functions.py, `matmul`); the CUDA one splits off the activation columns
         # above the outlier threshold, a data-dependent shape no fake tensor can have
-        raise UserError("--quant int8 is estimated for --device cpu only: bitsandbytes' CUDA int8 matmul "
-                        "(LLM.int8 outlier columns) has data-dependent shapes; use --quant nf4 or fp4")
+        raise UserError("`quant=int8` is estimated for --device cpu only: bitsandbytes' CUDA int8 matmul "
+                        "(LLM.int8 outlier columns) has data-dependent shapes; use `quant=nf4` or fp4")
     config = models.load_config(model_spec) if isinstance(model_spec, str) else model_spec
     start = time.perf_counter()
     if not models.is_fake_mode_active():

@@ -14,19 +14,32 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
-import os
 import sys
-import warnings
 from typing import Any
 
-import numpy as np
-
-from memplan.cli.from_file import apply_from_file
 from memplan.errors import BUG_EXIT_CODE, MemplanBug, UserError
 
-# Subcommand modules, in the order `memplan --help` lists them.
-SUBCOMMANDS = ["run", "trace", "show", "simulate", "pack", "plan", "reorder", "estimate", "fit", "generate", "serve", "rl", "compare", "calibrate", "offload", "report", "demo"]
+# Subcommand -> its one-line help, in the order `memplan --help` lists them; each lives in
+# the module of the same name (its parser and `run`).
+SUBCOMMANDS = {
+    "run": "run your own training command on fake weights and real data, and trace its memory (no GPU needed)",
+    "trace": "capture the lifetime trace of one training step",
+    "show": "summarise a trace: peak live bytes, breakdown at the peak, largest buffers",
+    "simulate": "replay a trace through an allocator: peak reserved memory and fragmentation",
+    "pack": "solve a minimalloc CSV offset problem (exact, with greedy as the start)",
+    "plan": "plan the addresses of a training step ahead (STWeaver): a periodic plan file",
+    "reorder": "find an operator order of the whole training step with a lower peak",
+    "estimate": "predict per-GPU peak memory of a training step (no GPU needed)",
+    "fit": "what fits: layouts on N GPUs, the fewest GPUs, the largest seq/batch, the changes that make a job fit",
+    "generate": "predict the peak memory of a transformers generate() call (no GPU needed)",
+    "serve": "how much KV cache a vLLM / SGLang server gets, and whether it starts (no GPU needed)",
+    "rl": "the memory of an RL post-training step (GRPO, PPO, DPO, RLOO), phase by phase (no GPU needed)",
+    "compare": "a measured step beside memplan's estimate: peaks, categories at the peak, phases, unmatched buffers",
+    "calibrate": "fit a device profile (CUDA context, cuBLAS workspace, NCCL buffers, capacity) to a measured step",
+    "offload": "plan lifetime-aware offloading to NVMe and host memory (TERAIO) and simulate the step",
+    "report": "write an offline HTML report (index.html, PNGs, an interactive timeline) from traces, plans and results",
+    "demo": "run the main job on the embedded default (a GPT-2 step) and write a report",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,17 +49,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"memplan: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, one sub-parser per subcommand."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser, one sub-parser per subcommand; with `only`, that subcommand's
+    alone is built in full (its module imported; "": none), the others named with their help,
+    so that `memplan --help` and a bad flag answer without importing what the work needs."""
     parser = _Parser(prog="memplan", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings as they come")
     subparsers = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
     subparsers.required = True
-    for name in SUBCOMMANDS:
+    for name, text in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            subparsers.add_parser(name, help=text)
+            continue
         module = importlib.import_module(f"memplan.cli.{name}")
         sub = module.add_parser(subparsers)
+        sub.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="show the libraries' warnings as they come")
         positionals = [action.dest for action in sub._actions if not action.option_strings]
         sub.set_defaults(_run=module.run, _inputs=positionals, _parser=sub)
     return parser
+
+
+def _subcommand_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (None: none, e.g. `memplan --help`)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def print_json(obj: Any) -> None:
@@ -55,26 +81,15 @@ def print_json(obj: Any) -> None:
 
 
 def _json_default(obj: Any) -> Any:
-    """numpy scalars and arrays as JSON numbers and lists."""
-    if isinstance(obj, np.integer):
+    """numpy scalars and arrays as JSON numbers and lists (numpy is imported by whatever made them)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.integer):
         return int(obj)
-    if isinstance(obj, np.floating):
+    if np is not None and isinstance(obj, np.floating):
         return float(obj)
-    if isinstance(obj, np.ndarray):
+    if np is not None and isinstance(obj, np.ndarray):
         return obj.tolist()
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
-
-
-def _quiet_libraries() -> None:
-    """Keep stderr for memplan's own progress: silence library chatter users cannot act on."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    # torchao (imported by peft) logs each CUDA-only extension a CPU build cannot load, and
-    # its enum registrations make torch.utils._pytree log a deprecation: neither is the user's
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def _inputs_of(args: argparse.Namespace) -> str:
@@ -88,17 +103,32 @@ def _inputs_of(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
-    _quiet_libraries()
-    parser = build_parser()
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    only = _subcommand_of(arguments)
+    parser = build_parser(only if only in SUBCOMMANDS else "")
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(arguments)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exc.code if isinstance(exc.code, int) else 2
+    from memplan.cli.quiet import LibraryWarnings
+
+    with LibraryWarnings(verbose=getattr(args, "verbose", False)) as held:
+        code = _run(args, arguments)
+        held.summarise = code == 0  # an error stays the one line it is
+    return code
+
+
+def _run(args: argparse.Namespace, arguments: list[str]) -> int:
+    """The subcommand, with memplan's errors as exit codes (module docstring)."""
+    from memplan.cli.from_file import apply_from_file
+
     try:
-        apply_from_file(args, list(sys.argv[1:] if argv is None else argv))
+        apply_from_file(args, arguments)
         return int(args._run(args) or 0)
     except UserError as exc:
-        sys.stderr.write(f"memplan: error: {exc}\n")
+        from memplan.cli.flags import as_flags
+
+        sys.stderr.write(f"memplan: error: {as_flags(str(exc))}\n")
         return 2
     except MemplanBug as exc:
         sys.stderr.write(f"memplan: internal error (a memplan bug, please report it): {exc}\n"

@@ -6,25 +6,51 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING
 
-from memplan.cli.layout_flags import layout_argv
-from memplan.cli.setup_flags import setup_argv
 from memplan.errors import UserError
-from memplan.estimation import Estimate
-from memplan.estimation.figures import DEFAULT_MARGIN
-from memplan.estimation.search import Candidate
+from memplan.models.fields import flags_of
 from memplan.units import format_bytes
 
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.estimation import Estimate
+    from memplan.estimation.search import Candidate
+
 MARGIN_HELP = ("share of the capacity kept free for what the estimate does not see: fits when device used <= "
-               "capacity x (1 - margin) (default 5%%)")
+               "capacity x (1 - margin) (default %(search_margin)s)")
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """Help with the estimate's and the searches' defaults filled in when the help is printed:
+    they live in `memplan.estimation`, which imports torch, and parsing a command line needs
+    none of them."""
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if "%(search_" not in (action.help or ""):
+            return super()._expand_help(action)
+        from memplan.estimation.margin import DEFAULT_MARGIN
+
+        if "%(search_" not in (action.help or "").replace("%(search_margin)s", ""):
+            return self._get_help_string(action) % {"search_margin": f"{DEFAULT_MARGIN:.0%}"}
+        from memplan.estimation.fit import DEFAULT_TOP
+        from memplan.estimation.maxshape import DEFAULT_STEP
+        from memplan.estimation.whatfits import DEFAULT_MAX_NODES
+
+        return self._get_help_string(action) % {
+            "search_margin": f"{DEFAULT_MARGIN:.0%}", "search_top": DEFAULT_TOP, "search_step_seq": DEFAULT_STEP["seq"],
+            "search_step_batch": DEFAULT_STEP["batch"], "search_max_nodes": DEFAULT_MAX_NODES}
 
 
 def add_margin_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--margin", default=f"{DEFAULT_MARGIN:.0%}", metavar="PCT", help=MARGIN_HELP)
+    parser.add_argument("--margin", default=None, metavar="PCT", help=MARGIN_HELP)
 
 
-def parse_margin(text: str) -> float:
-    """`5%` or `0.05` -> 0.05."""
+def parse_margin(text: str | None) -> float:
+    """`5%` or `0.05` -> 0.05; None (no --margin) -> the default margin."""
+    from memplan.estimation.margin import DEFAULT_MARGIN
+
+    if text is None:
+        return DEFAULT_MARGIN
     try:
         value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
@@ -55,11 +81,13 @@ def estimate_command(cand: Candidate, allocator: str, margin: float, args: argpa
     model = [args.model] if args.model is not None else ["--from", args.from_file]  # flags typed win over the file
     if getattr(args, "trust_remote_code", False):
         model.append("--trust-remote-code")
-    argv = ["memplan", "estimate", *model, *setup_argv(cand.setup), *layout_argv(cand.layout), "--gpu", args.gpu]
+    argv = ["memplan", "estimate", *model, *flags_of(cand.setup), *flags_of(cand.layout), "--gpu", args.gpu]
     if args.capacity is not None:
         argv += ["--capacity", args.capacity]
     if allocator != "caching":
         argv += ["--allocator", allocator]
+    from memplan.estimation.margin import DEFAULT_MARGIN
+
     if margin != DEFAULT_MARGIN:
         argv += ["--margin", margin_text(margin)]
     return shlex.join(argv)

@@ -4,18 +4,19 @@ to a step measured on this GPU (`memplan.estimation.calibrate`)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-
-from memplan.cli import print_json
-from memplan.estimation.calibrate import calibrate
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
-        help="fit a device profile (CUDA context, cuBLAS workspace, NCCL buffers, capacity) to a measured step",
+        help=SUBCOMMANDS["calibrate"],
         description="Fit the device constants a measured step shows (the stepN.memtrace memplan.watch writes on "
                     "CUDA) and store them as a local device profile under the cache directory ($MEMPLAN_CACHE, "
                     "else $XDG_CACHE_HOME/memplan, else ~/.cache/memplan). The profile is then listed by "
@@ -31,6 +32,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from memplan.estimation.calibrate import calibrate
+
     result = calibrate(args.measured, args.name, base=args.base)
     if args.json:
         print_json(result)

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.errors import UserError
-from memplan.estimation.compare import compare_files
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "compare",
-        help="a measured step beside memplan's estimate: peaks, categories at the peak, phases, unmatched buffers",
+        help=SUBCOMMANDS["compare"],
         description="Compare a measured step (a .memtrace, e.g. the stepN.memtrace memplan.watch writes, or a "
                     "PyTorch memory snapshot pickle) with an estimate of it (the JSON of memplan estimate --json, "
                     "the estimate.json memplan.watch writes, or an estimate's .memtrace): peak allocated, reserved "
@@ -44,6 +43,11 @@ def _difference(entry: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.estimation.compare import compare_files
+
     if args.top < 0:
         raise UserError("--top must be >= 0")
     doc = compare_files(args.measured, args.estimate, top=args.top)

@@ -31,24 +31,19 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-from memplan import models
-from memplan.capture import capture
-from memplan.capture.groundtruth import profiler_peak_bytes
-from memplan.capture.step import build_training_step
-from memplan.cli import main, print_json
+from memplan.cli import SUBCOMMANDS, main, print_json
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.offload.lifetimes import op_peak_bytes, resident_floor_bytes
-from memplan.trace import Trace, load, save_snapshot
 from memplan.units import format_bytes
 
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+
+    from memplan.trace import Trace
+
 DEFAULT_MODEL = "gpt2"
-DEFAULT_SETUP = ["--batch", "8", "--seq", "1024", "--dtype", "bf16", "--checkpointing", "full"]
+DEFAULT_SETUP = ["--batch", "8", "--seq", "1024", "--precision", "bf16-true", "--checkpointing", "full"]
 DEFAULT_GPU = "a10g"
 STAGES = 7  # what the progress bar counts: the numbered steps of the module docstring
 OFFLOAD_BUDGET_FRACTION = 0.5  # of the way from the resident floor to the peak
@@ -57,6 +52,8 @@ OFFLOAD_BUDGET_FRACTION = 0.5  # of the way from the resident floor to the peak
 def offload_budget_bytes(trace: Trace) -> int:
     """The demo's offloading budget: `OFFLOAD_BUDGET_FRACTION` of the way from the step's
     resident floor (`memplan.offload.lifetimes.resident_floor_bytes`) to its peak."""
+    from memplan.offload.lifetimes import op_peak_bytes, resident_floor_bytes
+
     floor = resident_floor_bytes(trace)
     peak = int(op_peak_bytes(trace).max(initial=0))
     return floor + int(OFFLOAD_BUDGET_FRACTION * (peak - floor))
@@ -65,7 +62,7 @@ def offload_budget_bytes(trace: Trace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo",
-        help="run the main job on the embedded default (a GPT-2 step) and write a report",
+        help=SUBCOMMANDS["demo"],
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -104,6 +101,11 @@ def _quiet_fds() -> Iterator[None]:
 
 def _real_cpu_check() -> dict[str, Any]:
     """A small real CPU training step: captured peak vs torch.profiler's peak."""
+    from memplan import models
+    from memplan.capture import capture
+    from memplan.capture.groundtruth import profiler_peak_bytes
+    from memplan.capture.step import build_training_step
+
     step = build_training_step(models.tiny_config("gpt2"), models.TrainingSetup(batch=4, seq=64), device="cpu")
     step.run()
     with _quiet_fds():  # the profiler's C++ side prints start/stop lines on the raw fds
@@ -138,6 +140,8 @@ def _json_stage(argv: list[str], path: Path, log: io.TextIOBase) -> dict[str, An
 def _run_stages(paths: dict[str, Path], log: io.TextIOBase,
                 advance: Callable[[str], None]) -> tuple[Trace, dict[str, Any]]:
     """Every stage of the demo on the one captured trace: the trace, and the results by stage."""
+    from memplan.trace import load, save_snapshot
+
     trace_file = str(paths["trace"])
     _run_cli(["trace", DEFAULT_MODEL, *DEFAULT_SETUP, "-o", trace_file], log)
     trace = load(paths["trace"])
@@ -153,7 +157,7 @@ def _run_stages(paths: dict[str, Path], log: io.TextIOBase,
         for a in ("caching", "expandable", "ideal", "planned")
     }
     advance("reorder the operators")
-    results["reorder"] = _json_stage(["reorder", DEFAULT_MODEL, "--batch", "1", "--seq", "128", "--dtype", "bf16",
+    results["reorder"] = _json_stage(["reorder", DEFAULT_MODEL, "--batch", "1", "--seq", "128", "--precision", "bf16-true",
                                       "--time-limit", "10"], paths["reorder"], log)
     advance("plan offloading")
     results["offload"] = _json_stage(["offload", trace_file, "--gpu", DEFAULT_GPU, "--nvme", "1x990pro",
@@ -169,6 +173,9 @@ def _run_stages(paths: dict[str, Path], log: io.TextIOBase,
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     out_dir = Path(args.output_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a directory: choose another --output-dir")

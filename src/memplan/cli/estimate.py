@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
-from memplan.cli.answer import add_margin_flag, estimate_command, parse_margin, verdict
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.answer import (
+    DefaultsHelp,
+    add_margin_flag,
+    estimate_command,
+    parse_margin,
+    verdict,
+)
+from memplan.cli.flags import (
+    add_layout_flags,
+    add_setup_flags,
+    as_flags,
+    layout_from_args,
+    setup_from_args,
+)
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
-from memplan.cli.layout_flags import add_layout_flags, layout_from_args
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import command, echo, pairs, paragraph, table
 from memplan.errors import UserError
-from memplan.estimation import Estimate, estimate
-from memplan.estimation.from_trace import estimate_trace
-from memplan.estimation.search import Candidate, row_of
-from memplan.estimation.whatfits import what_fits
-from memplan.hardware.devices import DeviceProfile, all_profiles
-from memplan.trace import load
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.estimation import Estimate
+    from memplan.hardware.devices import DeviceProfile
 
 IMPL_NAMES = {"hf": "Hugging Face transformers", "litgpt": "LitGPT"}  # whose model code was traced
 DEFAULT_SUGGEST = 6  # estimates the search for a change that fits may make (memplan.estimation.whatfits)
@@ -27,7 +37,8 @@ DEFAULT_SUGGEST = 6  # estimates the search for a change that fits may make (mem
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "estimate",
-        help="predict per-GPU peak memory of a training step (no GPU needed)",
+        help=SUBCOMMANDS["estimate"],
+        formatter_class=DefaultsHelp,
         description="Trace one training step on fake tensors (or take the step a TRACE recorded) and predict, "
         "per rank, peak allocated and reserved memory, device memory used, the breakdown and phase at the "
         "peak, and whether it fits.",
@@ -60,6 +71,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.estimation import estimate
+    from memplan.estimation.from_trace import estimate_trace
+    from memplan.hardware.devices import all_profiles
+    from memplan.trace import load
+
     if args.gpu == "list":
         return list_gpus(all_profiles(), as_json=args.json)
     capacity = parse_size(args.capacity) if args.capacity is not None else None
@@ -100,6 +116,9 @@ def suggest(result: Estimate, args: argparse.Namespace, cache: dict) -> dict | N
     if result.fits is not False or args.suggest == 0 or args.gpu is None or result.device != "cuda" or \
             args.cuda_context is not None or args.alloc_conf is not None or args.modelled_layout:
         return None
+    from memplan.estimation.search import Candidate, row_of
+    from memplan.estimation.whatfits import what_fits
+
     setup, layout = setup_from_args(args), layout_from_args(args)
     found = what_fits(model_arg(args), args.gpu, setup, layout, top=1, margin=result.margin,
                       capacity=result.capacity_bytes if args.capacity is not None else None,
@@ -129,6 +148,14 @@ def list_gpus(profiles: list[DeviceProfile], *, as_json: bool) -> int:
     echo(table(header, body, title=f"{len(rows)} GPU profiles (TFLOP/s dense; capacity as PyTorch reports it)",
                right=[c not in ("gpu", "name", "platform", "source") for c in header]))
     return 0
+
+
+def render_assumptions(assumptions: dict) -> None:
+    """What the estimate assumed, in one paragraph, then each large term it explains."""
+    if assumptions:
+        echo(paragraph(as_flags(assumptions["line"])))
+    for note in assumptions.get("notes", []):
+        echo(paragraph(f"note: {as_flags(note)}"))
 
 
 def render(result: Estimate, suggestion: dict | None = None) -> None:
@@ -173,6 +200,7 @@ def render_figures(result: Estimate, title: str, suggestion: dict | None = None)
     if result.routing not in (None, "balanced") and layout.get("ep", 1) > 1:
         echo(paragraph(f"routing {result.routing}: rank 0 holds the experts most tokens go to; its figures bound "
                        "the other ranks'"))
+    render_assumptions(result.assumptions)
     if result.capacity_bytes is not None:
         echo(paragraph(f"{verdict(result)} ({result.method}, layout {result.parallel}, {result.elapsed_s:.1f} s)"))
         render_suggestion(suggestion)

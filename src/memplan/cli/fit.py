@@ -17,27 +17,42 @@ gives the same figures. fit traces the model, so it takes a model, not a trace.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memplan.cli import print_json
-from memplan.cli.answer import add_margin_flag, estimate_command, margin_text, parse_margin
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.answer import (
+    DefaultsHelp,
+    add_margin_flag,
+    estimate_command,
+    margin_text,
+    parse_margin,
+)
+from memplan.cli.estimate import render_assumptions
+from memplan.cli.flags import (
+    add_layout_flags,
+    add_setup_flags,
+    given_flags,
+    layout_from_args,
+    setup_from_args,
+)
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
-from memplan.cli.layout_flags import add_layout_flags, custom_layout_flags, layout_from_args
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import command, echo, paragraph, table
 from memplan.errors import UserError
-from memplan.estimation.fit import DEFAULT_TOP, FitResult, fit
-from memplan.estimation.maxshape import DEFAULT_STEP, TARGETS, MaxResult, max_shape
-from memplan.estimation.search import Row
-from memplan.estimation.whatfits import DEFAULT_MAX_NODES, WhatFitsResult, what_fits
+from memplan.parallel.layout import Layout
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.estimation.fit import FitResult
+    from memplan.estimation.maxshape import MaxResult
+    from memplan.estimation.search import Row
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "fit",
-        help="what fits: layouts on N GPUs, the fewest GPUs, the largest seq/batch, the changes that make a job fit",
+        help=SUBCOMMANDS["fit"],
+        formatter_class=DefaultsHelp,
         description="Search layouts, GPU counts, shapes or changes to a job; every row shown is a traced estimate, "
                     "with the memplan estimate command that gives it.",
     )
@@ -49,18 +64,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_margin_flag(p)
     p.add_argument("--allocator", default="caching", metavar="NAME",
                    help="the allocator every estimate replays: caching (default), expandable, planned or none")
-    p.add_argument("--top", type=int, default=None, metavar="K", help=f"show the K fastest (default {DEFAULT_TOP})")
+    p.add_argument("--top", type=int, default=None, metavar="K", help="show the K fastest (default %(search_top)s)")
     p.add_argument("--max", default=None, metavar="seq|batch",
                    help="the largest sequence length or micro-batch of your setup and layout that fits")
     p.add_argument("--step", type=int, default=None, metavar="N",
-                   help=f"--max granularity (default {DEFAULT_STEP['seq']} for seq, {DEFAULT_STEP['batch']} for batch)")
+                   help="--max granularity (default %(search_step_seq)s for seq, %(search_step_batch)s for batch)")
     p.add_argument("--what-fits", action="store_true",
                    help="the smallest sets of changes to your setup and layout that make the job fit")
     p.add_argument("--allow-quant", action="store_true", help="--what-fits may quantise the base model (QLoRA)")
     p.add_argument("--allow-more-gpus", action="store_true",
                    help="--what-fits may add GPUs (by default it keeps --gpus and changes the job on them)")
     p.add_argument("--max-nodes", type=int, default=None, metavar="N",
-                   help=f"--what-fits: estimate at most N candidates (default {DEFAULT_MAX_NODES})")
+                   help="--what-fits: estimate at most N candidates (default %(search_max_nodes)s)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes estimating in parallel (default: the cores this process may use)")
     add_setup_flags(p)
@@ -79,6 +94,8 @@ def parse_gpus(text: str) -> int | str:
 
 def check_modes(args: argparse.Namespace, gpus: int | str) -> None:
     """`UserError` for flags that do not go together (one line, with the fix)."""
+    from memplan.estimation.maxshape import TARGETS
+
     if args.max is not None and args.max not in TARGETS:
         raise UserError(f"unknown --max target {args.max!r}: choose {' or '.join(TARGETS)}")
     if args.max is not None and args.what_fits:
@@ -94,13 +111,18 @@ def check_modes(args: argparse.Namespace, gpus: int | str) -> None:
         raise UserError("--max has one answer: leave --top out")
     if not args.what_fits and (args.allow_quant or args.allow_more_gpus or args.max_nodes is not None):
         raise UserError("--allow-quant, --allow-more-gpus and --max-nodes configure --what-fits: add --what-fits")
-    custom = custom_layout_flags(args)
+    custom = given_flags(Layout, args, leave_out=("world_size",))
     if custom and args.max is None and not args.what_fits:
         raise UserError(f"fit searches ZeRO, TP and PP itself; {', '.join(custom)} describe your own layout for "
                         "--max and --what-fits: leave them out")
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.estimation.assumptions import setup_assumptions
+    from memplan.estimation.fit import DEFAULT_TOP, fit
+    from memplan.estimation.maxshape import MaxResult, max_shape
+    from memplan.estimation.whatfits import DEFAULT_MAX_NODES, what_fits
+
     refuse_trace(args.model, "fit", "searches layouts, micro-batches and checkpointing by re-tracing the model "
                  "(memplan estimate TRACE gives the trace's own memory)")
     gpus = parse_gpus(args.gpus)
@@ -120,12 +142,15 @@ def run(args: argparse.Namespace) -> int:
                            max_nodes=args.max_nodes or DEFAULT_MAX_NODES, **common)
     else:
         result = fit(model, args.gpu, gpus, setup, top=args.top or DEFAULT_TOP, **common)
+    assumptions = setup_assumptions(model, setup, layout_from_args(args, gpus if isinstance(gpus, int) else 1))
     if args.json:
-        print_json({**result_json(result, args), **from_json(args)})
-    elif isinstance(result, MaxResult):
+        print_json({**result_json(result, args), "assumptions": assumptions, **from_json(args)})
+        return 0
+    if isinstance(result, MaxResult):
         render_max(result, args)
     else:
         render_rows(result, args, margin)
+    render_assumptions(assumptions)
     return 0
 
 
@@ -140,6 +165,9 @@ def _row_json(row: Row | None, args: argparse.Namespace) -> dict[str, Any] | Non
 
 def result_json(result: FitResult | MaxResult, args: argparse.Namespace) -> dict[str, Any]:
     """The result's JSON object, each row with its `memplan estimate` command."""
+    from memplan.estimation.maxshape import MaxResult
+    from memplan.estimation.whatfits import WhatFitsResult
+
     doc = result.to_json()
     if isinstance(result, MaxResult):
         doc["at"], doc["above"] = _row_json(result.at, args), _row_json(result.above, args)
@@ -152,6 +180,8 @@ def result_json(result: FitResult | MaxResult, args: argparse.Namespace) -> dict
 
 
 def _title(result: FitResult, args: argparse.Namespace) -> str:
+    from memplan.estimation.whatfits import WhatFitsResult
+
     if isinstance(result, WhatFitsResult):
         if result.base is not None and result.base.fits:
             return f"{result.model} fits as it is on {result.gpus} x {args.gpu}"
@@ -174,6 +204,8 @@ def _cells(row: Row, what_fits_mode: bool) -> list[str]:
 
 def render_rows(result: FitResult, args: argparse.Namespace, margin: float) -> None:
     """A table of `result`'s rows, then each row's `memplan estimate` command."""
+    from memplan.estimation.whatfits import WhatFitsResult
+
     what_fits_mode = isinstance(result, WhatFitsResult)
     layout = ["dp", "zero", "tp", "pp", "mb", "accum", "ckpt", "allocator"]
     header = ["#", *(["changes"] if what_fits_mode else layout), "device used", "step (s)", "ms/token"]

@@ -1,7 +1,7 @@
 """`--from FILE` and `--trust-remote-code`, the model-input flags of every subcommand that
 takes a model.
 
-`--from FILE` reads a trainer's configuration (`memplan.models.trainer_config`: axolotl,
+`--from FILE` reads a trainer's configuration (`memplan.trainers`: axolotl,
 torchtune, torchtitan, accelerate, TrainingArguments) and fills the model, the setup flags
 and, where the subcommand has them, the parallel-layout flags. A flag typed on the command
 line wins over the file (and the report says so); every key of the file is listed on
@@ -15,8 +15,11 @@ import sys
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.models.trainer_config import read_trainer_config
-from memplan.models.trainer_mapping import LAYOUT_FIELDS, TrainerConfig
+from memplan.models.fields import flags_by_name, flags_in_message
+from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import Layout
+from memplan.trainers import read_trainer_config
+from memplan.trainers.mapping import LAYOUT_FIELDS, TrainerConfig
 
 REPORT = "_from_report"  # the Namespace attribute the report is kept under
 
@@ -62,11 +65,14 @@ def _apply(args: argparse.Namespace, config: TrainerConfig, explicit: set[str]) 
     """Set the flags the file gives and the command line does not; the report of it."""
     overridden: dict[str, str] = {}
     has_layout = "tp" in vars(args)
+    flags = flags_by_name(TrainingSetup, Layout)
     for name, value in {**config.setup, **(config.layout if has_layout else {})}.items():
-        if name in explicit:
-            overridden[name] = f"--{name.replace('_', '-')} {getattr(args, name)} (command line) over {value} (file)"
+        field = flags[name]
+        if field.dest in explicit:
+            overridden[name] = (f"{field.flag} {field.format(getattr(args, field.dest))} (command line) over "
+                                f"{field.format(value)} (file)")
         else:
-            setattr(args, name, ",".join(value) if name == "lora_targets" else value)
+            setattr(args, field.dest, value)
     if not has_layout:
         _layout_left_out(config, args.command)
     if args.model is None:
@@ -93,7 +99,8 @@ def _layout_left_out(config: TrainerConfig, command: str) -> None:
 
 
 def _write_report(report: dict[str, Any]) -> None:
-    """Each key of the file on stderr: what it set, or why it was left out."""
+    """Each key of the file on stderr: what it set, or why it was left out (the fields a
+    reason names, as flags)."""
     head = f"memplan: --from {report['file']} ({report['format']})"
     for key, text in report["used"].items():
         sys.stderr.write(f"{head}: used {key}: {text}\n")
@@ -101,7 +108,9 @@ def _write_report(report: dict[str, Any]) -> None:
     for key, why in report["ignored"].items():
         by_reason.setdefault(why, []).append(key)
     for why, keys in by_reason.items():
-        sys.stderr.write(f"{head}: ignored {', '.join(keys)}: {why}\n")
+        sys.stderr.write(f"{head}: ignored {', '.join(keys)}: {flags_in_message(why, TrainingSetup, Layout)}\n")
+    for name, text in report["defaults"].items():
+        sys.stderr.write(f"{head}: the file names no {name}: {text}\n")
     for name, text in report["overridden"].items():
         sys.stderr.write(f"{head}: {name}: {text}\n")
 

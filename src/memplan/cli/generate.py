@@ -4,22 +4,25 @@ of one transformers generate() call (`memplan.inference.generate.estimate_genera
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.from_file import add_model_input_flags
 from memplan.cli.inputs import model_arg
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.inference.gen_capture import CACHES, GenerationSetup
-from memplan.inference.generate import GenerationEstimate, estimate_generation
+from memplan.inference.gen_setup import CACHES, GenerationSetup
 from memplan.models.setup import ATTENTIONS, DTYPES, QUANT_STORAGES, QUANTS
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.inference.generate import GenerationEstimate
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "generate",
-        help="predict the peak memory of a transformers generate() call (no GPU needed)",
+        help=SUBCOMMANDS["generate"],
         description="Trace one transformers generate() call on fake tensors (prefill, then exactly N decode "
         "steps, with the cache transformers builds) and predict peak allocated and reserved memory, device "
         "memory used, the breakdown and phase at the peak, and whether it fits.",
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     fields = {"dtype": args.dtype, "attn": args.attn, "quant": args.quant, "double_quant": args.double_quant,
               "quant_storage": args.quant_storage, "compute_dtype": args.compute_dtype, "routing": args.routing,
               "seq": generation.total_len}
+    from memplan.inference.generate import estimate_generation
+
     result = estimate_generation(
         model_arg(args), generation, fields, device=args.device, allocator=args.allocator, alloc_conf=args.alloc_conf,
         capacity=parse_size(args.capacity) if args.capacity is not None else None, gpu=args.gpu,

@@ -14,17 +14,16 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memplan.cli.layout_flags import layout_from_args
-from memplan.cli.setup_flags import setup_from_args
+from memplan.cli.flags import layout_from_args, setup_from_args
 from memplan.errors import UserError
-from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
 from memplan.parallel.layout import Layout
-from memplan.trace.io import file_kind
-from memplan.trace.model import Trace
 
-if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
     from transformers import PretrainedConfig
+
+    from memplan.models.registry import FactorySpec
+    from memplan.trace.model import Trace
 
 TRACE_SUFFIXES = (".memtrace", ".pickle", ".pkl")
 
@@ -34,6 +33,8 @@ def trace_path(spec: str) -> Path | None:
     path = Path(spec).expanduser()
     if not path.is_file() or path.suffix == ".json":
         return None
+    from memplan.trace.io import file_kind
+
     try:
         kind = file_kind(path)
     except OSError as exc:
@@ -46,6 +47,8 @@ def model_arg(args: argparse.Namespace) -> str | PretrainedConfig | FactorySpec:
     the config loaded with the repository's own code (the library never runs remote code
     unless asked: a spec string is resolved with `trust_remote_code=False`)."""
     if getattr(args, "trust_remote_code", False):
+        from memplan.models.registry import load_config
+
         return load_config(args.model, trust_remote_code=True)
     return args.model
 
@@ -70,8 +73,8 @@ def refuse_retracing(spec: str, trace: Trace, args: argparse.Namespace, *, layou
         if value == defaults.get(key) or (isinstance(recorded, dict) and recorded.get(key) == value):
             continue
         had = f"the trace has {recorded.get(key)}" if isinstance(recorded, dict) else "the trace records no setup"
-        raise UserError(f"{spec} is a trace: it cannot be re-traced under another setup (--{key.replace('_', '-')} "
-                        f"{value}; {had}): pass the model instead of the trace")
+        raise UserError(f"{spec} is a trace: it cannot be re-traced under another setup (`{key}={value}`; "
+                        f"{had}): pass the model instead of the trace")
     if layout_flags and layout_from_args(args).to_dict() != Layout().to_dict():
         raise UserError(f"{spec} is a trace of one device: it cannot be re-traced under another parallel layout "
-                        "(--world-size, --zero, --tp, --pp, --cp): pass the model instead of the trace")
+                        "(`world_size`, `zero`, `tp`, `pp`, `cp`): pass the model instead of the trace")

@@ -3,35 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memplan.capture.step import capture_step
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_retracing, trace_path
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.hardware.links import Hardware, make_hardware
-from memplan.models import TrainingSetup, load_config
-from memplan.offload.evaluate import RECOMPUTE_POLICIES, evaluate
-from memplan.offload.plan_file import save_offload_plan
-from memplan.parallel.layout import Layout
-from memplan.parallel.transform import rank_trace
-from memplan.trace import edit as trace_edit
-from memplan.trace import load
-from memplan.trace.model import Trace
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.hardware.links import Hardware
+    from memplan.offload.steps import OffloadSteps
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "offload",
-        help="plan lifetime-aware offloading to NVMe and host memory (TERAIO) and simulate the step",
+        help=SUBCOMMANDS["offload"],
         description="Capture MODEL's training step on fake tensors (or take the step a TRACE recorded), "
         "plan which idle tensors leave device memory and when (greedy benefit/cost with one bandwidth "
         "timeline per link), simulate the step with the transfers, and compare with ZeRO-Offload-, "
@@ -63,18 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-@dataclass
-class _Steps:
-    """The traces one offload evaluation takes (see `memplan.offload.evaluate.evaluate`)."""
-
-    trace: Trace  # the trace memplan plans
-    setup: dict[str, Any]  # the setup it was captured under ({} when unknown)
-    baseline_trace: Trace | None = None  # the whole step, when `trace` is one FSDP2 rank's
-    checkpointed: Trace | None = None  # the step with full activation checkpointing (the ZeRO baselines')
-    alternatives: dict[str, Trace] = field(default_factory=dict)  # checkpointing policy -> planned trace
-
-
 def run(args: argparse.Namespace) -> int:
+    from memplan.hardware.links import make_hardware
+    from memplan.offload.evaluate import evaluate
+    from memplan.offload.plan_file import save_offload_plan
+
     if args.zero == 3 and args.gpus < 2:
         raise UserError("--zero 3 shards over the node's GPUs: give --gpus N with N >= 2")
     hardware = make_hardware(args.gpu, nvme=args.nvme, host_mem=args.host_mem, gpus=args.gpus, pcie=args.pcie)
@@ -97,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _traced_steps(path: Path, args: argparse.Namespace) -> _Steps:
+def _traced_steps(path: Path, args: argparse.Namespace) -> OffloadSteps:
     """The step a trace file recorded, as it is: no other setup, layout or checkpointing policy."""
+    from memplan.offload.steps import traced_steps
+    from memplan.trace import load
+
     trace = load(path)
     refuse_retracing(args.model, trace, args)
     if args.zero == 3:
@@ -107,66 +95,23 @@ def _traced_steps(path: Path, args: argparse.Namespace) -> _Steps:
     if args.try_checkpointing:
         raise UserError(f"{args.model} is a trace: it cannot be re-traced under other checkpointing policies "
                         "(--try-checkpointing): pass the model instead of the trace")
-    if trace.meta.get("device", "cuda") != "cuda":
-        raise UserError(f"{args.model} records a {trace.meta['device']} job: offloading plans a GPU's step; "
-                        "capture it for cuda (memplan trace without --real) or pass the model instead")
-    view = trace_edit.device_view(trace, args.device)
-    if view.num_ops == 0:
-        raise UserError(f"{args.model} records no ops (a PyTorch memory snapshot holds allocations only): "
-                        "offloading needs the ops that use each buffer; capture the step with memplan trace")
-    setup = trace.meta.get("setup") if isinstance(trace.meta.get("setup"), dict) else {}
-    if setup and TrainingSetup.from_dict(setup).resolved_optimizer_impl("cuda") != "loop":
-        sys.stderr.write("memplan: the trace's optimizer steps every state in one kernel: no state can be away "
-                         "during it (capture with --optimizer-impl loop to let them leave)\n")
-    return _Steps(view, setup)
+    return traced_steps(trace, args.device)
 
 
-def _captured_steps(args: argparse.Namespace) -> _Steps:
-    """MODEL's step captured on fake tensors, and the variants the evaluation compares it with."""
+def _captured_steps(args: argparse.Namespace) -> OffloadSteps:
+    """MODEL's step captured on fake tensors, and its variants (`memplan.offload.steps`)."""
+    from memplan.models import load_config
+    from memplan.offload.steps import captured_steps
+
     if args.device is not None:
         raise UserError("--device picks a device of a TRACE; a captured MODEL step runs on one GPU")
-    config = model_arg(args)
-    if isinstance(config, str):
-        config = load_config(config)
     setup = setup_from_args(args)
-    if setup.activation_offload != "none":
-        raise UserError("memplan offload plans which tensors leave the GPU itself: drop --activation-offload")
     if args.try_checkpointing and setup.checkpointing != "none":
-        raise UserError(f"--try-checkpointing tries every checkpointing policy itself: drop --checkpointing "
-                        f"{setup.checkpointing}")
-    if setup.optimizer_impl is None:
-        # one foreach kernel touches every state at once: nothing could be away during it
-        setup = dataclasses.replace(setup, optimizer_impl="loop")
-        sys.stderr.write("memplan: offload plans a per-parameter optimizer step (--optimizer-impl loop)\n")
-
-    def captured(step_setup: TrainingSetup, what: str, planned: bool = True) -> tuple[Trace | None, Trace]:
-        """(the trace memplan plans, None unless `planned`; the whole step's trace) under `step_setup`."""
-        sys.stderr.write(f"memplan: capturing {args.model}{what} on fake tensors ...\n")
-        step = capture_step(config, step_setup, "cuda")
-        if args.zero == 0 or not planned:
-            return (step.trace if planned else None), step.trace
-        return rank_trace(step, Layout(world_size=args.gpus, zero=3), step_setup, 0), step.trace
-
-    trace, whole = captured(setup, "")
-    assert trace is not None
-    steps = _Steps(trace, setup.to_dict(), baseline_trace=whole if args.zero == 3 else None)
-    if setup.checkpointing == "none":
-        # the ZeRO baselines' activation offload (DeepSpeed's cpu_checkpointing) needs activation checkpointing;
-        # memplan plans this step too only when it searches the checkpointing policies
-        planned_full, steps.checkpointed = captured(dataclasses.replace(setup, checkpointing="full"),
-                                                    " with full activation checkpointing (the ZeRO baselines')",
-                                                    planned=args.try_checkpointing)
-        if planned_full is not None:
-            steps.alternatives["full"] = planned_full
-    if args.try_checkpointing:
-        for policy in RECOMPUTE_POLICIES:
-            if policy != "full":
-                alternative, _ = captured(dataclasses.replace(setup, checkpointing=policy),
-                                          f" with checkpointing {policy}")
-                assert alternative is not None
-                steps.alternatives[policy] = alternative
-        steps.alternatives = {policy: steps.alternatives[policy] for policy in RECOMPUTE_POLICIES}
-    return steps
+        raise UserError(f"--try-checkpointing tries every checkpointing policy itself: drop "
+                        f"`checkpointing={setup.checkpointing}`")
+    config = model_arg(args)
+    return captured_steps(load_config(config) if isinstance(config, str) else config, setup, zero=args.zero,
+                          gpus=args.gpus, try_checkpointing=args.try_checkpointing, name=args.model)
 
 
 def _render(report: dict[str, Any], plan: Any, hardware: Hardware, args: argparse.Namespace) -> None:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.table import echo, paragraph
 from memplan.errors import UserError
-from memplan.layout import pack
-from memplan.layout.minimalloc_csv import read_csv, write_csv
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 UNDECIDED_EXIT_CODE = 4  # the time limit ran out before the capacity was decided
 
@@ -23,7 +25,7 @@ UNDECIDED_EXIT_CODE = 4  # the time limit ran out before the capacity was decide
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "pack",
-        help="solve a minimalloc CSV offset problem (exact, with greedy as the start)",
+        help=SUBCOMMANDS["pack"],
         description="Give every buffer of a minimalloc CSV problem an offset so that buffers "
         "live at the same time never overlap: the least height (--minimize, the default "
         "without --capacity), or any packing within --capacity (exit 1 if none exists).",
@@ -38,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.layout import pack
+    from memplan.layout.minimalloc_csv import read_csv, write_csv
+
     if args.time_limit < 0:
         raise UserError(f"--time-limit {args.time_limit} must be >= 0")
     problem, _ = read_csv(args.problem)

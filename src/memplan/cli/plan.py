@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.table import echo, paragraph
-from memplan.layout import plan_addresses, save_address_plan
-from memplan.trace import load
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
-        help="plan the addresses of a training step ahead (STWeaver): a periodic plan file",
+        help=SUBCOMMANDS["plan"],
         description="Plan every allocation of a trace's first iterations at a fixed offset in "
         "one arena (fixed regions for weights, gradients and optimizer states; cross-phase "
         "activation groups; the rest in the gaps) and write the plan as JSON. Replay it with "
@@ -29,6 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.layout import plan_addresses, save_address_plan
+    from memplan.trace import load
+
     trace = load(args.trace)
     result = plan_addresses(trace, alignment_bytes=args.alignment, device=args.device)
     save_address_plan(result, args.output)

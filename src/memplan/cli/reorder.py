@@ -11,23 +11,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import echo, pairs
 from memplan.errors import UserError
-from memplan.models.registry import load_config
-from memplan.order import capture_model_step, layout_peak
-from memplan.order.solve import optimize_order
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "reorder",
-        help="find an operator order of the whole training step with a lower peak",
+        help=SUBCOMMANDS["reorder"],
         description="Trace the whole training step of MODEL (registry name, config.json path, "
         "package.module:factory or Hub id org/name) as one graph on fake tensors and reorder its operators "
         "(forward, backward and optimizer together) to lower the peak memory (ROAM).",
@@ -47,6 +48,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.models.registry import load_config
+    from memplan.order import capture_model_step, layout_peak
+    from memplan.order.solve import optimize_order
+
     refuse_trace(args.model, "reorder", "traces the model's step as one operator graph, which a trace does not hold")
     if not args.time_limit or args.time_limit <= 0:
         raise UserError(f"--time-limit must be more than 0 seconds, not {args.time_limit:g}")

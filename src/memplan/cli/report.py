@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+from memplan.cli import SUBCOMMANDS, print_json
 
-from memplan.cli import print_json
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "report",
-        help="write an offline HTML report (index.html, PNGs, an interactive timeline) from traces, plans and results",
+        help=SUBCOMMANDS["report"],
         description="Inputs: .memtrace files or PyTorch snapshot pickles, plan files from "
         "'memplan plan', and the --json output of estimate, reorder, offload and rl.",
     )
@@ -28,6 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     # memplan.report draws with matplotlib: imported only when a report is drawn
+    from rich.console import Console
+
     from memplan.report import build_report
 
     with Console(stderr=True).status("drawing the report…"):

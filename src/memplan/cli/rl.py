@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memplan.cli import print_json
-from memplan.cli.layout_flags import add_layout_flags, layout_from_args
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.flags import add_layout_flags, add_setup_flags, layout_from_args, setup_from_args
 from memplan.cli.table import echo, paragraph, table
 from memplan.errors import UserError
-from memplan.rl import RLEstimate, estimate_rl
-from memplan.rl.config import read_rl_config
 from memplan.rl.trainers import ALGOS, OFFLOADS, REFERENCES, ROLLOUTS, TRAINERS, trainer_rules
-from memplan.rl.whatfits import what_fits
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.rl.estimate import RLEstimate
 
 ENGINE_FLAGS = (  # (flag, dest, type, help)
     ("--vllm-gpu-memory-utilization", "gpu_memory_utilization", float,
@@ -39,7 +38,7 @@ ENGINE_FLAGS = (  # (flag, dest, type, help)
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "rl",
-        help="the memory of an RL post-training step (GRPO, PPO, DPO, RLOO), phase by phase (no GPU needed)",
+        help=SUBCOMMANDS["rl"],
         description="One step of RL post-training on one GPU, phase by phase: the engine's start, the weight sync, "
         "the rollout, the log-probability passes and the training step, each with its residents, its peak and "
         "the allocator holding each term; the peak phase, the verdict and the cheapest changes that fit.",
@@ -86,6 +85,8 @@ def _resolved(args: argparse.Namespace) -> dict[str, Any]:
     from_file: dict[str, Any] = {}
     report = None
     if args.rl_from is not None:
+        from memplan.rl.config import read_rl_config
+
         values, report = read_rl_config(args.rl_from)
         from_file = values
     defaults = {"algo": "grpo", "trainer": "trl", "rollout": "vllm-colocate", "prompt_len": 512,
@@ -118,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     setup = setup_from_args(args)
     layout = layout_from_args(args)
     setup, layout = _with_file(setup, layout, values, args)
+    from memplan.rl.estimate import estimate_rl
+    from memplan.rl.whatfits import what_fits
+
     result = estimate_rl(
         values["model"], values["algo"], values["trainer"], rollout=values["rollout"],
         prompt_len=values["prompt_len"], completion_len=values["completion_len"],

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.estimate import render_figures
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.program import LAUNCHERS, ProgramFailed, ProgramRun, run_program
+from memplan.program.launchers import LAUNCHERS
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.program import ProgramRun
 
 PROGRAM_FAILED_EXIT_CODE = 1  # the program's own error
 
@@ -18,7 +22,7 @@ PROGRAM_FAILED_EXIT_CODE = 1  # the program's own error
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "run",
-        help="run your own training command on fake weights and real data, and trace its memory (no GPU needed)",
+        help=SUBCOMMANDS["run"],
         description="Run the training COMMAND (" + ", ".join(sorted(LAUNCHERS)) + ") unmodified in memplan's "
         "process: its weights are fake (no memory, any size), its data real, its GPU the --gpu profile and its "
         "process group a fake one of the launcher's world. Its optimizer steps are traced and, per distinct rank, "
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         words = words[1:]
     if not words:
         raise UserError("give the training command after `--`: memplan run -- python train.py ...")
+    from memplan.program import ProgramFailed, run_program
+
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the program's own prints: stdout is memplan's
             result = run_program(words, device=args.device, gpu=args.gpu, steps=args.steps, ranks=args.ranks,

@@ -8,15 +8,18 @@ would refuse to start, its own message is printed and the exit code is 2.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.inference import ServingEstimate, estimate_serving
 from memplan.inference.activation import SAMPLERS
 from memplan.inference.engines import DEFAULT_VERSIONS, ENGINES
 from memplan.inference.kv import KV_CACHE_DTYPE_BYTES
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.inference.serve import ServingEstimate
 
 
 def _flag(p: argparse.ArgumentParser, *names: str, **kwargs: object) -> None:
@@ -29,7 +32,7 @@ def _flag(p: argparse.ArgumentParser, *names: str, **kwargs: object) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
-        help="how much KV cache a vLLM / SGLang server gets, and whether it starts (no GPU needed)",
+        help=SUBCOMMANDS["serve"],
         description="The memory a vLLM or SGLang server sizes at start-up on one GPU, term by term: weights, the "
         "profile run's activation peak, non-torch memory, CUDA graphs, the KV pool (bytes, tokens, blocks, "
         "concurrency), the longest context that starts and the engine's refusal when it would not start.",
@@ -74,6 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.inference.serve import estimate_serving
+
     result = estimate_serving(
         args.model, args.engine, args.gpu, tp=args.tp, pp=args.pp, dtype=args.dtype, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.table import echo, paragraph, table
 from memplan.errors import UserError
-from memplan.trace import load
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "show",
-        help="summarise a trace: peak live bytes, breakdown at the peak, largest buffers",
+        help=SUBCOMMANDS["show"],
         description="Summarise a .memtrace file (or a PyTorch memory snapshot pickle).",
     )
     p.add_argument("trace", metavar="TRACE")
@@ -24,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.trace import load
+
     if args.top < 0:
         raise UserError("--top must be >= 0")
     trace = load(args.trace)

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from memplan.alloc import ALLOCATORS, AllocReplay, replay
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
-from memplan.layout.plan import load_address_plan
-from memplan.trace import load
 from memplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    from memplan.alloc import AllocReplay
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "simulate",
-        help="replay a trace through an allocator: peak reserved memory and fragmentation",
+        help=SUBCOMMANDS["simulate"],
         description="Replay a .memtrace file (or a PyTorch memory snapshot pickle) through "
         "PyTorch's caching allocator, expandable segments, a static plan or the ideal allocator.",
     )
@@ -37,6 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.alloc import ALLOCATORS, replay
+    from memplan.layout.plan import load_address_plan
+    from memplan.trace import load
+
     if args.allocator not in ALLOCATORS:
         raise UserError(f"unknown allocator {args.allocator!r}: choose one of {', '.join(ALLOCATORS)}")
     capacity = parse_size(args.capacity) if args.capacity is not None else None

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-
-from memplan.capture import capture_model
-from memplan.cli import print_json
+from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.flags import add_setup_flags, setup_from_args
 from memplan.cli.from_file import from_json
 from memplan.cli.inputs import model_arg, refuse_trace
-from memplan.cli.setup_flags import add_setup_flags, setup_from_args
 from memplan.cli.table import echo, paragraph
 from memplan.errors import UserError
-from memplan.trace import save
 from memplan.units import format_bytes
+
+if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
+    pass
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "trace",
-        help="capture the lifetime trace of one training step",
+        help=SUBCOMMANDS["trace"],
         description="Capture every storage allocation and free of a training step of MODEL "
         "(a registry name, a config.json path, package.module:factory or a Hub id org/name). By default the "
         "step runs on fake tensors (no memory, any size); --real runs it on this CPU.",
@@ -44,6 +44,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from memplan.capture import capture_model
+    from memplan.trace import save
+
     refuse_trace(args.model, "trace", "captures a model's step")
     if args.iterations < 1 or args.warmup < 0:
         raise UserError("--iterations must be >= 1 and --warmup >= 0")

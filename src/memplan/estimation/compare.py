@@ -116,7 +116,7 @@ def side_of_trace(trace: Trace, label: str, source: str) -> Side:
 
 
 def _model_of_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     if meta.get("model"):
         out["name"] = str(meta["model"])
     if meta.get("parameters"):

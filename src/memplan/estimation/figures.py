@@ -33,30 +33,17 @@ from typing import Any
 import numpy as np
 
 from memplan.alloc import AllocConf, replay
-from memplan.errors import UserError
+from memplan.estimation.margin import DEFAULT_MARGIN, check_margin, usable_bytes_of  # noqa: F401 - re-exported
 from memplan.layout import plan_addresses
 from memplan.trace import edit as trace_edit
 from memplan.trace.model import CATEGORIES, CATEGORY, HOST_KINDS, PHASE, Trace
 
-DEFAULT_MARGIN = 0.05  # headroom for what the estimate does not see (docs/estimation.md)
 LIMITED_ALLOCATORS = ("caching", "expandable")  # the ones that free their cache and retry at the limit
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _CATEGORY_TO_KEY = {
     CATEGORY["parameter"]: 0, CATEGORY["gradient"]: 1, CATEGORY["optimizer_state"]: 2,
     CATEGORY["activation"]: 3, CATEGORY["temporary"]: 4, CATEGORY["input"]: 5, CATEGORY["other"]: 5,
 }
-
-
-def check_margin(margin: object) -> float:
-    """`margin` as a fraction in [0, 1); `UserError` otherwise."""
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise UserError(f"the margin must be a fraction in [0, 1) (e.g. 0.05 for 5%), not {margin!r}")
-    return float(margin)
-
-
-def usable_bytes_of(capacity_bytes: int | None, margin: float) -> int | None:
-    """Capacity x (1 - margin): the device memory a step may use (None: no capacity)."""
-    return None if capacity_bytes is None else int(capacity_bytes * (1 - margin))
 
 
 @dataclass

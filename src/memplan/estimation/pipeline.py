@@ -47,7 +47,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +56,7 @@ from memplan.alloc import AllocConf
 from memplan.capture.onednn import onednn_workspaces
 from memplan.capture.step import StepTrace, capture_step
 from memplan.errors import UserError
+from memplan.estimation.assumptions import job_assumptions
 from memplan.estimation.figures import (  # noqa: F401 - re-exported: callers import them from here
     BREAKDOWN_KEYS,
     DEFAULT_MARGIN,
@@ -82,7 +83,12 @@ from memplan.models.moe import experts_of
 from memplan.models.optimizers import check_target
 from memplan.models.registry import FactorySpec, load_config
 from memplan.models.setup import TrainingSetup
-from memplan.parallel.apply import traceable, traced_part, untraceable_tensor_parallel
+from memplan.parallel.apply import (
+    traceable,
+    traced_part,
+    traced_precision,
+    untraceable_tensor_parallel,
+)
 from memplan.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
 from memplan.parallel.plans import RankPlan, rank_plans
 from memplan.parallel.traced import capture_rank_step, capture_stage_step, gloo_staging_buffers
@@ -123,6 +129,7 @@ class Estimate:
     roofline_s: float = 0.0  # rank 0's compute time, per-op roofline over the device profile
     routing: str | None = None  # a mixture-of-experts model's routing assumption (None: dense)
     margin: float = DEFAULT_MARGIN  # headroom kept free of the capacity
+    assumptions: dict[str, Any] = field(default_factory=dict)  # what it assumed (`memplan.estimation.assumptions`)
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -196,6 +203,7 @@ class Estimate:
             "method": self.method,
             "parallel": self.parallel,
             "routing": self.routing,
+            "assumptions": self.assumptions,
             "elapsed_s": round(self.elapsed_s, 3),
         }
 
@@ -292,16 +300,19 @@ def estimate(
     total_layers = num_layers(config)
     layout.check(config, setup)
     check_target(setup, device)
-    _check_parallel_tracing(layout, config, setup, parallel_tracing)
-    job = EstimateJob(config, total_layers, setup, layout, device, allocator, alloc_conf, profile, cuda_context,
-                      usable_bytes_of(capacity, margin), extrapolate, parallel_tracing, progress, cache)
-    results = [estimate_rank(job, plan) for plan in rank_plans(layout, config, setup, total_layers)]
+    traced_setup, traced_layout, precision = traced_precision(setup, layout, config, parallel_tracing)
+    _check_parallel_tracing(traced_layout, config, traced_setup, parallel_tracing)
+    job = EstimateJob(config, total_layers, traced_setup, traced_layout, device, allocator, alloc_conf, profile,
+                      cuda_context, usable_bytes_of(capacity, margin), extrapolate, parallel_tracing, progress, cache)
+    results = [estimate_rank(job, plan) for plan in rank_plans(traced_layout, config, traced_setup, total_layers)]
     totals = next((r.totals for r in results if r.totals is not None), StepTotals())
     return Estimate(
         model=name, parameters=totals.parameters, setup=setup.to_dict(), layout=layout.to_dict(),
         per_rank=[r.estimate for r in results], capacity_bytes=capacity, device=device, allocator=allocator,
         gpu=gpu, method="extrapolated" if any(r.extrapolated for r in results) else "full",
-        parallel=results[-1].parallel if layout.world_size > 1 else "single device",
+        parallel=results[-1].parallel if layout.world_size > 1 or traced_part(traced_layout, config, traced_setup)
+        else "single device",
+        assumptions=job_assumptions(config, setup, layout, precision, device=device, allocator=allocator),
         elapsed_s=time.perf_counter() - start, flops=totals.flops, bytes_moved=totals.bytes_moved,
         roofline_s=totals.roofline_s,
         routing=setup.routing if not isinstance(config, FactorySpec) and experts_of(config) else None,
@@ -328,9 +339,9 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
     offload policy where FSDP2 is not traced, and for EP without tracing
     (docs/estimation.md)."""
     if layout.ep > 1 and not parallel_tracing:
-        raise UserError("--ep is estimated by tracing it on a fake process group: leave out --modelled-layout")
+        raise UserError("`ep` is estimated by tracing it on a fake process group: leave out --modelled-layout")
     if parallel_tracing and setup.quant != "none" and (layout.zero == 3 or layout.tp > 1):
-        raise UserError("--quant with --zero 3 or --tp: FSDP2 and DTensor TP are not traced over bitsandbytes' "
+        raise UserError("`quant` with `zero=3` or `tp`: FSDP2 and DTensor TP are not traced over bitsandbytes' "
                         "quantised weights by this version of memplan: estimate one GPU, DDP or ZeRO-1/2")
     if parallel_tracing:
         refused = untraceable_tensor_parallel(layout, config, setup)
@@ -338,14 +349,14 @@ def _check_parallel_tracing(layout: Layout, config: PretrainedConfig, setup: Tra
             raise UserError(refused)
     if layout.fsdp_param_dtype is not None:
         if not parallel_tracing or traced_part(layout, config, setup) != layout:
-            raise UserError("--fsdp-param-dtype is estimated where FSDP2 itself is traced (--zero 3, without --pp)")
+            raise UserError("`fsdp_param_dtype` is estimated where FSDP itself is traced (`zero=3`, without `pp`)")
     if setup.cpu_offload == "params" and not parallel_tracing:
-        raise UserError("--cpu-offload params is estimated where FSDP2 itself is traced: leave out --modelled-layout")
+        raise UserError("`cpu_offload=params` is estimated where FSDP2 itself is traced: leave out --modelled-layout")
     if layout.cp > 1 and (not parallel_tracing or traced_part(layout, config, setup) != layout):
-        raise UserError(f"--cp is estimated only where it is traced: {traceable(layout, config, setup)}")
+        raise UserError(f"`cp` is estimated only where it is traced: {traceable(layout, config, setup)}")
     if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and \
             (not parallel_tracing or traced_part(layout, config, setup) is None):
-        raise UserError(f"--schedule {layout.schedule} is estimated only where PyTorch's schedule is traced: "
+        raise UserError(f"`schedule={layout.schedule}` is estimated only where PyTorch's schedule is traced: "
                         f"{traceable(layout, config, setup) or 'tracing is off'}")
 
 

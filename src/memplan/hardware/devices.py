@@ -97,10 +97,10 @@ class DeviceProfile:
         rocm = self.platform == "rocm"
         if rocm and attn not in (None, "eager"):
             return (f"on {self.name} SDPA runs ROCm's own kernels (AOTriton / Composable Kernel flash "
-                    "attention), whose workspaces memplan does not model: use --attn eager")
+                    "attention), whose workspaces memplan does not model: use `attn=eager`")
         if rocm and world_size > 1:
             return (f"RCCL's buffers on {self.name} are not modelled (its channels are not NCCL's): "
-                    "estimate one GPU (--world-size 1)")
+                    "estimate one GPU (`world_size=1`)")
         if self.cuda_context_bytes is None and context_override is None:
             return self._no_context_message()
         return None

@@ -14,17 +14,24 @@ from typing import Any
 import numpy as np
 
 from memplan.hardware.devices import DeviceProfile
+from memplan.models.setup import PRECISION_DTYPES
 from memplan.trace.model import Trace
 
 
 def matmul_dtype(setup: Mapping[str, Any] | Any) -> str:
     """The dtype a step's matmuls run in: its autocast dtype, else its parameters' dtype.
 
-    `setup` is a `TrainingSetup` or its dict form (what a trace keeps in `meta["setup"]`).
+    `setup` is a `TrainingSetup` or its dict form (what a trace keeps in `meta["setup"]`,
+    before precisions its `dtype` and `autocast`).
     """
-    get = setup.get if isinstance(setup, Mapping) else lambda key, default: getattr(setup, key, default)
-    autocast = str(get("autocast", "none") or "none")
-    return autocast if autocast != "none" else str(get("dtype", "fp32"))
+    if not isinstance(setup, Mapping):
+        return setup.autocast_dtype if setup.autocast_dtype != "none" else setup.dtype
+    if "precision" in setup:
+        dtype, autocast = PRECISION_DTYPES[setup["precision"]]
+        autocast = setup.get("autocast") or autocast
+    else:
+        dtype, autocast = str(setup.get("dtype", "fp32")), str(setup.get("autocast", "none") or "none")
+    return autocast if autocast != "none" else dtype
 
 
 def op_seconds(trace: Trace, profile: DeviceProfile, dtype: str | None = None) -> np.ndarray:

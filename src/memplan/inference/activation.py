@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.inference.kv import head_dim, is_mla, kv_heads_per_rank
-from memplan.models.moe import experts_of
 
 FUSED_MOE_CHUNK = 32768  # VLLM_FUSED_MOE_CHUNK_SIZE default (vllm/envs.py L777-778 at 0.11.0)
 # bytes per logit live at the sampler's peak: bf16 logits 2 + fp32 copy 4 + sorted values 4
@@ -98,6 +97,8 @@ def block_peak_per_token(config: Any, tp: int, tokens: int) -> float:
     attention = hidden + qkv + attn_out
     inter = _dense_intermediate(config) // tp
     dense = hidden + max(hidden + 2 * inter, 3 * inter)
+    from memplan.models.moe import experts_of  # torch, which the command line does not need
+
     moe = experts_of(config)
     if moe is None:
         return max(attention, dense)

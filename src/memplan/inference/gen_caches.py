@@ -45,8 +45,6 @@ import torch
 from memplan.capture.recorder import Recorder, inner_tensors
 from memplan.models import tracing
 
-HQQ_INT8_BITS = 8
-
 
 def _held_tensors(layer: Any) -> list[torch.Tensor]:
     """Every plain tensor a cache layer holds: keys, values and quantised states."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +35,11 @@ from memplan.capture.recorder import Recorder
 from memplan.errors import UserError
 from memplan.inference import gen_caches, gen_parallel
 from memplan.inference.gen_fixed import FixedShapeAnswers
+from memplan.inference.gen_setup import (  # noqa: F401 - the call's names, where it is traced
+    CACHE_IMPLEMENTATIONS,
+    CACHES,
+    GenerationSetup,
+)
 from memplan.models.build import autocast, build_model, transformer_blocks, transformer_blocks_path
 from memplan.models.quant import weight_count
 from memplan.models.setup import TrainingSetup
@@ -44,80 +49,19 @@ from memplan.trace.model import Trace
 if TYPE_CHECKING:  # transformers takes a second to import; only its config class is named here
     from transformers import PretrainedConfig
 
-CACHES = ("dynamic", "static", "sliding", "offloaded", "quantized:int4", "quantized:int8", "quantized:fp8")
-# cache -> (transformers' cache_implementation, its cache_config)
-CACHE_IMPLEMENTATIONS: dict[str, tuple[str, dict[str, Any] | None]] = {
-    "dynamic": ("dynamic", None),
-    "static": ("static", None),
-    "sliding": ("sliding_window", None),  # 5.23's (deprecated) name of a static cache with sliding layers
-    "offloaded": ("offloaded", None),
-    "quantized:int4": ("quantized", {"backend": "quanto", "nbits": 4}),
-    "quantized:int8": ("quantized", {"backend": "hqq", "nbits": gen_caches.HQQ_INT8_BITS}),
-    "quantized:fp8": ("quantized", {"backend": "fp8"}),
-}
-
-
-@dataclass
-class GenerationSetup:
-    """One `generate()` call: `batch` prompts of `input_len` tokens, `new_tokens` generated for
-    each, the `cache`, and beam search (`beams` > 1, returning `num_return_sequences` of them)
-    or, with `num_return_sequences` > 1 and one beam, sampling that many sequences per prompt."""
-
-    batch: int = 1
-    input_len: int = 128
-    new_tokens: int = 128
-    cache: str = "dynamic"
-    beams: int = 1
-    num_return_sequences: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "input_len", "new_tokens", "beams", "num_return_sequences"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"{name.replace('_', '-')} must be a whole number >= 1, not {value!r}")
-        if self.cache not in CACHES:
-            raise UserError(f"cache must be one of {', '.join(CACHES)}, not {self.cache!r}")
-        if self.beams > 1 and self.num_return_sequences > self.beams:
-            raise UserError(f"beam search returns at most its {self.beams} beams: use --num-return-sequences "
-                            f"{self.beams} or fewer")
-
-    @property
-    def sampling(self) -> bool:
-        """Several sequences per prompt without beams: multinomial sampling."""
-        return self.beams == 1 and self.num_return_sequences > 1
-
-    @property
-    def total_len(self) -> int:
-        return self.input_len + self.new_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of the `generate()` call (fixed-shape: min = max new tokens)."""
-        implementation, cache_config = CACHE_IMPLEMENTATIONS[self.cache]
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens, "do_sample": self.sampling,
-            "num_beams": self.beams, "num_return_sequences": self.num_return_sequences, "use_cache": True,
-            "cache_implementation": implementation,
-        }
-        if cache_config is not None:
-            kwargs["cache_config"] = dict(cache_config)
-        return kwargs
-
-
 def model_setup(setup: TrainingSetup | dict[str, Any] | None) -> TrainingSetup:
     """The fields of `setup` that build the model for inference: its dtype, attention, quantised
     base (bitsandbytes, as `from_pretrained` with a `BitsAndBytesConfig` loads it: no k-bit
     training preparation), routing and the autocast its forward runs under (a model trained
     with mixed precision generates under it, `build_generation_model`); training fields are
-    left at their defaults. A dict names those fields (`{"dtype": "bf16", "quant": "nf4"}`)."""
-    if isinstance(setup, dict):
-        setup = TrainingSetup(**setup, frozen_base=setup.get("quant", "none") != "none")
-    setup = setup if setup is not None else TrainingSetup()
+    left at their defaults. A dict names those fields (`{"dtype": "bf16", "quant": "nf4"}`: the
+    weights' dtype, fp32 when left out, with no autocast unless `autocast` is named)."""
+    if isinstance(setup, dict):  # the weights' dtype (fp32 unless given), no autocast unless given
+        setup = TrainingSetup.from_dict({"dtype": "fp32", **setup, "frozen_base": setup.get("quant", "none") != "none"})
+    setup = setup if setup is not None else TrainingSetup(precision="32-true")
     if setup.impl != "hf":
         raise UserError("memplan generate traces transformers' generate(): use --impl hf")
-    return TrainingSetup(dtype=setup.dtype, attn=setup.attn, quant=setup.quant, double_quant=setup.double_quant,
+    return TrainingSetup(precision=setup.precision, attn=setup.attn, quant=setup.quant, double_quant=setup.double_quant,
                          quant_storage=setup.quant_storage, compute_dtype=setup.compute_dtype,
                          kbit_prep=False, frozen_base=setup.quant != "none", routing=setup.routing,
                          autocast=setup.autocast, seq=setup.seq, allow_long_seq=setup.allow_long_seq, seed=setup.seed)

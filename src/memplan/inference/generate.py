@@ -268,8 +268,9 @@ def generation_phase(trace: Trace, event: int) -> str:
 
 
 def _model_fields(setup: TrainingSetup) -> dict[str, Any]:
-    return {k: v for k, v in setup.to_dict().items()
-            if k in ("dtype", "attn", "quant", "double_quant", "quant_storage", "compute_dtype", "routing")}
+    return {"dtype": setup.dtype, **{k: v for k, v in setup.to_dict().items()
+                                     if k in ("attn", "quant", "double_quant", "quant_storage", "compute_dtype",
+                                              "routing")}}
 
 
 CACHE_RULES = {

@@ -6,25 +6,26 @@ the model and batch for one training step (`build`), its optimizer (`optimizers`
 what the step's code tells the recorder (`tracing`). See each module.
 """
 
-from memplan.models.build import (
-    autocast,
-    build_model,
-    count_parameters,
-    forward_loss,
-    is_fake_mode_active,
-    make_batch,
-    model_class,
-    sequence_length,
-)
-from memplan.models.optimizers import build_optimizer, step_context
-from memplan.models.registry import (
-    FactorySpec,
-    list_models,
-    load_config,
-    provenance,
-    tiny_config,
-)
-from memplan.models.setup import TrainingSetup
+import importlib
+from typing import Any
+
+# Each public name -> the module that owns it, imported on first use (the setup and the job's
+# declaration are read without torch, which `build` and `optimizers` import).
+_LAZY_NAMES = {
+    **dict.fromkeys(("autocast", "build_model", "count_parameters", "forward_loss", "is_fake_mode_active",
+                     "make_batch", "model_class", "sequence_length"), "memplan.models.build"),
+    **dict.fromkeys(("build_optimizer", "step_context"), "memplan.models.optimizers"),
+    **dict.fromkeys(("FactorySpec", "list_models", "load_config", "provenance", "tiny_config"),
+                    "memplan.models.registry"),
+    "TrainingSetup": "memplan.models.setup",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'memplan.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+
 
 __all__ = [
     "FactorySpec",

@@ -99,7 +99,7 @@ def model_class(config: PretrainedConfig, head: str = "lm") -> type[nn.Module]:
 
         if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
             raise UserError(f"model type '{config.model_type}' has no sequence-classification class in "
-                            "transformers: use --head lm")
+                            "transformers: use `head=lm`")
         return AutoModelForSequenceClassification
     if head != "lm":
         raise UserError(f"head must be one of lm, seq-cls, not '{head}'")
@@ -131,7 +131,7 @@ def _remote_model_class(config: PretrainedConfig, head: str) -> type[nn.Module]:
         if name in auto_map:
             return getattr(transformers, name)
     wanted = " or ".join(REMOTE_HEAD_CLASSES.get(head, ("a known head",)))
-    raise UserError(f"{config.name_or_path or config.model_type}'s auto_map names no {wanted} class for --head {head}")
+    raise UserError(f"{config.name_or_path or config.model_type}'s auto_map names no {wanted} class for `head={head}`")
 
 
 def instantiate(cls: type[nn.Module], config: PretrainedConfig, **kwargs: Any) -> nn.Module:
@@ -198,8 +198,8 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
         # peft's DoRA re-wraps the int8 weight of a CPU layer on every forward
         # (utils/integrations.py, dequantize_module_weight: `module.weight.to(device)`), which
         # leaves Linear8bitLt without its row scales, and the next forward fails
-        raise UserError("--dora with --quant int8 fails in peft + bitsandbytes on CPU, the one device int8 is "
-                        "estimated for: use --quant nf4 or fp4")
+        raise UserError("`dora` with `quant=int8` fails in peft + bitsandbytes on CPU, the one device int8 is "
+                        "estimated for: use `quant=nf4` or fp4")
     if setup.quant != "none":
         require("bitsandbytes", f"--quant {setup.quant}")
     if isinstance(spec, str):
@@ -210,7 +210,7 @@ def build_model(spec: str | PretrainedConfig | FactorySpec, setup: TrainingSetup
     with init:
         if isinstance(spec, FactorySpec):
             if setup.head != "lm" or setup.impl != "hf":
-                flag = f"--head {setup.head}" if setup.head != "lm" else f"--impl {setup.impl}"
+                flag = f"`head={setup.head}`" if setup.head != "lm" else f"`impl={setup.impl}`"
                 raise UserError(f"{flag} builds a model from a Hugging Face config; the factory "
                                 f"'{spec.spec}' builds its own model: leave it out")
             model = _build_from_factory(spec, setup, device)
@@ -242,10 +242,10 @@ def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig 
     """The quantised base of `setup.quant` (`memplan.models.quant`), then peft's k-bit
     preparation when `setup.kbit_prep`."""
     if isinstance(spec, FactorySpec):
-        raise UserError(f"--quant quantises a Hugging Face model as transformers loads it; the factory "
+        raise UserError(f"`quant` quantises a Hugging Face model as transformers loads it; the factory "
                         f"'{spec.spec}' builds its own: pass a registry name or a config.json")
     if torch.device(next(model.parameters()).device).type == "meta":
-        raise UserError("--quant needs real or fake tensors, not the meta device")
+        raise UserError("`quant` needs real or fake tensors, not the meta device")
     quant.quantise_base(model, setup, fake=fake)
     if setup.kbit_prep:
         quant.prepare_for_kbit_training(model)
@@ -254,14 +254,14 @@ def _apply_quant(model: nn.Module, setup: TrainingSetup, spec: PretrainedConfig 
 def _build_litgpt(config: PretrainedConfig, setup: TrainingSetup, device: str) -> nn.Module:
     """LitGPT's `GPT` for `config` and the loss of its fine-tuning loop (`memplan.models.litgpt`)."""
     if setup.head != "lm":
-        raise UserError(f"--impl litgpt builds LitGPT's language model; --head {setup.head} is a Hugging Face head: "
-                        "use --impl hf")
+        raise UserError(f"`impl=litgpt` builds LitGPT's language model; `head={setup.head}` is a Hugging Face head: "
+                        "use `impl=hf`")
     if setup.attn == "eager":
-        raise UserError("LitGPT's attention always calls scaled_dot_product_attention: use --attn sdpa with "
-                        "--impl litgpt")
+        raise UserError("LitGPT's attention always calls scaled_dot_product_attention: use `attn=sdpa` with "
+                        "`impl=litgpt`")
     if getattr(config, "num_local_experts", None) and is_fake_mode_active():
         raise UserError("LitGPT's LLaMAMoE routes tokens with torch.where (data-dependent shapes), which fake "
-                        "tensors cannot trace: use --impl hf for a mixture-of-experts model")
+                        "tensors cannot trace: use `impl=hf` for a mixture-of-experts model")
     model = litgpt.build_litgpt_model(config, setup, sequence_length(setup, config), TORCH_DTYPES[setup.dtype],
                                       device)
     model.memplan_attn_implementation = "sdpa"
@@ -338,7 +338,7 @@ def _check_sequence(model: nn.Module, setup: TrainingSetup) -> None:
     if not setup.allow_long_seq or learned:
         why = ("its learned position table ends there" if learned
                else "pass allow_long_seq=True to run past it anyway")
-        raise UserError(f"sequence length {seq} exceeds the model's maximum of {limit} positions ({why}); use --seq {limit} or less")
+        raise UserError(f"sequence length {seq} exceeds the model's maximum of {limit} positions ({why}); use `seq={limit}` or less")
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -443,11 +443,11 @@ def _graph_breaker(setup: TrainingSetup) -> str | None:
     bitsandbytes' quantised layers and peft's DoRA (graph breaks in their Python), and the
     optimizer offload's dispatch mode (Dynamo does not trace under a non-infra mode)."""
     if setup.quant != "none":
-        return f"--quant {setup.quant}"
+        return f"`quant={setup.quant}`"
     if setup.dora:
-        return "--dora"
+        return "`dora`"
     if setup.cpu_offload != "none":
-        return f"--cpu-offload {setup.cpu_offload}"
+        return f"`cpu_offload={setup.cpu_offload}`"
     return None
 
 
@@ -472,8 +472,8 @@ def compile_model(model: nn.Module, setup: TrainingSetup) -> None:
         return
     breaker = _graph_breaker(setup)
     if breaker is not None:
-        raise UserError(f"--compile blocks compiles each block as one graph (fullgraph=True, as torchtitan does) and "
-                        f"{breaker} breaks that graph: use --compile model")
+        raise UserError(f"`compile=blocks` compiles each block as one graph (fullgraph=True, as torchtitan does) and "
+                        f"{breaker} breaks that graph: use `compile=model`")
     base = _base_model(model)
     forward = type(base).forward
     try:
@@ -481,8 +481,8 @@ def compile_model(model: nn.Module, setup: TrainingSetup) -> None:
     except (OSError, TypeError):
         calls_loss_function = False
     if not hasattr(base, "loss_function") or not calls_loss_function:
-        raise UserError(f"--compile blocks compiles the loss apart through the model's loss_function, which "
-                        f"{type(base).__name__}.forward does not call: use --compile model")
+        raise UserError(f"`compile=blocks` compiles the loss apart through the model's loss_function, which "
+                        f"{type(base).__name__}.forward does not call: use `compile=model`")
     blocks = transformer_blocks(model)
     for name, block in list(blocks.named_children()):
         blocks.register_module(name, torch.compile(block, fullgraph=True))
@@ -506,12 +506,20 @@ def lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str] | str:
 
 
 def _check_lora_targets(model: nn.Module, setup: TrainingSetup) -> None:
-    """`UserError` when the LoRA targets name no module of `model` (before anything is
-    quantised or adapted; peft checks `all-linear` itself)."""
+    """`UserError` when a LoRA target names no module of `model`, each target checked alone
+    (peft adapts what the others match and drops it silently), with the names that exist;
+    before anything is quantised or adapted (peft checks `all-linear` itself)."""
     targets = lora_targets(model, setup)
+    if targets == ALL_LINEAR:
+        return
     names = [name for name, _ in model.named_modules()]
-    if targets != ALL_LINEAR and not any(name == t or name.endswith("." + t) for name in names for t in targets):
-        raise UserError(f"LoRA targets {', '.join(targets)} match no module of {type(model).__name__}")
+    unmatched = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if unmatched:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if name and not list(module.children()) and not name.rsplit(".", 1)[-1].isdigit()})
+        raise UserError(f"LoRA target{'s' if len(unmatched) > 1 else ''} {', '.join(unmatched)} match"
+                        f"{'' if len(unmatched) > 1 else 'es'} no module of {type(model).__name__}; its modules are "
+                        f"named {', '.join(leaves)} (or give `lora_targets=all-linear`)")
 
 
 def _apply_lora(model: nn.Module, setup: TrainingSetup) -> nn.Module:
@@ -624,10 +632,10 @@ def forward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def autocast(setup: TrainingSetup, device: str = "cpu") -> contextlib.AbstractContextManager:
-    """`torch.autocast` for the setup's autocast dtype, or a no-op for `autocast="none"`."""
-    if setup.autocast == "none":
+    """`torch.autocast` for the setup's autocast dtype, or a no-op where it has none."""
+    if setup.autocast_dtype == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast])
+    return torch.autocast(device_type=torch.device(device).type, dtype=TORCH_DTYPES[setup.autocast_dtype])
 
 
 def count_parameters(spec: str | PretrainedConfig | FactorySpec) -> int:

@@ -79,7 +79,7 @@ def litgpt_config_fields(config: PretrainedConfig) -> dict[str, Any]:
     mlp = MLP_CLASSES.get(model_type)
     if mlp is None:
         raise UserError(f"memplan maps no LitGPT model for model type '{model_type}' (it maps "
-                        f"{', '.join(sorted(MLP_CLASSES))}): use --impl hf")
+                        f"{', '.join(sorted(MLP_CLASSES))}): use `impl=hf`")
     heads = int(config.num_attention_heads)
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
     fields: dict[str, Any] = {
@@ -183,13 +183,13 @@ def build_litgpt_model(config: PretrainedConfig, setup: TrainingSetup, seq: int,
         from litgpt.config import Config
         from litgpt.model import GPT
     except ImportError as exc:
-        raise UserError(f"--impl litgpt needs the litgpt package ({exc}): pip install --no-deps "
+        raise UserError(f"`impl=litgpt` needs the litgpt package ({exc}): pip install --no-deps "
                         "-r requirements-nodeps.lock") from exc
 
     fields = litgpt_config_fields(config)
     if seq > fields["block_size"]:
         raise UserError(f"sequence length {seq} exceeds the block size of LitGPT's config ({fields['block_size']}): "
-                        f"use --seq {fields['block_size']} or less")
+                        f"use `seq={fields['block_size']}` or less")
     if setup.lora_rank > 0:
         lora = litgpt.lora.Config(**fields, lora_r=setup.lora_rank, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
                                   **lora_switches(config, setup))

@@ -2,7 +2,7 @@
 
 Read from the objects themselves and from the forward calls of one step (docs/watch.md lists
 each field): batch and sequence from the first forward call's `input_ids` (or first 2-D
-integer tensor), `dtype` from the trainable parameters, `autocast` from the autocast state at
+integer tensor), the precision from the trainable parameters' dtype and the autocast state at
 the forward, the optimizer from its class and its `foreach` / `fused` flags, `grad_accum`
 from the forward calls of one optimizer step, `checkpointing="full"` from a Hugging Face
 model's `is_gradient_checkpointing`, `lora_rank` from a peft model's config,
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memplan.models.setup import TrainingSetup
+from memplan.models.setup import TrainingSetup, precision_fields
 
 ForwardCall = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -98,9 +98,8 @@ def infer_setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     trainable = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
     dtypes = [p.dtype for p in trainable]
     main = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-    fields["dtype"] = DTYPE_NAMES.get(main, "fp32")
-    if autocast is not None:
-        fields["autocast"] = DTYPE_NAMES.get(autocast[1], "bf16")
+    dtype = DTYPE_NAMES.get(main, "fp32")
+    fields.update(precision_fields(dtype, DTYPE_NAMES.get(autocast[1], "bf16") if autocast is not None else "none"))
     optimizer_fields = _optimizer_fields(optimizer)
     if "optimizer" not in optimizer_fields:
         unseen.append("optimizer")

@@ -68,14 +68,14 @@ def step_loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str = "ful
             return forward_loss(model, batch)
     labels = batch.get("labels")
     if labels is None:
-        raise UserError(f"--loss {loss} needs a batch with labels: use --loss full")
+        raise UserError(f"`loss={loss}` needs a batch with labels: use `loss=full`")
     head, name = output_head(model, loss)
     rl = parse_rl_loss(loss)
     if rl is not None and not hasattr(head, "weight"):
         raise UserError(f"--loss {loss} reads the output head's weight, and this head is a {type(head).__name__}")
     if loss == "fused-linear" and type(head) is not nn.Linear:
-        raise UserError(f"--loss fused-linear takes the output head's weight, and this head is a "
-                        f"{type(head).__name__} (an adapter or a wrapper): use --loss chunked")
+        raise UserError(f"`loss=fused-linear` takes the output head's weight, and this head is a "
+                        f"{type(head).__name__} (an adapter or a wrapper): use `loss=chunked`")
     shifted = shift_labels(labels)
 
     def compute(hidden: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def step_loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str = "ful
     logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
     if loss_head.returned is None or logits is not loss_head.returned:
         raise UserError(f"{type(_base_model(model)).__name__} changes its logits after the output head (soft-capping "
-                        f"or scaling), which --loss {loss} would skip: use --loss full")
+                        f"or scaling), which `loss={loss}` would skip: use `loss=full`")
     loss_head.returned = None
     return logits
 
@@ -138,11 +138,11 @@ def output_head(model: nn.Module, loss: str) -> tuple[nn.Module, str]:
     get = getattr(hf, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if head is None:
-        raise UserError(f"--loss {loss} runs the model's output head itself, and {type(hf).__name__} has none "
-                        "(no get_output_embeddings()): use --loss full")
+        raise UserError(f"`loss={loss}` runs the model's output head itself, and {type(hf).__name__} has none "
+                        "(no get_output_embeddings()): use `loss=full`")
     if is_masked_lm(model):
-        raise UserError(f"--loss {loss} is a causal language-model loss; {type(hf).__name__} is a masked LM, whose "
-                        "head transforms the hidden states before its decoder: use --loss full")
+        raise UserError(f"`loss={loss}` is a causal language-model loss; {type(hf).__name__} is a masked LM, whose "
+                        "head transforms the hidden states before its decoder: use `loss=full`")
     name = next(n for n, m in hf.named_modules() if m is head)
     return head, name
 

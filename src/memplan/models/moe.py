@@ -115,11 +115,11 @@ def check_routing(config: PretrainedConfig | Any, routing: str, *, fake: bool) -
     rule = parse_routing(routing)
     if experts_of(config) is None:
         if routing != "balanced":
-            raise UserError(f"--routing {routing} describes how a mixture-of-experts model routes its tokens; "
-                            f"model type {getattr(config, 'model_type', '?')!r} has no experts: leave --routing out")
+            raise UserError(f"`routing={routing}` describes how a mixture-of-experts model routes its tokens; "
+                            f"model type {getattr(config, 'model_type', '?')!r} has no experts: leave `routing` out")
         return
     if rule.kind == "router" and fake:
-        raise UserError("--routing router needs the router's real token counts: run on real tensors "
+        raise UserError("`routing=router` needs the router's real token counts: run on real tensors "
                         "(memplan trace --real), or assume balanced, worst or capacity:F")
 
 
@@ -141,20 +141,20 @@ def apply_routing(model: nn.Module, config: PretrainedConfig | Any, routing: str
 
 def _replace_expert_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook: the router's [tokens, top_k] expert ids -> the assumed ones."""
-    args = list(args)
-    if len(args) >= 2:
-        hidden, index = args[0], args[1]
+    positional = list(args)
+    if len(positional) >= 2:
+        hidden, index = positional[0], positional[1]
     else:
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = positional[0] if positional else kwargs["hidden_states"]
         key = next((k for k in EXPERT_INDEX_NAMES if k in kwargs), None)
         if key is None:
             raise UserError(f"{type(module).__name__} is called without the router's expert ids: cannot apply "
-                            "--routing to it")
+                            "`routing` to it")
         index = kwargs[key]
     assigned = assigned_experts(hidden.shape[0], index.shape[-1], module.memplan_num_experts,
                                 module.memplan_routing, index.device).to(index.dtype)
-    if len(args) >= 2:
-        args[1] = assigned
+    if len(positional) >= 2:
+        positional[1] = assigned
     else:
         kwargs[key] = assigned
-    return tuple(args), kwargs
+    return tuple(positional), kwargs

@@ -118,9 +118,9 @@ def check_target(setup: TrainingSetup, device: str) -> None:
     """`UserError` for an optimizer the job's device cannot run as asked: a paged
     optimizer on a CPU (bitsandbytes runs it unpaged there; module docstring)."""
     if setup.optimizer in PAGED_OPTIMIZERS and device != "cuda":
-        raise UserError(f"--optimizer {setup.optimizer} pages its state through CUDA unified memory; on a CPU "
-                        "bitsandbytes runs it unpaged: use --optimizer "
-                        f"{'adamw8bit' if setup.optimizer.endswith('8bit') else 'adamw'} with --device cpu")
+        raise UserError(f"`optimizer={setup.optimizer}` pages its state through CUDA unified memory; on a CPU "
+                        "bitsandbytes runs it unpaged: use "
+                        f"`optimizer={'adamw8bit' if setup.optimizer.endswith('8bit') else 'adamw'}` with --device cpu")
 
 
 def base_optimizer(params: list[nn.Parameter], setup: TrainingSetup, target: str) -> torch.optim.Optimizer:
@@ -409,7 +409,7 @@ def offloaded_optimizer(params: list[nn.Parameter], setup: TrainingSetup, target
 
 
 @functools.cache
-def _offload_class(base: type) -> type:
+def _offload_class(base: Any) -> type:
     on_cuda = torch.cuda.is_available()
 
     def context() -> contextlib.AbstractContextManager:

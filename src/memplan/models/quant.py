@@ -60,7 +60,7 @@ def compute_dtype(setup: TrainingSetup) -> str:
     dtype, else its parameter dtype."""
     if setup.compute_dtype is not None:
         return setup.compute_dtype
-    return setup.autocast if setup.autocast != "none" else setup.dtype
+    return setup.autocast_dtype if setup.autocast_dtype != "none" else setup.dtype
 
 
 def bnb_config(setup: TrainingSetup) -> Any:
@@ -86,7 +86,7 @@ def quantise_base(model: nn.Module, setup: TrainingSetup, fake: bool) -> None:
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
-        raise UserError(f"--quant quantises a Hugging Face model as transformers loads it; {type(model).__name__} "
+        raise UserError(f"`quant` quantises a Hugging Face model as transformers loads it; {type(model).__name__} "
                         "is not one: pass a registry name or a config.json")
     quantizer = _quantizer(setup)
     originals = dict(model.named_modules())
@@ -95,7 +95,7 @@ def quantise_base(model: nn.Module, setup: TrainingSetup, fake: bool) -> None:
     replaced = [(name, module) for name, module in model.named_modules() if module is not originals.get(name)
                 and _is_bnb_linear(module)]
     if not replaced:
-        raise UserError(f"--quant: {type(model).__name__} has no linear layer to quantise "
+        raise UserError(f"`quant`: {type(model).__name__} has no linear layer to quantise "
                         "(transformers keeps the LM head unquantised)")
     for name, module in replaced:
         _load_weights(model, name, module, originals[name], quantizer, fake)
@@ -198,6 +198,8 @@ class _FakeQuantisedParameter:
     """What the fake counterparts of bitsandbytes' parameters change: copies and moves make a
     new fake parameter of the same size and attributes (the real ones rewrap their data with
     `Tensor._make_subclass`, which a fake tensor refuses)."""
+
+    device: Any  # the tensor's, on the bitsandbytes parameter class this is mixed into
 
     def __deepcopy__(self, memo: dict) -> Any:
         new = fake_parameter(self, type(self))

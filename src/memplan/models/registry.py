@@ -273,12 +273,35 @@ def _config_from_file(path: Path, label: str, source: str | Path, trust_remote_c
                             f"its auto_map loads it with the repository's own code: pass --trust-remote-code to "
                             "run that code, or a config.json of a model type transformers has")
         config = config_from_dict(data, label)
+        check_buildable(config, data, label)
     elif remote:
         config = _remote_config(str(source), label)
     else:
         config = config_from_dict(data, label)
     config.name_or_path = str(source)
     return config
+
+
+# What memplan needs of a config to build its model, as transformers names the fields (a
+# family's own spelling, `n_embd`, `n_layer`, is its config class's `attribute_map`).
+NEEDED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def check_buildable(config: PretrainedConfig, data: dict[str, Any], label: str) -> None:
+    """`UserError` (one line) for a config memplan cannot build a transformer from: a model
+    type without attention heads (Mamba, RWKV: memplan traces attention-block language
+    models), or a file that leaves out a field memplan needs, which transformers would fill
+    with its family's defaults (a 7B-sized Llama for `{"model_type": "llama"}`)."""
+    model_type = data.get("model_type")
+    if getattr(config, "num_attention_heads", None) is None:
+        supported = sorted({str(registry_entry(name).get("model_type")) for name in list_models()})
+        raise UserError(f"{label}: model type {model_type!r} has no attention heads; memplan builds attention-block "
+                        f"language models (the model types of its registry: {', '.join(supported)})")
+    spelled = getattr(type(config), "attribute_map", {})
+    missing = [name for name in NEEDED_FIELDS if name not in data and spelled.get(name) not in data]
+    if missing:
+        raise UserError(f"{label} lacks {', '.join(missing)}: transformers would fill them with its {model_type} "
+                        "defaults, another model's sizes; add them to the config")
 
 
 def _remote_config(source: str, label: str) -> PretrainedConfig:

@@ -4,7 +4,9 @@
 `simulate_offload_plan(...)` runs it through the event-driven simulator next to the baselines;
 `run(model, optimizer, plan, RunOptions(directory=...))` applies a plan of the captured step to
 real training, tensor by tensor (`OffloadPlan.tensors`, a `TensorSchedule`);
-`load_offload_plan(path)` reads a plan `memplan offload --plan-output` wrote.
+`load_offload_plan(path)` reads a plan `memplan offload --plan-output` wrote;
+`captured_steps(config, setup, ...)` / `traced_steps(trace)` are the traces an evaluation takes
+(`memplan.offload.steps`).
 """
 
 from memplan.hardware.links import Hardware, make_hardware, parse_nvme_spec

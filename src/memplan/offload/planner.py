@@ -74,7 +74,7 @@ class LinkTimeline:
         self.bytes_per_s = bytes_per_s
         self._starts: list[float] = []
         self._ends: list[float] = []
-        self._unrolled: tuple[np.ndarray, np.ndarray] | None = None
+        self._unrolled: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.busy_s = 0.0
 
     def duration_s(self, nbytes: int) -> float:
@@ -166,6 +166,9 @@ def _quantized(x: float) -> float:
 
 class _PlannerState:
     """Memory above budget per op, link timelines and tier occupancy while the greedy runs."""
+
+    _nbytes: np.ndarray  # each buffer's bytes and category name, given by `_plan_round`
+    _category: list[str]
 
     def __init__(self, lt: Lifetimes, hardware: Hardware, budget_bytes: int) -> None:
         n = lt.num_ops

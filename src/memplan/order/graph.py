@@ -606,12 +606,12 @@ def capture_model_step(spec: Any, setup: Any = None, *, device: str = "cpu") -> 
     """
     setup = setup if setup is not None else models.TrainingSetup()
     if setup.grad_accum != 1:
-        raise UserError("reorder traces one micro-batch per step: use --grad-accum 1")
+        raise UserError("reorder traces one micro-batch per step: use `grad_accum=1`")
     if setup.zero_grad != "none":
-        raise UserError("reorder traces steps whose zero_grad frees the gradients: drop --zero-grad zeros")
+        raise UserError("reorder traces steps whose zero_grad frees the gradients: drop `zero_grad=zeros`")
     if setup.loss != "full" or setup.activation_offload != "none":
-        raise UserError("reorder traces the model's own loss without activation offloading: drop --loss and "
-                        "--activation-offload")
+        raise UserError("reorder traces the model's own loss without activation offloading: drop `loss` and "
+                        "`activation_offload`")
     refuse_compiled_step(setup, "in the eager step graph that reorder orders (a compiled step's order is Inductor's)")
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)

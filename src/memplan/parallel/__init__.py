@@ -7,8 +7,19 @@ group), `traced.capture_rank_step` (one rank's step traced on a fake process gro
 `rank_trace` (one rank's trace, modelled from the single-device trace). See each module.
 """
 
-from memplan.parallel.layout import SCHEDULES, Layout
-from memplan.parallel.plans import RankPlan, rank_plans
-from memplan.parallel.transform import rank_trace
+import importlib
+from typing import Any
+
+# Each public name -> its module, imported on first use (`Layout` is read without torch).
+_LAZY_NAMES = {"SCHEDULES": "memplan.parallel.layout", "Layout": "memplan.parallel.layout",
+               "RankPlan": "memplan.parallel.plans", "rank_plans": "memplan.parallel.plans",
+               "rank_trace": "memplan.parallel.transform"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'memplan.parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+
 
 __all__ = ["SCHEDULES", "Layout", "RankPlan", "rank_plans", "rank_trace"]

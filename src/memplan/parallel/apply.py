@@ -100,8 +100,8 @@ CP_SHARD = "dp_shard_cp"  # torchtitan's name of the data-parallel x CP ranks FS
 
 def traceable(layout: Layout, config: PretrainedConfig | None = None, setup: TrainingSetup | None = None) -> str | None:
     """Why `layout` cannot be traced on a fake process group (None: it can)."""
-    if layout.world_size == 1:
-        return "one device: nothing to apply"
+    if layout.world_size == 1 and layout.zero_engine != "fsdp2":
+        return "one device: nothing to apply"  # FSDP2 on one rank still gathers, casts and reduces
     if layout.pp > 1 and layout.schedule in MULTI_STAGE_SCHEDULES and config is not None and not _llama_like(config):
         return (f"PyTorch's {layout.schedule} schedule is traced over Llama-style decoder chunks, not model type "
                 f"{getattr(config, 'model_type', '?')!r}")
@@ -138,6 +138,54 @@ def traced_part(layout: Layout, config: PretrainedConfig | None = None,
     return replace(layout, world_size=layout.tp * layout.pp, zero=0, shard_size=None)
 
 
+# A -mixed precision's half dtype.
+MIXED_HALF = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def traced_precision(setup: TrainingSetup, layout: Layout, config: PretrainedConfig | None = None,
+                     parallel_tracing: bool = True) -> tuple[TrainingSetup, Layout, str]:
+    """The setup and layout a precision is traced with under sharding, and the sentence that
+    says so. A -mixed precision (fp32 weights, half-precision compute) runs as the sharding
+    library's own mixed precision where it has one:
+
+    - FSDP2 / FSDP1 traced on a fake process group: the sharded fp32 weights are the master
+      weights and FSDP casts them for compute, FSDP2's `MixedPrecisionPolicy(param_dtype=half,
+      reduce_dtype=fp32)` without autocast, as torchtitan applies it (torchtitan at commit
+      6404b93: torchtitan/models/llama3/infra/parallelize.py `apply_fsdp` builds the policy from
+      `training.mixed_precision_param` and `mixed_precision_reduce`; torchtitan/distributed/utils.py
+      `maybe_enable_amp` returns no autocast when FSDP is on, "Mixed precision training is handled
+      by fully_shard"); FSDP1 `MixedPrecision` as accelerate builds it (`apply_fsdp1`);
+    - DeepSpeed: its bf16 / fp16 mode, half-precision weights with the fp32 master partition
+      in its optimizer (`memplan.parallel.deepspeed`), so the step is traced -true;
+    - FSDP where it is modelled (`--modelled-layout`, with pipeline parallelism): autocast over
+      the fp32 weights, as on one GPU.
+
+    An explicit `autocast`, a `fsdp_param_dtype` already set, and the -true precisions are
+    traced as they are."""
+    half = MIXED_HALF.get(setup.precision)
+    if half is None or setup.autocast is not None or layout.fsdp_param_dtype is not None:
+        return setup, layout, _precision_said(setup)
+    engine = layout.zero_engine
+    if engine == "deepspeed":
+        return (replace(setup, precision=f"{'bf16' if half == 'bf16' else '16'}-true"), layout,
+                f"{setup.precision}: DeepSpeed's {half} mode, {half} weights and gradients with an fp32 master "
+                "partition")
+    if engine in ("fsdp2", "fsdp1") and parallel_tracing and traced_part(layout, config, setup) == layout:
+        policy = (f"MixedPrecisionPolicy(param_dtype={half}, reduce_dtype=fp32)" if engine == "fsdp2"
+                  else f"MixedPrecision({half})")
+        return (replace(setup, autocast="none"), replace(layout, fsdp_param_dtype=half),
+                f"{setup.precision}: fp32 sharded weights and gradients, {engine} {policy} casts them for "
+                "compute, no autocast (as torchtitan)")
+    return setup, layout, _precision_said(setup)
+
+
+def _precision_said(setup: TrainingSetup) -> str:
+    """A precision in words: the weights' dtype and the forward's autocast."""
+    autocast = setup.autocast_dtype
+    return (f"{setup.precision}{'' if setup.autocast is None else f' + autocast {setup.autocast}'}: {setup.dtype} "
+            f"weights and gradients, {f'{autocast} autocast' if autocast != 'none' else 'no autocast'}")
+
+
 def modelled_rest(layout: Layout, part: Layout | None) -> bool:
     """Whether tracing `part` (`traced_part(layout)`) leaves some of `layout` to the
     modelled rules: what a smaller traced layout left out (DDP, ZeRO-1/2, data
@@ -152,7 +200,7 @@ def _tensor_parallel_refusal(config: PretrainedConfig | None, layout: Layout | N
     if experts_of(config) is not None:
         if layout is None or layout.ep == 1:
             return (f"the routed experts of {model_type!r} are split by expert parallelism, not by the Llama TP "
-                    "plan: add --ep")
+                    "plan: add `ep`")
         if model_type not in MOE_LLAMA_ATTENTION:
             return (f"the Llama TP plan fits the attention of {', '.join(MOE_LLAMA_ATTENTION)} only, not "
                     f"{model_type!r}'s")
@@ -179,12 +227,12 @@ def untraceable_tensor_parallel(layout: Layout, config: PretrainedConfig | None 
             getattr(setup, "lora_rank", 0):
         refusal = ("PyTorch's DDP + TP composition makes frozen parameters trainable again (it re-wraps every "
                    "DTensor parameter in a new nn.Parameter, requires_grad=True), so LoRA's base weights would "
-                   "train: use --zero 3 (FSDP2) with --tp and --lora-rank")
+                   "train: use `zero=3` (FSDP2) with `tp` and `lora_rank`")
     if refusal is None and layout.dp > 1 and layout.zero == 0 and \
             config is not None and getattr(config, "tie_word_embeddings", False):
         refusal = ("PyTorch's DDP + TP composition fails on tied input/output embeddings (DDP localises the "
-                   "shared weight once, and the LM head keeps a DTensor): use --zero 3 (FSDP2) with --tp")
-    return None if refusal is None else f"cannot estimate --tp {layout.tp}: {refusal}"
+                   "shared weight once, and the LM head keeps a DTensor): use `zero=3` (FSDP2) with `tp`")
+    return None if refusal is None else f"cannot estimate `tp={layout.tp}`: {refusal}"
 
 
 def _llama_like(config: PretrainedConfig) -> bool:
@@ -324,7 +372,7 @@ def apply_layout(model: nn.Module, layout: Layout, blocks_path: str, mesh: Devic
         if tied:
             _retie_embeddings(model)
         _replicate_the_rest(model, mesh["tp"])
-    if layout.shard_degree > 1 and layout.zero == 3:
+    if layout.zero == 3 and (layout.shard_degree > 1 or layout.world_size == 1):
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = fsdp_mesh(layout, mesh)

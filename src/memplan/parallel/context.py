@@ -84,7 +84,7 @@ def attach_attention_hooks(model: torch.nn.Module) -> None:
     try:
         _attach_context_parallel_hooks(model)
     except ValueError as exc:
-        raise UserError(f"--cp: {str(exc).split('. ')[0]}: context parallelism needs full causal attention") from exc
+        raise UserError(f"`cp`: {str(exc).split('. ')[0]}: context parallelism needs full causal attention") from exc
 
 
 def _ring_output(local: torch.Tensor, like: Any) -> Any:

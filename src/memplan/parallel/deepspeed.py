@@ -5,7 +5,7 @@ ZeRO optimizers allocate their buffers themselves, outside the model's step. The
 below are read from DeepSpeed 0.19.8's source (`deepspeed/runtime/zero/stage_1_and_2.py`,
 `stage3.py`, `partition_parameters.py`, `config.py`) and applied to the buffers of the
 single-device trace. T is the number of trainable parameters, d the data-parallel
-degree, e the model's element size (`--dtype`: DeepSpeed's `bf16`/`fp16` modes keep
+degree, e the model's element size (`precision`: DeepSpeed's `bf16`/`fp16` modes keep
 the model in that dtype; fp32 otherwise); gradients accumulate in the model dtype
 (`engine.get_data_types`: `grad_accum_dtype` defaults to the model dtype).
 
@@ -63,27 +63,16 @@ torch optimizer runs, as with `torch_adam`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from memplan.models.setup import TrainingSetup
+from memplan.parallel.layout import DeepSpeedConfig
 from memplan.trace.edit import ExtraBuffer
 from memplan.trace.model import CATEGORY, PHASE, Trace
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class DeepSpeedConfig:
-    """The ZeRO knobs the model uses (DeepSpeed's defaults: module docstring)."""
-
-    reduce_bucket_size: int = 500_000_000
-    prefetch_bucket_size: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    max_live_parameters: int = 1_000_000_000
-    overlap_comm: bool = False
 
 
 def element_bytes(setup: TrainingSetup) -> int:

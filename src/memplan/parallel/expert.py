@@ -158,7 +158,7 @@ def expert_plan(model: nn.Module) -> dict[str, str]:
     parameter (transformers' `_expand_parallel_plan`, what `_resolve_parallel_plans` does)."""
     plan = getattr(model, "ep_plan", None)
     if not plan:
-        raise UserError(f"{type(model).__name__} has no expert-parallel plan in transformers: it cannot take --ep")
+        raise UserError(f"{type(model).__name__} has no expert-parallel plan in transformers: it cannot take `ep`")
     return model._expand_parallel_plan(dict(plan))
 
 

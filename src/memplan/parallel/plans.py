@@ -93,10 +93,9 @@ def rank_plans(layout: Layout, config: PretrainedConfig, setup: TrainingSetup,
             return data_parallel_trace(step, layout, setup)
 
         traced_rest = rest if modelled_rest(layout, part) else None
-        if offload:
-            transform, traced_rest = _offloaded(transform), _offloaded(traced_rest)
-        plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers, transform, communicators, ranks,
-                              part, traced_rank, traced_rest))
+        plans.append(RankPlan(stage * per_stage, stage, stage_setup, layers,
+                              _offloaded(transform) if offload else transform, communicators, ranks, part,
+                              traced_rank, _offloaded(traced_rest) if offload else traced_rest))
     return plans
 
 

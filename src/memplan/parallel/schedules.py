@@ -160,7 +160,7 @@ def build_schedule_step(model: nn.Module, setup: TrainingSetup, *, schedule: str
     try:
         runner = schedule_cls(pipeline_stages, microbatches, loss_fn=chunk_loss)
     except ValueError as exc:  # the schedule's own constraints (micro-batches per round)
-        raise UserError(f"--schedule {schedule}: {exc}") from exc
+        raise UserError(f"`schedule={schedule}`: {exc}") from exc
     if fake_group:
         _vote_static(runner)
     row = [f"{a.stage_index},{a.computation_type.name},{a.microbatch_index}"

@@ -335,7 +335,7 @@ def capture_rank_step(config: PretrainedConfig, setup: TrainingSetup, layout: La
                       device: str = "cpu") -> StepTrace:
     """`rank` of `layout`, its step traced with DDP / FSDP2 / DTensor TP applied on a
     fake process group (see the module docstring)."""
-    refuse_compiled_step(setup, "on the ranks of a traced parallel layout (--zero 3, --tp)")
+    refuse_compiled_step(setup, "on the ranks of a traced parallel layout (`zero=3`, `tp`)")
     with fake_process_group(rank, layout.world_size):
         mesh = device_mesh(layout)  # real rank tables: a mesh cannot be built on fake tensors
         copies = fsdp_host_to_device_copies() if device == "cuda" and setup.cpu_offload == "params" \
@@ -376,7 +376,7 @@ def capture_stage_step(config: PretrainedConfig, setup: TrainingSetup, layout: L
     rank's two chunks, with its sends and receives on the fake group; the schedule reads
     its row of actions by the pipeline rank, so the group is joined as the stage's first
     rank, `stage` x dp x tp."""
-    refuse_compiled_step(setup, "on pipeline stages (--pp)")
+    refuse_compiled_step(setup, "on pipeline stages (`pp`)")
     rank = stage * layout.dp * layout.tp
     if layout.schedule in MULTI_STAGE_SCHEDULES:
         return _capture_schedule_rank(config, setup, layout, stage, device)

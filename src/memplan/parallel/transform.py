@@ -276,7 +276,7 @@ def _deepspeed_rule(nbytes: np.ndarray, buf: _Buffers, layout: Layout, setup: Tr
                     step: StepTrace, extras: list[ExtraBuffer]) -> np.ndarray:
     """DeepSpeed's ZeRO stages 1-3 (`memplan.parallel.deepspeed`); its buffers are
     appended to `extras`."""
-    trace, d, config = step.trace, layout.shard_degree, layout.deepspeed_config
+    trace, d, config = step.trace, layout.shard_degree, layout.deepspeed
     nbytes = _shrink(nbytes, buf.is_state | buf.opt_temp, 1.0 / deepspeed.optimizer_factor(setup, d))
     block_grads = _block_bytes(nbytes, buf, buf.is_grad)
     root_grads = int(nbytes[buf.is_grad & ~buf.in_block].sum())

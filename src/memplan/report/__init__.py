@@ -19,6 +19,7 @@ import html
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,7 @@ th{background:#f5f5f5}td:first-child,th:first-child{text-align:left}
 
 
 def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike,
-                 compare: list[str | os.PathLike] = ()) -> Path:
+                 compare: Sequence[str | os.PathLike] = ()) -> Path:
     """Write `out_dir/index.html`, its PNGs and `timeline.js` from `paths`; return the page's
     path. Each trace's timeline overlays the `compare` traces and the other traces of its model."""
     inputs = read_inputs(paths)  # refuses bad input before anything is written

@@ -23,6 +23,7 @@ from __future__ import annotations
 import html
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def timeline_data(
     trace: Trace,
     name: str,
     plan: AddressPlan | None = None,
-    others: list[tuple[str, Trace]] = (),
+    others: Sequence[tuple[str, Trace]] = (),
     max_blocks: int = MAX_BLOCKS,
 ) -> dict[str, Any]:
     """Everything `timeline.js` draws for one trace (see the module doc)."""
@@ -257,7 +258,7 @@ _CSS = (
 
 def timeline_section(
     out_dir: Path, index: int, name: str, trace: Trace, plan: AddressPlan | None,
-    others: list[tuple[str, Trace]] = (),
+    others: Sequence[tuple[str, Trace]] = (),
 ) -> str:
     """The HTML of one trace's interactive timeline; writes `timeline.js` beside the page.
 

@@ -97,7 +97,7 @@ class TrainerRules:
     offload_empties_cache: tuple[str, ...] = ()  # offloads whose move to the host ends with empty_cache()
     reference_on_host: bool = False  # the reference lives on the host, brought in unit by unit
     engine_for_zero: str | None = None  # who shards the policy under ZeRO (None: memplan's default)
-    setup_defaults: tuple[tuple[str, object], ...] = (("dtype", "fp32"), ("autocast", "bf16"),
+    setup_defaults: tuple[tuple[str, object], ...] = (("precision", "bf16-mixed"),
                                                       ("checkpointing", "full"))
 
     def check_offload(self, offload: tuple[str, ...]) -> None:
@@ -149,7 +149,7 @@ RULES = {
         separate_processes=("reference", "critic", "reward", "engine"), peft_zero3_whole_gather=False,
         offloads=("optimizer",), offload_flags="--ds.enable_sleep", offload_empties_cache=("optimizer",),
         engine_for_zero="deepspeed",
-        setup_defaults=(("dtype", "bf16"), ("autocast", "none"), ("checkpointing", "none"))),
+        setup_defaults=(("precision", "bf16-true"), ("checkpointing", "none"))),
 }
 
 

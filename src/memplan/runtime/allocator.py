@@ -128,10 +128,10 @@ class PlannedAllocator:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         if self._session is not None:
             self._session.uninstall()
-        return False
+        return None
 
     def next_iteration(self) -> None:
         """Mark the end of an iteration: the next request is request 0 of the next one."""

@@ -100,9 +100,9 @@ class CudaPlannedAllocator:
             raise UserError(f"cannot allocate the {p.arena_bytes}-byte arena on the GPU")
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         _library().memplan_cuda_end()
-        return False
+        return None
 
     def next_iteration(self) -> None:
         _library().memplan_cuda_next_iteration()

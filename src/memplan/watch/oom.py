@@ -251,7 +251,7 @@ def _cpu_changes(config: Any, setup: TrainingSetup, capacity: int) -> list[dict[
     tokens per optimizer step kept by gradient accumulation, each estimated for cpu."""
     tokens = setup.batch * setup.grad_accum
     cache: dict = {}
-    out = []
+    out: list[dict[str, Any]] = []
     batches = sorted({b for b in (*MICRO_BATCHES, setup.batch) if b <= setup.batch})
     for micro_batch in batches:  # a larger micro-batch holds more activations: never the change that fits
         for checkpointing in CHECKPOINTING:

@@ -161,9 +161,9 @@ class Watch:
         self.start()
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
-        return False
+        return None
 
     def start(self) -> None:
         """Install the hooks (and the out-of-memory guard) for the run."""

@@ -1,22 +1,31 @@
-"""What `memplan.models.trainer_config` reads a trainer's file into, and the mappings the
-formats share: the result (`TrainerConfig`), the key-by-key recorder (`Mapper`), the
-Hugging Face Trainer's optimizer names, FSDP and DeepSpeed options (used by axolotl,
-`TrainingArguments` and accelerate), and the tables of torchtune's and torchtitan's
-components. docs/inputs.md lists every key with its source.
+"""What `memplan.trainers` reads a trainer's file into, and the mappings the formats share:
+the result (`TrainerConfig`, which builds a real `TrainingSetup` and `Layout`), the
+key-by-key recorder (`Mapper`), the Hugging Face Trainer's optimizer names, FSDP, DeepSpeed
+and bitsandbytes options (used by axolotl, `TrainingArguments` and accelerate), and the
+tables of torchtune's and torchtitan's components. The fields a file may set are the
+declared fields of `TrainingSetup` and `Layout` (`memplan.models.fields`). docs/inputs.md
+lists every key with its source.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import UserError
-from memplan.models.setup import TrainingSetup
+from memplan.models.fields import declared
+from memplan.models.setup import TrainingSetup, precision_fields
+from memplan.parallel.layout import Layout
 
-SETUP_FIELDS = tuple(f.name for f in fields(TrainingSetup))
-LAYOUT_FIELDS = ("world_size", "zero", "shard_size", "tp", "pp", "cp", "microbatches", "schedule", "fsdp_param_dtype")
+SETUP_FIELDS = tuple(f.dotted for f in declared(TrainingSetup))
+# What a trainer's keys say apart (the parameters' dtype, the forward's autocast): one precision
+# together (`Mapper.finish`).
+PRECISION_PARTS = ("dtype", "autocast")
+LAYOUT_FIELDS = tuple(f.dotted for f in declared(Layout))
 
 # Reasons a key is left out, shared by the formats.
 NOT_MEMORY = "does not change the memory of one training step"
@@ -87,11 +96,24 @@ class TrainerConfig:
     ignored: dict[str, str] = field(default_factory=dict)  # file key -> why it was left out
     unresolved: dict[str, str] = field(default_factory=dict)  # field -> what the user must give
     set_by: dict[str, list[str]] = field(default_factory=dict)  # file key -> the fields it set
+    defaults: dict[str, str] = field(default_factory=dict)  # field -> the trainer's default memplan filled in
+
+    def to_setup(self, **given: Any) -> TrainingSetup:
+        """The `TrainingSetup` the file describes (`given` fields override it)."""
+        return TrainingSetup(**{**self.setup, **given})
+
+    def to_layout(self, **given: Any) -> Layout:
+        """The `Layout` the file describes (`given` fields override it: the world size a
+        launcher decides, which the file leaves `unresolved`)."""
+        missing = [name for name in self.unresolved if name in LAYOUT_FIELDS and name not in given]
+        if missing:
+            raise UserError(self.unresolved[missing[0]])
+        return Layout(**{**self.layout, **given})
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.path, "format": self.format, "model": self.model, "setup": dict(self.setup),
                 "layout": dict(self.layout), "used": dict(self.used), "ignored": dict(self.ignored),
-                "unresolved": dict(self.unresolved)}
+                "unresolved": dict(self.unresolved), "defaults": dict(self.defaults)}
 
 
 class Mapper:
@@ -105,7 +127,7 @@ class Mapper:
         """`key` of the file sets memplan's `name` (a setup or layout field, or "model")."""
         if name == "model":
             self.config.model = value
-        elif name in SETUP_FIELDS:
+        elif name in SETUP_FIELDS or name in PRECISION_PARTS:
             self.config.setup[name] = value
         elif name in LAYOUT_FIELDS:
             self.config.layout[name] = value
@@ -117,12 +139,32 @@ class Mapper:
         used = self.config.used
         used[key] = f"{used[key]}; {text}" if key in used else text
 
+    def finish(self, precision: str, why: str) -> None:
+        """The precision the file's dtype and autocast keys say together; where it has neither,
+        the trainer's own default `precision` (filled in, with `why`)."""
+        dtype, autocast = (self.config.setup.pop(name, None) for name in PRECISION_PARTS)
+        if dtype is None and autocast is None and "precision" not in self.config.setup:
+            self.config.setup["precision"] = precision
+            self.config.defaults["precision"] = f"{precision}: {why}"
+        elif dtype is not None or autocast is not None:
+            self.config.setup.update(precision_fields(dtype or "fp32", autocast or "none"))
+
     def note(self, key: str, text: str) -> None:
         """`key` was used together with other keys (which set the fields)."""
         self.config.used[key] = text
 
     def ignore(self, key: str, why: str) -> None:
         self.config.ignored[key] = why
+
+    def unknown(self, key: str, known: Iterable[str]) -> None:
+        """A key the format's reader does not know: refused, naming the closest key it knows,
+        where one is close (a misspelt key would leave its field at memplan's default);
+        else left out as not mapped (a key of the trainer's that memplan does not list)."""
+        close = difflib.get_close_matches(key, sorted(set(known)), n=1, cutoff=0.8)
+        if close and close[0] != key:
+            raise UserError(f"{self.path}: unknown key {key!r}: did you mean {close[0]!r}? Fix the key, or "
+                            "leave it out")
+        self.ignore(key, NOT_MAPPED)
 
     def unresolved(self, name: str, message: str) -> None:
         self.config.unresolved[name] = message
@@ -163,7 +205,7 @@ def hf_optimizer(m: Mapper, key: str, value: Any) -> None:
     """Hugging Face Trainer's `optim` name (axolotl's `optimizer`, TrainingArguments' `optim`)."""
     if value == "adafactor":
         raise UserError(f"{m.path}: {key}: adafactor is transformers' Adafactor, which memplan does not build "
-                        "(its adafactor is torch.optim.Adafactor): leave the key out and give --optimizer")
+                        "(its adafactor is torch.optim.Adafactor): leave the key out and give `optimizer`")
     if value not in HF_OPTIMIZERS:
         raise m.refuse(key, value, ", ".join(HF_OPTIMIZERS))
     optimizer, impl = HF_OPTIMIZERS[value]
@@ -220,12 +262,12 @@ def deepspeed(m: Mapper, key: str, value: Any) -> None:
             value = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             m.ignore(key, f"the DeepSpeed config {path} cannot be read here")
-            m.unresolved("zero", f"{m.path}: {key} names {path}, which cannot be read here: give --zero N")
+            m.unresolved("zero", f"{m.path}: {key} names {path}, which cannot be read here: give `zero=N`")
             return
-    for precision in ("fp16", "bf16"):
-        if isinstance(value, dict) and (value.get(precision) or {}).get("enabled") not in (None, False, "auto"):
-            m.ignore(f"{key}.{precision}", "DeepSpeed's own mixed-precision engine is not mapped: give --dtype "
-                                           "and --autocast")
+    for half, precision in (("fp16", "16-mixed"), ("bf16", "bf16-mixed")):
+        if isinstance(value, dict) and (value.get(half) or {}).get("enabled") not in (None, False, "auto"):
+            m.set(f"{key}.{half}", "precision", precision, "DeepSpeed's mixed precision: half-precision weights, "
+                                                           "an fp32 master partition")
     zero = value.get("zero_optimization", {}) if isinstance(value, dict) else {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -243,7 +285,7 @@ def deepspeed(m: Mapper, key: str, value: Any) -> None:
 def launcher_world_size(m: Mapper, what: str) -> None:
     """A file that shards but does not say over how many GPUs (its launcher decides)."""
     if "world_size" not in m.config.layout:
-        m.unresolved("world_size", f"{m.path} {what} over the GPUs its launcher starts: give --world-size N")
+        m.unresolved("world_size", f"{m.path} {what} over the GPUs its launcher starts: give `world_size=N`")
 
 
 def lora_targets(m: Mapper, key: str, value: Any) -> None:
@@ -260,3 +302,29 @@ def attention(m: Mapper, key: str, value: Any) -> None:
     if value not in ATTENTIONS:
         raise m.refuse(key, value, ", ".join(ATTENTIONS))
     m.set(key, "attn", ATTENTIONS[value])
+
+
+def set_if_true(name: str, value: Any, note: str = "") -> Any:
+    """A key handler: a true flag sets `name` to `value`; false is left out."""
+    def handler(m: Mapper, key: str, flag: Any) -> None:
+        if m.flag(key, flag):
+            m.set(key, name, value, note)
+        else:
+            m.ignore(key, "false")
+    return handler
+
+
+def bnb_option(m: Mapper, key: str, name: str, value: Any) -> None:
+    """A `BitsAndBytesConfig` argument (axolotl's bnb_config_kwargs, TRL's model options)."""
+    if name == "bnb_4bit_quant_type":
+        if value not in ("nf4", "fp4"):
+            raise m.refuse(key, value, "nf4 or fp4")
+        m.set(key, "quant", value)
+    elif name in ("bnb_4bit_use_double_quant", "use_bnb_nested_quant"):
+        m.set(key, "double_quant", m.flag(key, value))
+    elif name == "bnb_4bit_quant_storage":
+        m.set(key, "quant_storage", m.dtype(key, value, QUANT_STORAGE_NAMES))
+    elif name == "bnb_4bit_compute_dtype":
+        m.set(key, "compute_dtype", m.dtype(key, value))
+    else:
+        m.ignore(key, NOT_MAPPED)

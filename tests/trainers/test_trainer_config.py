@@ -15,7 +15,7 @@ import pytest
 
 from memplan.errors import UserError
 from memplan.models import TrainingSetup
-from memplan.models.trainer_config import read_trainer_config
+from memplan.trainers import read_trainer_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "trainer_configs"
 
@@ -48,7 +48,7 @@ def test_axolotl_qlora_example():
     assert config.setup == {
         "seq": 2048, "allow_long_seq": True, "lora_rank": 32, "lora_alpha": 16.0,
         "lora_targets": ("gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj", "o_proj"),
-        "grad_accum": 4, "batch": 2, "optimizer": "adamw8bit", "dtype": "bf16", "autocast": "bf16",
+        "grad_accum": 4, "batch": 2, "optimizer": "adamw8bit", "precision": "bf16-true", "autocast": "bf16",
         "checkpointing": "full", "attn": "flash", "quant": "nf4", "double_quant": True, "quant_storage": "bf16"}
     assert config.layout == {} and config.unresolved == {}
     assert "dropout" in config.ignored["lora_dropout"]
@@ -60,7 +60,7 @@ def test_axolotl_fsdp_example_needs_the_launcher_s_world_size():
     assert config.model == "meta-llama/Llama-3.1-8B-Instruct"
     assert config.layout == {"zero": 3}
     assert config.setup["optimizer"] == "adamw" and config.setup["attn"] == "flash"
-    assert "--world-size" in config.unresolved["world_size"]
+    assert "`world_size=N`" in config.unresolved["world_size"]
     assert config.ignored["fp16"] == "empty"
 
 
@@ -70,7 +70,7 @@ def test_torchtune_lora_recipe():
     assert config.setup == {
         "lora_targets": ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         "lora_rank": 64, "lora_alpha": 128.0, "batch": 4, "optimizer": "adamw", "optimizer_impl": "fused",
-        "loss": "chunked", "grad_accum": 8, "dtype": "bf16"}
+        "loss": "chunked", "grad_accum": 8, "precision": "bf16-true"}
     assert config.ignored["compile"] == "false"
     assert config.ignored["enable_activation_checkpointing"] == "false"
 
@@ -79,8 +79,9 @@ def test_torchtitan_llama3_8b():
     path = DATA / "torchtitan_llama3_8b.toml"
     config = read_trainer_config(path)
     assert config.format == "torchtitan" and config.model == "llama-3-8b"
-    assert config.setup == {"optimizer": "adamw", "seq": 8192, "checkpointing": "selective-op", "batch": 1}
-    assert config.layout == {"zero": 3, "fsdp_param_dtype": "bf16"}
+    assert config.setup == {"optimizer": "adamw", "seq": 8192, "checkpointing": "selective-op", "batch": 1,
+                            "precision": "bf16-mixed"}  # mixed_precision_param bfloat16: FSDP2's param_dtype
+    assert config.layout == {"zero": 3}
     assert "data_parallel_shard_degree = -1" in config.unresolved["world_size"]
     import tomllib
 
@@ -113,7 +114,7 @@ def test_torchtitan_degrees_give_the_layout(tmp_path):
     config = read_trainer_config(path)
     assert config.model == "llama-3-70b"
     assert config.layout == {"tp": 2, "pp": 2, "microbatches": 4, "schedule": "interleaved", "zero": 3,
-                             "fsdp_param_dtype": "bf16", "world_size": 16, "shard_size": 2}
+                             "world_size": 16, "shard_size": 2}
     assert config.setup["batch"] == 1 and config.setup["grad_accum"] == 2  # 32 / (4 x 2 x 2)
     assert config.setup["checkpointing"] == "full" and config.setup["compile"] == "blocks"
     assert config.unresolved == {}
@@ -125,7 +126,7 @@ def test_torchtitan_context_parallelism_and_zero_bubble_schedules(tmp_path):
                     "[parallelism]\ndata_parallel_shard_degree = 2\ncontext_parallel_degree = 4\n")
     config = read_trainer_config(path)
     # FSDP2 shards over dp_shard x cp (torchtitan's ParallelDims.fsdp_enabled); world = 2 x 4
-    assert config.layout == {"cp": 4, "zero": 3, "fsdp_param_dtype": "bf16", "world_size": 8}
+    assert config.layout == {"cp": 4, "zero": 3, "world_size": 8}
     path.write_text("[model]\nname = 'llama3'\nflavor = '8B'\n[training]\nlocal_batch_size = 4\n"
                     "[parallelism]\ndata_parallel_shard_degree = 1\npipeline_parallel_degree = 4\n"
                     "pipeline_parallel_schedule = 'ZBVZeroBubble'\n")
@@ -135,18 +136,19 @@ def test_torchtitan_context_parallelism_and_zero_bubble_schedules(tmp_path):
 def test_accelerate_fsdp_and_deepspeed_templates():
     fsdp = read_trainer_config(DATA / "accelerate_fsdp.yaml")
     assert fsdp.format == "accelerate" and fsdp.model is None
-    assert fsdp.layout == {"world_size": 2, "zero": 3} and fsdp.setup == {"autocast": "bf16"}
+    assert fsdp.layout == {"world_size": 2, "zero": 3} and fsdp.setup == {"precision": "bf16-mixed"}
     assert fsdp.unresolved == {}
     deepspeed = read_trainer_config(DATA / "accelerate_deepspeed.yaml")  # reads zero_stage2_config.json beside it
     assert deepspeed.layout == {"world_size": 2, "zero": 2}
-    assert "mixed-precision engine" in deepspeed.ignored["deepspeed_config.deepspeed_config_file.fp16"]
+    assert deepspeed.setup["precision"] == "16-mixed"  # DeepSpeed's fp16 mode
+    assert "16-mixed" in deepspeed.used["deepspeed_config.deepspeed_config_file.fp16"]
 
 
 def test_training_arguments_json_with_trl_lora():
     config = read_trainer_config(DATA / "trl_sft_lora.json")
     assert config.format == "hf-trainer" and config.model == "Qwen/Qwen2-0.5B"
     assert config.setup == {"batch": 2, "grad_accum": 8, "checkpointing": "full", "lora_rank": 32,
-                            "lora_alpha": 16.0, "autocast": "bf16", "seq": 1024, "optimizer": "adamw",
+                            "lora_alpha": 16.0, "precision": "bf16-mixed", "seq": 1024, "optimizer": "adamw",
                             "optimizer_impl": "fused"}
 
 
@@ -185,3 +187,42 @@ def test_an_unknown_torchtune_model_leaves_the_model_to_the_command_line(tmp_pat
     path.write_text(path.read_text() + f"checkpointer:\n  checkpoint_dir: {checkpoint}\n")
     config = read_trainer_config(path)  # a local checkpoint's config.json is the model itself
     assert config.model == str(checkpoint) and "model" not in config.unresolved
+
+
+@pytest.mark.parametrize(("name", "text", "closest"), [
+    ("a.yml", "base_model: gpt2\nmicro_batch_sise: 8\n", "micro_batch_size"),
+    ("r.yaml", "model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_sise: 2\n", "batch_size"),
+    ("j.toml", "[trainng]\nlocal_batch_size = 2\n", "training"),
+    ("c.yaml", "distributed_type: NO\nmixed_precison: bf16\n", "mixed_precision"),
+    ("args.json", '{"per_device_train_batch_sise": 4}', "per_device_train_batch_size"),
+])
+def test_a_misspelt_key_is_refused_naming_the_key_memplan_knows(tmp_path, name, text, closest):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(UserError, match=f"did you mean '{closest}'") as info:
+        read_trainer_config(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_key_the_trainer_knows_without_memory_effect_stays_ignored(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text('{"per_device_train_batch_size": 4, "learning_rate": 1e-4, "full_determinism": true}')
+    config = read_trainer_config(path)
+    assert config.ignored["learning_rate"] == "does not change the memory of one training step"
+    assert config.ignored["full_determinism"] == "not a key memplan maps"
+
+
+def test_a_file_builds_a_real_setup_and_layout_once_the_launcher_s_world_size_is_given():
+    config = read_trainer_config(DATA / "axolotl_fft_fsdp.yml")
+    with pytest.raises(UserError, match="`world_size=N`"):
+        config.to_layout()
+    layout = config.to_layout(world_size=8)
+    assert (layout.world_size, layout.zero, layout.zero_engine) == (8, 3, "fsdp2")
+    assert config.to_setup().attn == "flash"
+
+
+def test_a_file_that_names_no_precision_is_the_trainer_s_own_default_said_back(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text('{"per_device_train_batch_size": 4}')
+    config = read_trainer_config(path)  # the HF Trainer runs fp32 unless bf16 or fp16 is set
+    assert config.setup["precision"] == "32-true" and "bf16 and fp16 default to false" in config.defaults["precision"]
