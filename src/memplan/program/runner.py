@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import runpy
 import sys
 import time
 import traceback
@@ -42,7 +41,7 @@ from memplan.errors import UserError
 from memplan.hardware.devices import DeviceProfile
 from memplan.models import tracing
 from memplan.program import cuda_api, distributed, fakes, side_effects
-from memplan.program.launchers import Launch
+from memplan.program.launchers import Launch, run_launched
 from memplan.program.patches import Patches
 from memplan.program.reads import ReadRefused
 from memplan.program.recording import ProgramRecorder
@@ -147,16 +146,12 @@ def _program_argv(launch: Launch) -> Iterator[Path]:
     """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them; the program's folder."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     before = set(sys.modules)
-    if launch.module:
-        folder = Path.cwd()
-        sys.argv = [launch.target, *launch.args]
-    else:
-        script = Path(launch.target)
-        if not script.is_file():
-            raise UserError(f"the program's script {launch.target} does not exist (relative to {Path.cwd()})")
-        folder = script.resolve().parent
-        sys.argv = [launch.target, *launch.args]
-    sys.path.insert(0, str(folder) if not launch.module else "")
+    if not (launch.module or launch.entry) and not Path(launch.target).is_file():
+        raise UserError(f"the program's script {launch.target} does not exist (relative to {Path.cwd()})")
+    folder = launch.folder
+    sys.argv = [launch.target, *launch.args]
+    if launch.path_entry is not None:
+        sys.path.insert(0, launch.path_entry)
     try:
         yield folder
     finally:
@@ -252,10 +247,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
 def _execute(launch: Launch) -> str:
     """Run the program; "stopped" when memplan stopped it, "ended" when it returned."""
     try:
-        if launch.module:
-            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(launch.target, run_name="__main__")
+        run_launched(launch)
     except ProgramStop:
         return "stopped"
     except ReadRefused as exc:
