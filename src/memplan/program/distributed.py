@@ -53,6 +53,33 @@ def install(world: World, patches: Patches, *, rank: int, world_size: int) -> No
         mesh_init(self, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
     patches.set(DeviceMesh, "__init__", mesh_on_fake_cpu)
+    _ddp_on_fake_cpu(patches, world.cuda)
+
+
+def _ddp_on_fake_cpu(patches: Patches, cuda: bool) -> None:
+    """`DistributedDataParallel(model, device_ids=[local_rank])` of a cuda run: the module's
+    parameters are on the fake cpu, where DDP takes no device ids (a CPU module's; torch/nn/
+    parallel/distributed.py, `__init__`), so they are left out. The fake process group's
+    all-reduce completes with no value, which DDP's reducer refuses as a bucket's result
+    (torch/csrc/distributed/c10d/comm.cpp, `parseHookResult`): each DDP's comm hook gives the
+    bucket back as reduced, as NCCL's all-reduce does, in place."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_init = DistributedDataParallel.__init__
+
+    def reduced_in_place(_state, bucket):  # noqa: ANN001, ANN202 - DDP checks these annotations against its own types
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    def ddp_on_fake_cpu(self: Any, module: torch.nn.Module, device_ids: Any = None, output_device: Any = None,
+                        *args: Any, **kwargs: Any) -> None:
+        if cuda:
+            device_ids = output_device = None
+        ddp_init(self, module, device_ids, output_device, *args, **kwargs)
+        self.register_comm_hook(None, reduced_in_place)
+
+    patches.set(DistributedDataParallel, "__init__", ddp_on_fake_cpu)
 
 
 def teardown() -> int:

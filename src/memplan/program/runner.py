@@ -46,6 +46,7 @@ from memplan.program.patches import Patches
 from memplan.program.reads import ReadRefused
 from memplan.program.recording import ProgramRecorder
 from memplan.program.seen import Seen
+from memplan.program.side_effects import ProcessStartRefused
 from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
 from memplan.program.world import DeviceRedirect, World, redirect_in_backward
 from memplan.trace.model import Trace
@@ -190,6 +191,7 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
     side_effects.skip_checkpoints(patches, writes)
     side_effects.redirect_writes(patches, writes)
     side_effects.no_reporting(patches)
+    side_effects.no_process_starts(patches)
     cuda_api.count_fakes_as_tensors(patches)
     _visible_rng_state(world, patches)
     if world.cuda:
@@ -248,20 +250,33 @@ def _execute(launch: Launch) -> str:
     """Run the program; "stopped" when memplan stopped it, "ended" when it returned."""
     try:
         run_launched(launch)
-    except ProgramStop:
-        return "stopped"
-    except ReadRefused as exc:
-        raise ProgramRefused(str(exc)) from None
-    except ProgramTimeout as exc:
-        raise ProgramRefused(str(exc)) from None
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise ProgramFailed(f"the program exited with status {exc.code}", "") from None
-    except (UserError, KeyboardInterrupt):
-        raise
-    except Exception as exc:  # the program's own error, said to be the program's
+    except BaseException as raised:  # noqa: B036 - sorted below: memplan's own, the program's exit, its error
+        exc = _raised_by_memplan(raised)
+        if isinstance(exc, ProgramStop):
+            return "stopped"
+        if isinstance(exc, (ReadRefused, ProgramTimeout, ProcessStartRefused)):
+            raise ProgramRefused(str(exc)) from None
+        if isinstance(exc, SystemExit):
+            if exc.code not in (None, 0):
+                raise ProgramFailed(f"the program exited with status {exc.code}", "") from None
+            return "ended"
+        if isinstance(exc, (UserError, KeyboardInterrupt)) or not isinstance(exc, Exception):
+            raise
         raise ProgramFailed(f"the program raised {type(exc).__name__}: {exc}", _program_traceback(exc)) from None
     return "ended"
+
+
+def _raised_by_memplan(exc: BaseException) -> BaseException:
+    """The stop, refusal or timeout memplan raised through the program that `exc` was raised
+    while handling, else `exc`: a framework that cleans up on any exception (Lightning's
+    `_call_and_handle_interrupt` tears the trainer down, moving the model to the CPU) may fail
+    in its cleanup of fake tensors, after the steps were traced."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ProgramStop, ReadRefused, ProgramTimeout, ProcessStartRefused)):
+            return seen
+        seen = seen.__context__
+    return exc
 
 
 _MEMPLAN_DIR = str(Path(__file__).resolve().parents[1])

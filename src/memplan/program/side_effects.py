@@ -8,6 +8,12 @@
 - **Checkpoints.** `torch.save` of anything that holds a fake tensor, and the safetensors
   writers (`save_file`, `save`), write nothing: a file of fake tensors is no checkpoint.
   Each skipped write is listed.
+- **Processes.** A program that would start its own training processes is refused
+  (`ProcessStartRefused`): Lightning's launchers for several devices under a plain `python`
+  (`_SubprocessScriptLauncher` runs the script again per local rank, `_MultiProcessingLauncher`
+  spawns; lightning/fabric/strategies/launchers/ and lightning/pytorch/strategies/launchers/,
+  Lightning 2.6): the ranks memplan runs are those of the launcher it reads (torchrun's, with
+  which Lightning starts none: its `TorchElasticEnvironment` creates processes externally).
 - **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
   `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
@@ -138,6 +144,27 @@ def _holds_fake(obj: Any) -> bool:
     if isinstance(obj, torch.optim.Optimizer):
         return any(is_fake(p) for group in obj.param_groups for p in group["params"])
     return False
+
+
+class ProcessStartRefused(BaseException):  # noqa: N818 - raised through the program, like memplan's stop
+    """The program would start its own training processes (module docstring)."""
+
+
+def no_process_starts(patches: Patches) -> None:
+    """Lightning's own process launchers refuse to start (module docstring)."""
+    def refuse(launcher: Any, *_args: Any, **_kwargs: Any) -> None:
+        n = getattr(launcher, "num_processes", None) or getattr(launcher, "_strategy", None) and \
+            getattr(launcher._strategy, "num_processes", None)
+        raise ProcessStartRefused(
+            f"Lightning would start its {n or 'several'} processes itself ({type(launcher).__name__}): memplan "
+            f"runs the ranks of the launcher on its command line; run it as `torchrun --nproc-per-node {n or 'N'} "
+            "SCRIPT ...` (Lightning then starts none)")
+
+    for package in ("lightning.fabric", "lightning.pytorch"):
+        for module_name, cls, method in (("subprocess_script", "_SubprocessScriptLauncher", "_call_children_scripts"),
+                                          ("multiprocessing", "_MultiProcessingLauncher", "launch")):
+            patches.when_imported(f"{package}.strategies.launchers.{module_name}",
+                                  lambda module, cls=cls, method=method: patches.set(getattr(module, cls), method, refuse))
 
 
 def no_reporting(patches: Patches) -> None:
