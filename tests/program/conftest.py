@@ -63,3 +63,38 @@ def text_dataset(tmp_path_factory) -> Path:
     rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(24))} for _ in range(64)]
     (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_litgpt_checkpoint(tmp_path_factory, tiny_chat_model) -> Path:
+    """A LitGPT checkpoint folder of the tiny Llama: `model_config.yaml` (memplan's mapping of
+    the Hugging Face config onto `litgpt.Config`), `lit_model.pth` (a bf16 state dict) and
+    the word-level tokenizer of `tiny_chat_model`."""
+    import shutil
+
+    import torch
+    from litgpt import Config
+    from litgpt.model import GPT
+    from litgpt.utils import save_config
+    from transformers import AutoConfig
+
+    from memplan.models.litgpt import litgpt_config_fields
+
+    folder = tmp_path_factory.mktemp("tiny-litgpt")
+    config = Config(name="tiny-llama", **litgpt_config_fields(AutoConfig.from_pretrained(tiny_chat_model)))
+    save_config(config, folder)
+    torch.manual_seed(0)
+    torch.save(GPT(config).to(torch.bfloat16).state_dict(), folder / "lit_model.pth")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_chat_model / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def instruction_json(tmp_path_factory) -> Path:
+    """40 instruction/output pairs of a few words: LitGPT's `JSON` data module's format."""
+    rng = random.Random(2)
+    path = tmp_path_factory.mktemp("instructions") / "data.json"
+    path.write_text(json.dumps([{"instruction": " ".join(rng.choice(WORDS) for _ in range(8)), "input": "",
+                                 "output": " ".join(rng.choice(WORDS) for _ in range(12))} for _ in range(40)]))
+    return path
