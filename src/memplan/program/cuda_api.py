@@ -5,8 +5,9 @@ from the device profile (memplan.hardware.devices) and from memplan's own counte
 the program takes the path it takes on that GPU and its own memory logging prints memplan's
 figures:
 
-- availability and identity: `is_available` (True), `device_count` (the launcher's
-  processes per node), `current_device` / `set_device` / `device(...)` (the rank's local
+- availability and identity: `is_available` (True), `device_count` (the GPUs
+  `CUDA_VISIBLE_DEVICES` names where the program's environment sets it, else the launcher's
+  processes per node: `visible_device_count`), `current_device` / `set_device` / `device(...)` (the rank's local
   device), `get_device_name`, `get_device_capability` (from the profile's generation),
   `get_device_properties` (name, `total_memory`, capability), `is_bf16_supported`, and the
   same in `torch.accelerator`;
@@ -39,6 +40,7 @@ PyTorch checks a tensor's type before its foreach paths (`_foreach_supported_typ
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -172,6 +174,16 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
     from torch.utils.data._utils import pin_memory
 
     patches.set(pin_memory, "pin_memory", lambda data, *_a, **_k: data)  # host copies: not device memory
+
+
+def visible_device_count(nproc_per_node: int) -> int:
+    """The GPUs each process of the node sees: as many as `CUDA_VISIBLE_DEVICES` names where the
+    environment sets it (the user's, or a launcher's: accelerate's `--gpu_ids`), else one per
+    process the launcher starts on the node."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return nproc_per_node
+    return len([d for d in visible.split(",") if d.strip()])
 
 
 @contextlib.contextmanager

@@ -197,7 +197,7 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
     if world.cuda:
         if options.profile is None:
             raise UserError("a cuda run needs a device profile (--gpu NAME)")
-        cuda_api.install(world, patches, options.profile, device_count=launch.nproc_per_node,
+        cuda_api.install(world, patches, options.profile, device_count=cuda_api.visible_device_count(launch.nproc_per_node),
                          local_rank=rank % launch.nproc_per_node)
     if launch.distributed:
         distributed.install(world, patches, rank=rank, world_size=launch.world_size)

@@ -19,7 +19,10 @@
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
   read that copy; the caches (`~/.cache`, Inductor's `torchinductor_USER` in the temporary
   folder, the folders of `CACHE_ENV`), `OUT` itself and `/dev` are written where they are
-  (files opened by descriptor, as `tempfile`'s, too).
+  (files opened by descriptor, as `tempfile`'s, too), and so is every folder the program makes
+  with `tempfile.mkdtemp` (a new folder of a unique name is the program's scratch, which no
+  earlier file is in: multiprocessing's `pymp-*` folder, whose socket a `DataLoader`'s
+  workers send their batches through).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import getpass
 import io
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +61,11 @@ class WriteLog:
         self.out_dir = out_dir
         self.skipped: list[str] = []  # checkpoints of fake tensors, not written
         self.redirected: dict[str, str] = {}  # the program's path -> where it was written
+        self.scratch: list[Path] = []  # the folders the program made with tempfile.mkdtemp
 
     def keep_in_place(self, path: Path) -> bool:
         roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir,
-                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"]
+                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}", *self.scratch]
         roots += [Path(os.environ[k]) for k in CACHE_ENV if os.environ.get(k)]
         resolved = path.resolve()
         return any(resolved == root.resolve() or root.resolve() in resolved.parents for root in roots)
@@ -103,13 +108,26 @@ def redirect_writes(patches: Patches, log: WriteLog) -> None:
     def makedirs_(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
         makedirs(log.target(name), mode, exist_ok)
 
+    making_scratch = threading.local()
+    mkdtemp = tempfile.mkdtemp
+
     def mkdir_(path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
-        mkdir(log.target(path), mode, *args, **kwargs)
+        mkdir(path if getattr(making_scratch, "on", False) else log.target(path), mode, *args, **kwargs)
+
+    def mkdtemp_(*args: Any, **kwargs: Any) -> str:
+        making_scratch.on = True
+        try:
+            folder = mkdtemp(*args, **kwargs)
+        finally:
+            making_scratch.on = False
+        log.scratch.append(Path(folder))
+        return folder
 
     patches.set(builtins, "open", open_)
     patches.set(io, "open", open_)
     patches.set(os, "makedirs", makedirs_)
     patches.set(os, "mkdir", mkdir_)
+    patches.set(tempfile, "mkdtemp", mkdtemp_)
 
 
 def skip_checkpoints(patches: Patches, log: WriteLog) -> None:
