@@ -24,6 +24,13 @@ is read as it reads it:
   `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
   torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
   are refused.
+- `trl sft|dpo|grpo|... ARGS`: TRL's own CLI (the `trl` console script's entry point,
+  `trl.cli:main`) run here until it hands its `accelerate launch` of trl/scripts/NAME.py to
+  accelerate; that launch is read as `accelerate launch` above.
+- `litgpt finetune_lora|finetune_full|pretrain|... ARGS`: LitGPT's console script's entry point
+  (`litgpt.__main__:main`, jsonargparse), called as its wrapper calls it: it parses and trains
+  in the process it runs in (Lightning Fabric starts no process for one device, and none under
+  torchrun's environment).
 
 `LAUNCHERS` maps each supported first word to its parser; another launcher is one more
 entry (docs/run.md says what each of the others would need). Anything else is a
