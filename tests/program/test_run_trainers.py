@@ -48,6 +48,14 @@ def test_cpu_run_of_trl_sft_cli_matches_the_profiler_of_the_real_run(tiny_chat_m
     _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
 
 
+def test_cuda_run_of_trl_sft_trains_with_trls_defaults_bf16_and_gradient_checkpointing(tiny_chat_model, text_dataset,
+                                                                                       tmp_path):
+    # TRL's CLI checks, while it parses, that the GPU supports its default bf16: it sees the run's h100
+    command = ["trl", "sft", "--model_name_or_path", str(tiny_chat_model), "--dataset_name", str(text_dataset),
+               "--output_dir", str(tmp_path / "sft"), "--per_device_train_batch_size", "2", "--max_length", "32",
+               "--max_steps", "50"]
+    seen = run_program(command, device="cuda", steps=1, out_dir=tmp_path / "run").seen
+    assert seen["autocast"] == "bf16" and seen["recomputed_ops"] > 0
 @pytest.mark.slow
 def test_cpu_run_of_a_lightning_trainer_matches_the_profiler_of_the_real_run(text_file, tmp_path):
     command = ["python", LIGHTNING, "--data", str(text_file), "--accelerator", "cpu", "--devices", "1"]
