@@ -171,8 +171,8 @@ class ProcessStartRefused(BaseException):  # noqa: N818 - raised through the pro
 def no_process_starts(patches: Patches) -> None:
     """Lightning's own process launchers refuse to start (module docstring)."""
     def refuse(launcher: Any, *_args: Any, **_kwargs: Any) -> None:
-        n = getattr(launcher, "num_processes", None) or getattr(launcher, "_strategy", None) and \
-            getattr(launcher._strategy, "num_processes", None)
+        strategy = getattr(launcher, "_strategy", None)  # the Fabric launcher's count is its strategy's
+        n = getattr(launcher, "num_processes", None) or getattr(strategy, "num_processes", None)
         raise ProcessStartRefused(
             f"Lightning would start its {n or 'several'} processes itself ({type(launcher).__name__}): memplan "
             f"runs the ranks of the launcher on its command line; run it as `torchrun --nproc-per-node {n or 'N'} "
