@@ -31,7 +31,8 @@ def test_python_m_torch_distributed_run_is_torchrun():
 
 
 def test_an_unknown_launcher_is_refused_naming_those_supported():
-    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, python, torchrun"):
+    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, litgpt, python, "
+                                        "torchrun, trl"):
         parse_command(["deepspeed", "train.py"])
 
 
@@ -65,3 +66,17 @@ def test_accelerate_launch_reads_its_config_file_and_gives_each_rank_its_environ
 def test_accelerate_launch_with_deepspeed_is_refused():
     with pytest.raises(UserError, match="DeepSpeed or TPU"):
         parse_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "train.py"])
+
+
+def test_trl_sft_is_read_by_trls_cli_as_an_accelerate_launch_of_its_sft_script():
+    launch = parse_command(["trl", "sft", "--model_name_or_path", "tiny", "--dataset_name", "data", "--output_dir",
+                            "out", "--bf16", "false"])
+    assert (launch.launcher, launch.world_size, launch.entry) == ("trl", 1, None)
+    assert launch.target.endswith("trl/scripts/sft.py")
+    assert launch.args[launch.args.index("--model_name_or_path") + 1] == "tiny"
+
+
+def test_litgpt_runs_its_console_scripts_entry_point_with_the_command_as_typed():
+    launch = parse_command(["litgpt", "finetune_lora", "checkpoints/tiny", "--data", "JSON"])
+    assert (launch.launcher, launch.entry, launch.args) == \
+        ("litgpt", "litgpt.__main__:main", ("finetune_lora", "checkpoints/tiny", "--data", "JSON"))

@@ -94,7 +94,8 @@ def _seen_rows(result: ProgramRun) -> list[tuple[str, str]]:
 def render(result: ProgramRun) -> None:
     """What memplan saw, the per-rank figures, how the program ran."""
     launch = result.launch
-    echo(pairs(_seen_rows(result), title=f"what memplan saw `{launch.launcher} {launch.target}` do"))
+    program = launch.args[0] if launch.entry is not None and launch.args else launch.target  # a console script's command
+    echo(pairs(_seen_rows(result), title=f"what memplan saw `{launch.launcher} {program}` do"))
     estimate = result.estimate
     count = f"{estimate.parameters / 1e9:.2f}B" if estimate.parameters >= 1e8 else f"{estimate.parameters / 1e6:.2f}M"
     title = (f"{estimate.model} ({count} parameters) on {estimate.gpu or estimate.device}, "

@@ -26,6 +26,7 @@ import torch
 from memplan.errors import UserError
 from memplan.estimation.pipeline import Estimate, RankEstimate
 from memplan.hardware.devices import DeviceProfile, device_profile
+from memplan.program import cuda_api
 from memplan.program.distributed import distinct_ranks
 from memplan.program.estimate import rank_estimate
 from memplan.program.launchers import Launch, parse_command
@@ -103,10 +104,10 @@ def run_program(command: list[str], *, device: str = "cuda", gpu: str | None = N
         raise UserError(f"--device {device}: memplan run runs a program for cuda or cpu")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise UserError(f"--steps takes the optimizer steps after the first (0 or more), not {steps!r}")
-    launch = parse_command(list(command))
     profile: DeviceProfile | None = device_profile(gpu or DEFAULT_GPU) if device == "cuda" else None
     if device == "cpu" and gpu is not None:
         raise UserError("--gpu names the GPU of a cuda run: leave it out with --device cpu")
+    launch = parse_command(list(command), (lambda: cuda_api.answering(profile)) if profile is not None else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     options = RunOptions(device=device, profile=profile, steps=steps, max_seconds=max_seconds, out_dir=out)

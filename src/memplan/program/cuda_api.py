@@ -5,8 +5,9 @@ from the device profile (memplan.hardware.devices) and from memplan's own counte
 the program takes the path it takes on that GPU and its own memory logging prints memplan's
 figures:
 
-- availability and identity: `is_available` (True), `device_count` (the launcher's
-  processes per node), `current_device` / `set_device` / `device(...)` (the rank's local
+- availability and identity: `is_available` (True), `device_count` (the GPUs
+  `CUDA_VISIBLE_DEVICES` names where the program's environment sets it, else the launcher's
+  processes per node: `visible_device_count`), `current_device` / `set_device` / `device(...)` (the rank's local
   device), `get_device_name`, `get_device_capability` (from the profile's generation),
   `get_device_properties` (name, `total_memory`, capability), `is_bf16_supported`, and the
   same in `torch.accelerator`;
@@ -24,6 +25,10 @@ figures:
 - `torch.autocast("cuda", ...)` (and `torch.cuda.amp.autocast`) runs CPU autocast with
   CUDA's default dtype (fp16) and CUDA's op lists (`memplan.capture.cuda_kernels
   .kernels_as_on_cuda`, with SDPA's fused CUDA kernels), as memplan traces every CUDA job;
+- a device map's GPU indices (`from_pretrained(device_map="auto")`: accelerate's
+  `infer_auto_device_map` numbers the GPUs; `device_map={"": 0}`) are `cuda:N`
+  (transformers/integrations/accelerate.py, `_get_device_map`, transformers 5.23): on a
+  CPU build `torch.device(0)` raises, there being no accelerator to number;
 - optimizers default to the implementation they take on CUDA (foreach: torch/optim/
   optimizer.py, `_default_to_fused_or_foreach`, which on a CPU build would choose the
   per-parameter loop for the fake cpu parameters).
@@ -35,6 +40,7 @@ PyTorch checks a tensor's type before its foreach paths (`_foreach_supported_typ
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -164,9 +170,33 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
         patches.set(torch.accelerator, name, value)
     _redirect_autocast(patches)
     _cuda_optimizer_defaults(patches)
+    _device_map_indices_as_cuda(patches)
     from torch.utils.data._utils import pin_memory
 
     patches.set(pin_memory, "pin_memory", lambda data, *_a, **_k: data)  # host copies: not device memory
+
+
+def visible_device_count(nproc_per_node: int) -> int:
+    """The GPUs each process of the node sees: as many as `CUDA_VISIBLE_DEVICES` names where the
+    environment sets it (the user's, or a launcher's: accelerate's `--gpu_ids`), else one per
+    process the launcher starts on the node."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return nproc_per_node
+    return len([d for d in visible.split(",") if d.strip()])
+
+
+@contextlib.contextmanager
+def answering(profile: DeviceProfile) -> Iterator[None]:
+    """`torch.cuda` answered as one GPU of `profile` outside a program's run: while a
+    launcher's own CLI reads the command (TRL's `TrainingArguments.__post_init__` checks that
+    the GPU it would train on supports bf16)."""
+    patches = Patches()
+    install(World("cuda", None), patches, profile, device_count=1, local_rank=0)
+    try:
+        yield
+    finally:
+        patches.restore()
 
 
 def _redirect_autocast(patches: Patches) -> None:
@@ -187,6 +217,24 @@ def _redirect_autocast(patches: Patches) -> None:
                 lambda device_type="cuda": enabled("cpu" if device_type == "cuda" else device_type))
     patches.set(torch, "get_autocast_dtype",
                 lambda device_type: get_dtype("cpu" if device_type == "cuda" else device_type))
+
+
+def _device_map_indices_as_cuda(patches: Patches) -> None:
+    """A `from_pretrained` device map's GPU indices as `cuda:N` (module docstring)."""
+    try:
+        from transformers.integrations import accelerate as hf_accelerate
+    except ImportError:
+        return
+    get_device_map = hf_accelerate._get_device_map
+
+    def device_map_on_cuda(*args: Any, **kwargs: Any) -> Any:
+        device_map = get_device_map(*args, **kwargs)
+        if isinstance(device_map, dict):
+            return {k: f"cuda:{v}" if isinstance(v, int) and not isinstance(v, bool) else v
+                    for k, v in device_map.items()}
+        return device_map
+
+    patches.everywhere(get_device_map, device_map_on_cuda, ("transformers",))
 
 
 def _cuda_optimizer_defaults(patches: Patches) -> None:

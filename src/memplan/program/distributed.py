@@ -53,6 +53,62 @@ def install(world: World, patches: Patches, *, rank: int, world_size: int) -> No
         mesh_init(self, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
     patches.set(DeviceMesh, "__init__", mesh_on_fake_cpu)
+    _ddp_on_fake_cpu(patches, world.cuda)
+    _object_collectives_of_own_objects(patches, world_size)
+
+
+def _object_collectives_of_own_objects(patches: Patches, world_size: int) -> None:
+    """The object collectives answered with the rank's own objects. The fake group's
+    collectives complete without writing their outputs, and `broadcast_object_list` sizes its
+    receive buffer from the broadcast sizes (torch/distributed/distributed_c10d.py,
+    `broadcast_object_list`: `torch.empty(torch.sum(object_sizes_tensor))`), which on a
+    receiving rank would be uninitialised memory. Every rank runs the same program, so the
+    rank's own objects stand for the others': `broadcast_object_list` leaves the list as the
+    rank made it (Lightning's `strategy.broadcast(log_dir)`), `all_gather_object` and
+    `gather_object` give the rank's object for every rank. A value only the source rank
+    computes (the others passing None) stays None on the others."""
+    from torch.distributed import distributed_c10d
+
+    def broadcast_object_list(object_list: list, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    def all_gather_object(object_list: list, obj: Any, *_args: Any, **_kwargs: Any) -> None:
+        object_list[:] = [obj] * world_size
+
+    def gather_object(obj: Any, object_gather_list: list | None = None, *_args: Any, **_kwargs: Any) -> None:
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj] * world_size
+
+    for module in (dist, distributed_c10d):
+        patches.set(module, "broadcast_object_list", broadcast_object_list)
+        patches.set(module, "all_gather_object", all_gather_object)
+        patches.set(module, "gather_object", gather_object)
+
+
+def _ddp_on_fake_cpu(patches: Patches, cuda: bool) -> None:
+    """`DistributedDataParallel(model, device_ids=[local_rank])` of a cuda run: the module's
+    parameters are on the fake cpu, where DDP takes no device ids (a CPU module's; torch/nn/
+    parallel/distributed.py, `__init__`), so they are left out. The fake process group's
+    all-reduce completes with no value, which DDP's reducer refuses as a bucket's result
+    (torch/csrc/distributed/c10d/comm.cpp, `parseHookResult`): each DDP's comm hook gives the
+    bucket back as reduced, as NCCL's all-reduce does, in place."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_init = DistributedDataParallel.__init__
+
+    def reduced_in_place(_state, bucket):  # noqa: ANN001, ANN202 - DDP checks these annotations against its own types
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    def ddp_on_fake_cpu(self: Any, module: torch.nn.Module, device_ids: Any = None, output_device: Any = None,
+                        *args: Any, **kwargs: Any) -> None:
+        if cuda:
+            device_ids = output_device = None
+        ddp_init(self, module, device_ids, output_device, *args, **kwargs)
+        self.register_comm_hook(None, reduced_in_place)
+
+    patches.set(DistributedDataParallel, "__init__", ddp_on_fake_cpu)
 
 
 def teardown() -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import runpy
 import socket
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.parallel.groundtruth import PROFILER_ATTEMPTS, PROFILER_LOGGER, _SizeMismatches
-from memplan.program.launchers import parse_command
+from memplan.program.launchers import parse_command, run_launched
 
 
 def _free_port() -> int:
@@ -96,14 +95,11 @@ def measure_rank() -> None:
     profiler = memory_profiler()
     window = StepWindow(spec["steps"] + 1, on_open=lambda _call: profiler.start())
     sys.argv = [launch.target, *launch.args]
-    if not launch.module:
-        sys.path.insert(0, str(Path(launch.target).resolve().parent))
+    if launch.path_entry is not None:
+        sys.path.insert(0, launch.path_entry)
     window.install()
     try:
-        if launch.module:
-            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(launch.target, run_name="__main__")
+        run_launched(launch)
     except ProgramStop:
         pass
     finally:

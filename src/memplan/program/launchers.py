@@ -24,6 +24,13 @@ is read as it reads it:
   `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
   torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
   are refused.
+- `trl sft|dpo|grpo|... ARGS`: TRL's own CLI (the `trl` console script's entry point,
+  `trl.cli:main`) run here until it hands its `accelerate launch` of trl/scripts/NAME.py to
+  accelerate; that launch is read as `accelerate launch` above.
+- `litgpt finetune_lora|finetune_full|pretrain|... ARGS`: LitGPT's console script's entry point
+  (`litgpt.__main__:main`, jsonargparse), called as its wrapper calls it: it parses and trains
+  in the process it runs in (Lightning Fabric starts no process for one device, and none under
+  torchrun's environment).
 
 `LAUNCHERS` maps each supported first word to its parser; another launcher is one more
 entry (docs/run.md says what each of the others would need). Anything else is a
@@ -32,13 +39,19 @@ entry (docs/run.md says what each of the others would need). Anything else is a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from memplan.errors import UserError
 
+_GPU_FOR_PARSING: contextvars.ContextVar[Callable[[], AbstractContextManager]] = contextvars.ContextVar(
+    "gpu_for_parsing", default=contextlib.nullcontext)
 MASTER_ADDR = "127.0.0.1"
 MASTER_PORT = "29500"  # torchrun's default (--master-port)
 
@@ -47,19 +60,41 @@ MASTER_PORT = "29500"  # torchrun's default (--master-port)
 class Launch:
     """One training command: what to run, with which arguments, in which world."""
 
-    launcher: str  # "python", "torchrun" or "accelerate"
-    target: str  # a script path, or a module name when `module`
+    launcher: str  # "python", "torchrun", "accelerate", "trl" or "litgpt"
+    target: str  # a script path, a module name when `module`, a console script's name when `entry`
     args: tuple[str, ...]  # the program's own arguments, as typed
     module: bool = False
     world_size: int = 1
     nproc_per_node: int = 1
     distributed: bool = False  # whether the launcher sets the distributed environment
     env: dict[str, str] = field(default_factory=dict)  # the launcher's own settings for every rank
+    entry: str | None = None  # a console script's entry point, `module:function`
 
     @property
     def argv0(self) -> str:
         """`sys.argv[0]` as the program sees it (`-m`: the module's file is unknown until it runs)."""
         return self.target if not self.module else "-m"
+
+    @property
+    def folder(self) -> Path:
+        """The program's own folder: its script's, a console script's package's, else the
+        working directory (`python -m`)."""
+        if self.entry is not None:
+            import importlib.util
+
+            spec = importlib.util.find_spec(self.entry.split(":")[0].split(".")[0])
+            locations = list(spec.submodule_search_locations or []) if spec is not None else []
+            return Path(locations[0]) if locations else Path.cwd()
+        return Path(self.target).resolve().parent if not self.module else Path.cwd()
+
+    @property
+    def path_entry(self) -> str | None:
+        """What the interpreter puts first on `sys.path` for this program: the script's folder,
+        the working directory for `-m` (""), nothing of the program's for a console script
+        (its wrapper's own folder)."""
+        if self.entry is not None:
+            return None
+        return "" if self.module else str(self.folder)
 
     def rank_env(self, rank: int) -> dict[str, str]:
         """The environment the launcher gives rank `rank` (nothing for a plain `python`)."""
@@ -131,14 +166,25 @@ def _accelerate_launch(words: list[str]) -> Launch:
     """`accelerate launch ...`, read by accelerate's own parser and config file."""
     if words[1:2] != ["launch"]:
         raise UserError(f"memplan run runs `accelerate launch ...`, not `accelerate {' '.join(words[1:2])}`")
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        args = launch_command_parser().parse_args(words[2:])
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option
+        raise UserError(f"accelerate launch could not read `{' '.join(words[2:])}`: {exc}") from None
+    return _accelerate_launch_of(args, "accelerate", " ".join(words[2:]))
+
+
+def _accelerate_launch_of(args: Any, launcher: str, typed: str) -> Launch:
+    """The `Launch` of accelerate's parsed launch arguments (its config file read, its
+    per-worker environment made)."""
+    from accelerate.commands.launch import _validate_launch_command
     from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     try:
-        args, _defaults, _mixed_precision_from_config = _validate_launch_command(
-            launch_command_parser().parse_args(words[2:]))
-    except (SystemExit, Exception) as exc:  # argparse exits on a bad option; accelerate raises ValueError
-        raise UserError(f"accelerate launch could not read `{' '.join(words[2:])}`: {exc}") from None
+        args, _defaults, _mixed_precision_from_config = _validate_launch_command(args)
+    except (SystemExit, Exception) as exc:  # accelerate raises ValueError on a bad combination
+        raise UserError(f"accelerate launch could not read `{typed}`: {exc}") from None
     if args.use_deepspeed or args.tpu:
         raise UserError("accelerate launch with DeepSpeed or TPU: memplan run does not run these yet "
                         "(docs/run.md, Launchers)")
@@ -148,15 +194,76 @@ def _accelerate_launch(words: list[str]) -> Launch:
     env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
     env = {k: v for k, v in env.items() if os.environ.get(k) != v}
     nproc = int(args.nproc_per_node) if distributed else 1
-    return Launch("accelerate", args.training_script, tuple(args.training_script_args), module=bool(args.module),
+    return Launch(launcher, args.training_script, tuple(args.training_script_args), module=bool(args.module),
                   world_size=int(args.num_processes) if distributed else 1, nproc_per_node=nproc,
                   distributed=distributed, env=env)
+
+
+def console_script(name: str) -> str:
+    """The entry point (`module:function`) of the console script `name` an installed package
+    declares (its `console_scripts` entry points: what the `name` wrapper on the PATH runs)."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="console_scripts", name=name)
+    if not found:
+        raise UserError(f"`{name}` is not installed in memplan's environment (no `{name}` console script): "
+                        f"install the package that provides it where memplan runs")
+    return next(iter(found)).value
+
+
+def _trl_launch(words: list[str]) -> Launch:
+    """`trl sft|dpo|grpo|... ARGS`: TRL's own CLI (its console script's entry point, run here)
+    reads the arguments and hands an `accelerate launch` of its training script
+    (trl/scripts/NAME.py) to accelerate (`trl.cli.accelerate_launcher.launch_training_script`);
+    that launch, taken where accelerate would run it, is read as `accelerate launch`."""
+    entry = _load_entry(console_script("trl"))
+    import transformers.training_args  # noqa: F401 - imported as on the host: its imports probe torch.cuda
+    from trl.cli import accelerate_launcher
+
+    launches: list[Any] = []
+    launch_script = accelerate_launcher.launch_training_script
+
+    def take_launch(script_name: str, launch_args: list[str], training_script_args: list[str], **_kw: Any) -> None:
+        launch_script(script_name, launch_args, training_script_args, launch_command_fn=launches.append)
+
+    accelerate_launcher.launch_training_script = take_launch
+    try:
+        with _GPU_FOR_PARSING.get()():  # its TrainingArguments check the GPU the run is for (bf16)
+            entry(list(words[1:]))
+    except SystemExit as exc:  # argparse's --help or a bad option
+        raise UserError(f"trl could not read `{' '.join(words[1:])}` (exit {exc.code})") from None
+    finally:
+        accelerate_launcher.launch_training_script = launch_script
+    if not launches:
+        raise UserError(f"`{' '.join(words)}` launches no training: memplan run runs TRL's training commands "
+                        "(trl sft, dpo, grpo, kto, reward, rloo, ...)")
+    return _accelerate_launch_of(launches[0], "trl", " ".join(words[1:]))
+
+
+def _load_entry(value: str) -> Callable[..., Any]:
+    """The function an entry point `module:attr.attr` names."""
+    import importlib
+
+    module, _, attr = value.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _litgpt_launch(words: list[str]) -> Launch:
+    """`litgpt finetune|pretrain ... ARGS`: LitGPT's console script, whose entry point parses
+    its arguments (jsonargparse) and trains in the process it runs in (Lightning Fabric starts
+    no other process for one device)."""
+    return Launch("litgpt", words[0], tuple(words[1:]), entry=console_script("litgpt"))
 
 
 LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
     "python": _python_launch,
     "torchrun": _torchrun_launch,
     "accelerate": _accelerate_launch,
+    "trl": _trl_launch,
+    "litgpt": _litgpt_launch,
 }
 
 
@@ -170,8 +277,26 @@ def launcher_of(word: str) -> str | None:
     return None
 
 
-def parse_command(words: list[str]) -> Launch:
-    """The `Launch` of a training command (module docstring); `UserError` for one memplan cannot run."""
+def run_launched(launch: Launch) -> None:
+    """Run the program in this process as its launcher starts it, `sys.argv` already set: a
+    script by `runpy.run_path`, a module by `runpy.run_module`, a console script by calling its
+    entry point as its wrapper does (`sys.exit(main())`: a non-zero result is an exit status)."""
+    import runpy
+
+    if launch.entry is not None:
+        status = _load_entry(launch.entry)()
+        if status not in (None, 0):
+            raise SystemExit(status)
+    elif launch.module:
+        runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(launch.target, run_name="__main__")
+
+
+def parse_command(words: list[str], gpu: Callable[[], AbstractContextManager] | None = None) -> Launch:
+    """The `Launch` of a training command (module docstring); `UserError` for one memplan cannot run.
+    `gpu`: a context in which `torch.cuda` answers as the GPU the run is for
+    (`memplan.program.cuda_api.answering`), entered by a launcher whose own CLI checks it (trl)."""
     if not words:
         raise UserError("memplan run needs the training command after `--`, e.g. "
                         "`memplan run -- torchrun --nproc-per-node 8 train.py`")
@@ -181,4 +306,8 @@ def parse_command(words: list[str]) -> Launch:
             raise UserError(f"`{words[0]}` is a script: give the command that runs it, `python {words[0]} ...`")
         raise UserError(f"memplan run does not know the launcher `{words[0]}`: it runs "
                         f"{', '.join(sorted(LAUNCHERS))} commands")
-    return LAUNCHERS[name](words)
+    token = _GPU_FOR_PARSING.set(gpu or contextlib.nullcontext)
+    try:
+        return LAUNCHERS[name](words)
+    finally:
+        _GPU_FOR_PARSING.reset(token)

@@ -5,11 +5,16 @@
 `Patches.everywhere(original, value)` replaces a function in every loaded module that
 bound it by name (`from safetensors import safe_open` makes `transformers.modeling_utils
 .safe_open` a second reference that patching `safetensors.safe_open` alone would miss).
+`Patches.when_imported(name, patch)` runs `patch(module)` on a module now if it is loaded,
+else right after the program imports it (a finder first on `sys.meta_path` whose loader runs
+the module, then the patch): a library the program may never import is not imported for it.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _MISSING = object()
@@ -50,6 +55,15 @@ class Patches:
                     count += 1
         return count
 
+    def when_imported(self, name: str, patch: Callable[[Any], None]) -> None:
+        """`patch(module)` on the module `name` once it is loaded (module docstring)."""
+        if name in sys.modules:
+            patch(sys.modules[name])
+            return
+        finder = _AfterImport(name, patch)
+        sys.meta_path.insert(0, finder)
+        self._undo.append((_MetaPath(finder), "", _MISSING))
+
     def restore(self) -> None:
         """Put every original back: the replaced attributes, and the bindings of a replaced
         function that modules imported during the run made of the replacement."""
@@ -58,10 +72,62 @@ class Patches:
             self._rebind(value, original, prefixes, remember=False)
         while self._undo:
             owner, name, original = self._undo.pop()
-            if original is _MISSING:
+            if isinstance(owner, _MetaPath):
+                owner.remove()
+            elif original is _MISSING:
                 try:
                     delattr(owner, name)
                 except AttributeError:
                     pass
             else:
                 setattr(owner, name, original)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds the module `name` with the other finders and patches it once its loader ran it."""
+
+    def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
+        self.name = name
+        self.patch = patch
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _ThenPatch(spec.loader, self.patch)
+                return spec
+        return None
+
+
+class _ThenPatch:
+    """A module loader that patches the module after running it; the loader's other methods
+    (source, resources) are its own."""
+
+    def __init__(self, loader: Any, patch: Callable[[Any], None]) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _MetaPath:
+    """The undo entry of a finder on `sys.meta_path`."""
+
+    def __init__(self, finder: Any) -> None:
+        self.finder = finder
+
+    def remove(self) -> None:
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)

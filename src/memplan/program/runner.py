@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import runpy
 import sys
 import time
 import traceback
@@ -42,11 +41,12 @@ from memplan.errors import UserError
 from memplan.hardware.devices import DeviceProfile
 from memplan.models import tracing
 from memplan.program import cuda_api, distributed, fakes, side_effects
-from memplan.program.launchers import Launch
+from memplan.program.launchers import Launch, run_launched
 from memplan.program.patches import Patches
 from memplan.program.reads import ReadRefused
 from memplan.program.recording import ProgramRecorder
 from memplan.program.seen import Seen
+from memplan.program.side_effects import ProcessStartRefused
 from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
 from memplan.program.world import DeviceRedirect, World, redirect_in_backward
 from memplan.trace.model import Trace
@@ -147,16 +147,12 @@ def _program_argv(launch: Launch) -> Iterator[Path]:
     """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them; the program's folder."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     before = set(sys.modules)
-    if launch.module:
-        folder = Path.cwd()
-        sys.argv = [launch.target, *launch.args]
-    else:
-        script = Path(launch.target)
-        if not script.is_file():
-            raise UserError(f"the program's script {launch.target} does not exist (relative to {Path.cwd()})")
-        folder = script.resolve().parent
-        sys.argv = [launch.target, *launch.args]
-    sys.path.insert(0, str(folder) if not launch.module else "")
+    if not (launch.module or launch.entry) and not Path(launch.target).is_file():
+        raise UserError(f"the program's script {launch.target} does not exist (relative to {Path.cwd()})")
+    folder = launch.folder
+    sys.argv = [launch.target, *launch.args]
+    if launch.path_entry is not None:
+        sys.path.insert(0, launch.path_entry)
     try:
         yield folder
     finally:
@@ -195,12 +191,13 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
     side_effects.skip_checkpoints(patches, writes)
     side_effects.redirect_writes(patches, writes)
     side_effects.no_reporting(patches)
+    side_effects.no_process_starts(patches)
     cuda_api.count_fakes_as_tensors(patches)
     _visible_rng_state(world, patches)
     if world.cuda:
         if options.profile is None:
             raise UserError("a cuda run needs a device profile (--gpu NAME)")
-        cuda_api.install(world, patches, options.profile, device_count=launch.nproc_per_node,
+        cuda_api.install(world, patches, options.profile, device_count=cuda_api.visible_device_count(launch.nproc_per_node),
                          local_rank=rank % launch.nproc_per_node)
     if launch.distributed:
         distributed.install(world, patches, rank=rank, world_size=launch.world_size)
@@ -252,24 +249,34 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
 def _execute(launch: Launch) -> str:
     """Run the program; "stopped" when memplan stopped it, "ended" when it returned."""
     try:
-        if launch.module:
-            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(launch.target, run_name="__main__")
-    except ProgramStop:
-        return "stopped"
-    except ReadRefused as exc:
-        raise ProgramRefused(str(exc)) from None
-    except ProgramTimeout as exc:
-        raise ProgramRefused(str(exc)) from None
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise ProgramFailed(f"the program exited with status {exc.code}", "") from None
-    except (UserError, KeyboardInterrupt):
-        raise
-    except Exception as exc:  # the program's own error, said to be the program's
+        run_launched(launch)
+    except BaseException as raised:  # noqa: B036 - sorted below: memplan's own, the program's exit, its error
+        exc = _raised_by_memplan(raised)
+        if isinstance(exc, ProgramStop):
+            return "stopped"
+        if isinstance(exc, (ReadRefused, ProgramTimeout, ProcessStartRefused)):
+            raise ProgramRefused(str(exc)) from None
+        if isinstance(exc, SystemExit):
+            if exc.code not in (None, 0):
+                raise ProgramFailed(f"the program exited with status {exc.code}", "") from None
+            return "ended"
+        if isinstance(exc, (UserError, KeyboardInterrupt)) or not isinstance(exc, Exception):
+            raise
         raise ProgramFailed(f"the program raised {type(exc).__name__}: {exc}", _program_traceback(exc)) from None
     return "ended"
+
+
+def _raised_by_memplan(exc: BaseException) -> BaseException:
+    """The stop, refusal or timeout memplan raised through the program that `exc` was raised
+    while handling, else `exc`: a framework that cleans up on any exception (Lightning's
+    `_call_and_handle_interrupt` tears the trainer down, moving the model to the CPU) may fail
+    in its cleanup of fake tensors, after the steps were traced."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ProgramStop, ReadRefused, ProgramTimeout, ProcessStartRefused)):
+            return seen
+        seen = seen.__context__
+    return exc
 
 
 _MEMPLAN_DIR = str(Path(__file__).resolve().parents[1])

@@ -45,6 +45,18 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
     return "foreach" if foreach else "loop"
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The program's own model inside the wrappers that hold exactly its parameters (DDP's
+    `module`, Lightning Fabric's `_FabricModule._original_module`)."""
+    for _ in range(4):
+        inner = next((m for m in (getattr(model, "module", None), getattr(model, "_original_module", None))
+                      if isinstance(m, torch.nn.Module)), None)
+        if inner is None or {id(p) for p in inner.parameters()} != {id(p) for p in model.parameters()}:
+            return model
+        model = inner
+    return model
+
+
 def _class_name(model: torch.nn.Module) -> str:
     """The program's own class of `model`: FSDP2's `fully_shard` makes the module an instance
     of a new class `FSDP<Name>` (bases `FSDPModule` and the original)."""
@@ -71,8 +83,12 @@ class Seen:
         self.optimizer_impl: str | None = None  # what the first optimizer's step ran
 
     def note_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A top-level call: with gradients, a micro-batch of the step; without, an evaluation
+        (LitGPT's sanity-check validation before its first step) that is no micro-batch."""
         if not any(m is module for m in self.models):
             self.models.append(module)
+        if not torch.is_grad_enabled():
+            return
         if self.first_call is None:
             self.first_call = (args, kwargs)
             self.note_autocast()
@@ -102,7 +118,7 @@ class Seen:
 
     def setup(self) -> tuple[TrainingSetup, list[str]]:
         """The inferred `TrainingSetup` and the fields that could not be seen."""
-        model = self.models[0] if self.models else torch.nn.Module()
+        model = unwrapped(self.models[0]) if self.models else torch.nn.Module()
         optimizer = self.optimizers[0] if self.optimizers else None
         calls = [self.first_call] * max(1, self.calls_per_step[0] if self.calls_per_step else 1) \
             if self.first_call is not None else []
@@ -125,7 +141,7 @@ class Seen:
         """What memplan saw, for the report (module docstring)."""
         from memplan.program.distributed import layout_of
 
-        model = self.models[0] if self.models else None
+        model = unwrapped(self.models[0]) if self.models else None
         identity = model_identity(model) if model is not None else {}
         if model is not None:
             identity["class"] = _class_name(model)
@@ -147,7 +163,7 @@ class Seen:
 
     def meta(self) -> dict[str, Any]:
         """What the trace's metadata says about the program's model and setup."""
-        model = self.models[0] if self.models else None
+        model = unwrapped(self.models[0]) if self.models else None
         identity = model_identity(model) if model is not None else {"name": "program", "parameters": 0}
         setup, _unseen = self.setup()
         return {"model": identity["name"], "parameters": identity["parameters"], "watched_model": identity,

@@ -8,12 +8,21 @@
 - **Checkpoints.** `torch.save` of anything that holds a fake tensor, and the safetensors
   writers (`save_file`, `save`), write nothing: a file of fake tensors is no checkpoint.
   Each skipped write is listed.
+- **Processes.** A program that would start its own training processes is refused
+  (`ProcessStartRefused`): Lightning's launchers for several devices under a plain `python`
+  (`_SubprocessScriptLauncher` runs the script again per local rank, `_MultiProcessingLauncher`
+  spawns; lightning/fabric/strategies/launchers/ and lightning/pytorch/strategies/launchers/,
+  Lightning 2.6): the ranks memplan runs are those of the launcher it reads (torchrun's, with
+  which Lightning starts none: its `TorchElasticEnvironment` creates processes externally).
 - **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
   `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
   read that copy; the caches (`~/.cache`, Inductor's `torchinductor_USER` in the temporary
   folder, the folders of `CACHE_ENV`), `OUT` itself and `/dev` are written where they are
-  (files opened by descriptor, as `tempfile`'s, too).
+  (files opened by descriptor, as `tempfile`'s, too), and so is every folder the program makes
+  with `tempfile.mkdtemp` (a new folder of a unique name is the program's scratch, which no
+  earlier file is in: multiprocessing's `pymp-*` folder, whose socket a `DataLoader`'s
+  workers send their batches through).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import getpass
 import io
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +61,11 @@ class WriteLog:
         self.out_dir = out_dir
         self.skipped: list[str] = []  # checkpoints of fake tensors, not written
         self.redirected: dict[str, str] = {}  # the program's path -> where it was written
+        self.scratch: list[Path] = []  # the folders the program made with tempfile.mkdtemp
 
     def keep_in_place(self, path: Path) -> bool:
         roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir,
-                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"]
+                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}", *self.scratch]
         roots += [Path(os.environ[k]) for k in CACHE_ENV if os.environ.get(k)]
         resolved = path.resolve()
         return any(resolved == root.resolve() or root.resolve() in resolved.parents for root in roots)
@@ -97,13 +108,26 @@ def redirect_writes(patches: Patches, log: WriteLog) -> None:
     def makedirs_(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
         makedirs(log.target(name), mode, exist_ok)
 
+    making_scratch = threading.local()
+    mkdtemp = tempfile.mkdtemp
+
     def mkdir_(path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
-        mkdir(log.target(path), mode, *args, **kwargs)
+        mkdir(path if getattr(making_scratch, "on", False) else log.target(path), mode, *args, **kwargs)
+
+    def mkdtemp_(*args: Any, **kwargs: Any) -> str:
+        making_scratch.on = True
+        try:
+            folder = mkdtemp(*args, **kwargs)
+        finally:
+            making_scratch.on = False
+        log.scratch.append(Path(folder))
+        return folder
 
     patches.set(builtins, "open", open_)
     patches.set(io, "open", open_)
     patches.set(os, "makedirs", makedirs_)
     patches.set(os, "mkdir", mkdir_)
+    patches.set(tempfile, "mkdtemp", mkdtemp_)
 
 
 def skip_checkpoints(patches: Patches, log: WriteLog) -> None:
@@ -138,6 +162,27 @@ def _holds_fake(obj: Any) -> bool:
     if isinstance(obj, torch.optim.Optimizer):
         return any(is_fake(p) for group in obj.param_groups for p in group["params"])
     return False
+
+
+class ProcessStartRefused(BaseException):  # noqa: N818 - raised through the program, like memplan's stop
+    """The program would start its own training processes (module docstring)."""
+
+
+def no_process_starts(patches: Patches) -> None:
+    """Lightning's own process launchers refuse to start (module docstring)."""
+    def refuse(launcher: Any, *_args: Any, **_kwargs: Any) -> None:
+        strategy = getattr(launcher, "_strategy", None)  # the Fabric launcher's count is its strategy's
+        n = getattr(launcher, "num_processes", None) or getattr(strategy, "num_processes", None)
+        raise ProcessStartRefused(
+            f"Lightning would start its {n or 'several'} processes itself ({type(launcher).__name__}): memplan "
+            f"runs the ranks of the launcher on its command line; run it as `torchrun --nproc-per-node {n or 'N'} "
+            "SCRIPT ...` (Lightning then starts none)")
+
+    for package in ("lightning.fabric", "lightning.pytorch"):
+        for module_name, cls, method in (("subprocess_script", "_SubprocessScriptLauncher", "_call_children_scripts"),
+                                          ("multiprocessing", "_MultiProcessingLauncher", "launch")):
+            patches.when_imported(f"{package}.strategies.launchers.{module_name}",
+                                  lambda module, cls=cls, method=method: patches.set(getattr(module, cls), method, refuse))
 
 
 def no_reporting(patches: Patches) -> None:

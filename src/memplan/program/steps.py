@@ -15,6 +15,11 @@ counts iterations by (docs/watch.md). In the program's terms:
   whatever point of the step the collector next runs, differently in every run;
 - iteration k ends with the program's k-th optimizer step (`on_step`); gradient
   accumulation is every top-level call between two steps;
+- a step given a closure (`optimizer.step(closure)`, torch/optim/optimizer.py: Lightning's
+  automatic optimization runs `training_step` and `backward` in it, as LBFGS re-evaluates
+  the loss) runs the closure as outside the step: its model calls are the iteration's
+  top-level calls, not the optimizer's work (the pre-hook returns the step's arguments with
+  the closure wrapped, as `register_optimizer_step_pre_hook` allows);
 - after `stop_after` optimizer steps, the program is stopped at its next top-level call or
   optimizer step (`ProgramStop`), so the last iteration's `zero_grad`, logging and next
   batch have run, as in the watch's iterations;
@@ -156,10 +161,29 @@ class StepWindow:
         if self.on_call is not None:
             self.on_call(call)
 
-    def _pre_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    def _pre_step(self, _optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.optimizer_depth == 0:
             self._stop_if_done()
         self.optimizer_depth += 1
+        return self._closure_outside_step(args, kwargs)
+
+    def _closure_outside_step(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The step's arguments with its closure run outside the step (module docstring); None
+        for a step without a closure (a pre-hook's None leaves the arguments as they are)."""
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            return None
+
+        def closure_outside_step() -> Any:
+            depth, self.optimizer_depth = self.optimizer_depth, 0
+            try:
+                return closure()
+            finally:
+                self.optimizer_depth = depth
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_outside_step}
+        return (closure_outside_step, *args[1:]), kwargs
 
     def _post_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self.optimizer_depth = max(0, self.optimizer_depth - 1)
