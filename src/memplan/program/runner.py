@@ -115,8 +115,8 @@ class _Trace:
             for t in (x for x in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)):
                 self.recorder.mark(t, "input")
 
-    def step(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
-        self.seen.note_step(optimizer)
+    def step(self, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
+        self.seen.note_step(optimizers)
         if self.recorder is not None:
             self.recorder.iteration = steps
             self.recorder.reset_phase()

@@ -15,6 +15,13 @@ counts iterations by (docs/watch.md). In the program's terms:
   whatever point of the step the collector next runs, differently in every run;
 - iteration k ends with the program's k-th optimizer step (`on_step`); gradient
   accumulation is every top-level call between two steps;
+- optimizer steps taken inside autograd's backward (the optimizer in backward: one
+  optimizer per parameter stepped by its post-accumulate-grad hook, PyTorch's tutorial
+  "How to save memory by fusing the optimizer step into the backward pass", torchtune's
+  `optimizer_in_bwd`) are together one step, which ends when that backward ends (a callback
+  queued on autograd's engine, `Variable._execution_engine.queue_callback`, as FSDP's
+  post-backward runs; torch/distributed/fsdp/_runtime_utils.py); `on_step` gets every
+  optimizer the step took;
 - after `stop_after` optimizer steps, the program is stopped at its next top-level call or
   optimizer step (`ProgramStop`), so the last iteration's `zero_grad`, logging and next
   batch have run, as in the watch's iterations;
@@ -60,7 +67,7 @@ class StepWindow:
 
     def __init__(self, stop_after: int, *, on_open: Callable[[Call], None] | None = None,
                  on_call: Callable[[Call], None] | None = None,
-                 on_step: Callable[[torch.optim.Optimizer, int], None] | None = None,
+                 on_step: Callable[[list[torch.optim.Optimizer], int], None] | None = None,
                  on_return: Callable[[Any], None] | None = None,
                  on_first_child: Callable[[torch.nn.Module], None] | None = None,
                  max_seconds: float | None = None) -> None:
@@ -82,6 +89,7 @@ class StepWindow:
         self._timer = False
         self._previous_handler: Any = signal.SIG_DFL
         self._has_parameters: dict[int, bool] = {}
+        self._backward_optimizers: list[torch.optim.Optimizer] = []  # stepped in the running backward
 
     def install(self) -> None:
         original = self._original_call = torch.nn.Module._call_impl
@@ -89,7 +97,7 @@ class StepWindow:
 
         def call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             top = window.depth == 0 and window.optimizer_depth == 0 and window._top_level(module) \
-                and torch._C._current_graph_task_id() == -1  # a recomputation in backward is no new call
+                and not _in_backward()  # a recomputation in backward is no new call
             if top:
                 window._top_call(module, args, kwargs)
             elif window.depth == 1 and window.on_first_child is not None and not window._child_seen:
@@ -157,7 +165,7 @@ class StepWindow:
             self.on_call(call)
 
     def _pre_step(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if self.optimizer_depth == 0:
+        if self.optimizer_depth == 0 and not _in_backward():
             self._stop_if_done()
         self.optimizer_depth += 1
 
@@ -165,10 +173,27 @@ class StepWindow:
         self.optimizer_depth = max(0, self.optimizer_depth - 1)
         if self.optimizer_depth:
             return  # an inner optimizer of a wrapper that is itself an Optimizer
+        if _in_backward():
+            if not self._backward_optimizers:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._backward_optimizers.append(optimizer)
+            return
+        self._count_step([optimizer])
+
+    def _backward_ended(self) -> None:
+        optimizers, self._backward_optimizers = self._backward_optimizers, []
+        self._count_step(optimizers)
+
+    def _count_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.steps += 1
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.started_s
         if self._timer:
             signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
         if self.on_step is not None:
-            self.on_step(optimizer, self.steps)
+            self.on_step(optimizers, self.steps)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
