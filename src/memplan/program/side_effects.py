@@ -11,9 +11,13 @@
 - **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
   `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
-  read that copy; the caches (`~/.cache`, Inductor's `torchinductor_USER` in the temporary
-  folder, the folders of `CACHE_ENV`), `OUT` itself and `/dev` are written where they are
-  (files opened by descriptor, as `tempfile`'s, too).
+  read that copy, as do its looks at a path that exists only there (`os.stat`, `os.lstat`,
+  `os.listdir`, `os.scandir`, and so `os.path.exists`, `Path.is_dir`: pathlib's
+  `mkdir(parents=True, exist_ok=True)` asks `is_dir()` of the folder it was refused to
+  make again, torchtune's checkpointer makes its output folder so); the caches
+  (`~/.cache`, Inductor's `torchinductor_USER` in the temporary folder, the folders of
+  `CACHE_ENV`), `OUT` itself and `/dev` are written where they are (files opened by
+  descriptor, as `tempfile`'s, too).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import builtins
 import getpass
 import io
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -71,10 +76,33 @@ class WriteLog:
         return str(redirected)
 
     def source(self, path: Any) -> Any:
-        """Where a read of `path` reads: the copy the program wrote, if it wrote one."""
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
+        """Where a read of `path` reads: the copy the program wrote, if it wrote one; the copy
+        under `OUT/files/` of a path that exists only there. A folder that exists where it is
+        (`/tmp`, made again by `mkdir(parents=True)`) is read where it is."""
+        if not self.redirected or not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
             return path
-        return self.redirected.get(os.path.abspath(os.fspath(path)), path)
+        absolute = os.path.abspath(os.fspath(path))
+        copy = self.redirected.get(absolute) or str(self.files_dir / Path(absolute).relative_to(Path(absolute).anchor))
+        if not _lexists(copy):
+            return path
+        if _lexists(absolute) and (absolute not in self.redirected or _is_dir(absolute)):
+            return path
+        return copy
+
+
+_LSTAT = os.lstat  # the original: `redirect_writes` replaces `os.lstat` by one that calls `WriteLog.source`
+
+
+def _lexists(path: Any) -> bool:
+    try:
+        _LSTAT(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _is_dir(path: str) -> bool:
+    return stat.S_ISDIR(_LSTAT(path).st_mode)
 
 
 def _writes(mode: str) -> bool:
@@ -98,12 +126,26 @@ def redirect_writes(patches: Patches, log: WriteLog) -> None:
         makedirs(log.target(name), mode, exist_ok)
 
     def mkdir_(path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
-        mkdir(log.target(path), mode, *args, **kwargs)
+        target = log.target(path)
+        if target is not path and os.path.isdir(os.path.dirname(os.path.abspath(os.fspath(path)))):
+            makedirs(os.path.dirname(target), exist_ok=True)  # the copy's folders of the folders that exist
+        mkdir(target, mode, *args, **kwargs)
 
     patches.set(builtins, "open", open_)
     patches.set(io, "open", open_)
     patches.set(os, "makedirs", makedirs_)
     patches.set(os, "mkdir", mkdir_)
+    for name in ("stat", "lstat", "listdir", "scandir"):
+        patches.set(os, name, _reading_copies(getattr(os, name), log))
+
+
+def _reading_copies(look: Any, log: WriteLog) -> Any:
+    """`look` (`os.stat`, ...) of the copy the program wrote, where it wrote one (`WriteLog.source`)."""
+
+    def look_(path: Any = ".", *args: Any, **kwargs: Any) -> Any:
+        return look(log.source(path), *args, **kwargs)
+
+    return look_
 
 
 def skip_checkpoints(patches: Patches, log: WriteLog) -> None:
