@@ -1,5 +1,7 @@
 """The training command as its launcher reads it."""
 
+import sys
+
 import pytest
 
 from memplan.errors import UserError
@@ -31,7 +33,8 @@ def test_python_m_torch_distributed_run_is_torchrun():
 
 
 def test_an_unknown_launcher_is_refused_naming_those_supported():
-    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, python, torchrun"):
+    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, python, torchrun, "
+                                        "tune"):
         parse_command(["deepspeed", "train.py"])
 
 
@@ -65,3 +68,14 @@ def test_accelerate_launch_reads_its_config_file_and_gives_each_rank_its_environ
 def test_accelerate_launch_with_deepspeed_is_refused():
     with pytest.raises(UserError, match="DeepSpeed or TPU"):
         parse_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "train.py"])
+
+
+def test_tune_run_without_an_importable_torchtune_is_refused_saying_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchtune._cli.run", None)  # what an import that fails raises
+    with pytest.raises(UserError, match="`tune run` needs torchtune, which does not import here"):
+        parse_command(["tune", "run", "full_finetune_single_device", "--config", "my.yaml"])
+
+
+def test_tune_other_than_run_is_refused():
+    with pytest.raises(UserError, match="runs `tune run RECIPE --config CONFIG`, not `tune download`"):
+        parse_command(["tune", "download", "meta-llama/Llama-3.2-1B"])

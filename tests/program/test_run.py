@@ -130,4 +130,4 @@ def test_a_program_that_takes_no_optimizer_step_is_stopped_after_max_seconds(tmp
 
 def test_an_unknown_launcher_exits_2_naming_those_supported(capsys):
     assert main(["run", "--", "deepspeed", "train.py"]) == 2
-    assert "it runs accelerate, python, torchrun commands" in capsys.readouterr().err
+    assert "it runs accelerate, python, torchrun, tune commands" in capsys.readouterr().err

@@ -98,6 +98,7 @@ def measure_rank() -> None:
     sys.argv = [launch.target, *launch.args]
     if not launch.module:
         sys.path.insert(0, str(Path(launch.target).resolve().parent))
+    sys.path.extend(launch.path_after)
     window.install()
     try:
         if launch.module:

@@ -144,7 +144,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _program_argv(launch: Launch) -> Iterator[Path]:
-    """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them; the program's folder."""
+    """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them (and the launcher's
+    `path_after`); the program's folder."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     before = set(sys.modules)
     if launch.module:
@@ -157,6 +158,7 @@ def _program_argv(launch: Launch) -> Iterator[Path]:
         folder = script.resolve().parent
         sys.argv = [launch.target, *launch.args]
     sys.path.insert(0, str(folder) if not launch.module else "")
+    sys.path.extend(launch.path_after)
     try:
         yield folder
     finally:
