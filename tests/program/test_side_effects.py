@@ -39,3 +39,19 @@ def test_a_folder_that_exists_is_looked_at_where_it_is(tmp_path):
     finally:
         patches.restore()
     assert listed == ["real.txt", "run"]
+
+
+def test_a_temporary_folder_and_its_files_are_made_where_they_are(tmp_path):
+    import tempfile
+
+    patches, _log = _redirected(tmp_path / "run")
+    try:
+        with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
+            with open(os.path.join(scratch, "kernel.cpp"), "w") as f:  # a compiler's input, built with cwd=scratch
+                f.write("int main() {}")
+            written = sorted(os.listdir(scratch))
+            made_there = Path(scratch).parent == tmp_path and (Path(scratch) / "kernel.cpp").is_file()
+    finally:
+        patches.restore()
+    assert written == ["kernel.cpp"] and made_there
+    assert not (tmp_path / "run" / "files").exists()

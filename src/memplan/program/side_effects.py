@@ -17,7 +17,10 @@
   make again, torchtune's checkpointer makes its output folder so); the caches
   (`~/.cache`, Inductor's `torchinductor_USER` in the temporary folder, the folders of
   `CACHE_ENV`), `OUT` itself and `/dev` are written where they are (files opened by
-  descriptor, as `tempfile`'s, too).
+  descriptor, as `tempfile`'s, too), as are the folders `tempfile.mkdtemp` makes (and so
+  `TemporaryDirectory`) and what is written in them: scratch space, which a compiler run
+  as a subprocess may be given as its working directory (Inductor's C++ builds,
+  torch/_inductor/cpp_builder.py, `run_compile_cmd`).
 """
 
 from __future__ import annotations
@@ -56,10 +59,14 @@ class WriteLog:
         self.out_dir = out_dir
         self.skipped: list[str] = []  # checkpoints of fake tensors, not written
         self.redirected: dict[str, str] = {}  # the program's path -> where it was written
+        self.scratch: list[Path] = []  # folders `tempfile.mkdtemp` made, where they are
+        self.making_scratch = False  # inside `tempfile.mkdtemp`
 
     def keep_in_place(self, path: Path) -> bool:
+        if self.making_scratch:
+            return True
         roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir,
-                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"]
+                 Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}", *self.scratch]
         roots += [Path(os.environ[k]) for k in CACHE_ENV if os.environ.get(k)]
         resolved = path.resolve()
         return any(resolved == root.resolve() or root.resolve() in resolved.parents for root in roots)
@@ -111,7 +118,7 @@ def _writes(mode: str) -> bool:
 
 def redirect_writes(patches: Patches, log: WriteLog) -> None:
     """The program's file writes go under `OUT/files/` (module docstring)."""
-    original_open, makedirs, mkdir = builtins.open, os.makedirs, os.mkdir
+    original_open, makedirs, mkdir, mkdtemp = builtins.open, os.makedirs, os.mkdir, tempfile.mkdtemp
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if _writes(mode):
@@ -131,6 +138,16 @@ def redirect_writes(patches: Patches, log: WriteLog) -> None:
             makedirs(os.path.dirname(target), exist_ok=True)  # the copy's folders of the folders that exist
         mkdir(target, mode, *args, **kwargs)
 
+    def mkdtemp_(*args: Any, **kwargs: Any) -> Any:
+        log.making_scratch = True
+        try:
+            folder = mkdtemp(*args, **kwargs)
+        finally:
+            log.making_scratch = False
+        log.scratch.append(Path(os.fspath(folder)).resolve())
+        return folder
+
+    patches.set(tempfile, "mkdtemp", mkdtemp_)
     patches.set(builtins, "open", open_)
     patches.set(io, "open", open_)
     patches.set(os, "makedirs", makedirs_)
