@@ -155,11 +155,14 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         patches.set(torch.cuda.nvtx, name, lambda *_a, **_k: None)
     patches.set(torch.cuda.nvtx, "range", _nothing)
-    accelerator = {"is_available": lambda *_a, **_k: True, "device_count": functions["device_count"],
+    # functions of their own, not torch.cuda's: TorchDynamo keys its handlers by function
+    # (torch/_dynamo/variables/torch.py, `_get_handlers`: `torch.accelerator.current_stream`
+    # and `torch.cuda.current_stream` in one `register`), and refuses one function twice
+    accelerator = {"is_available": lambda *_a, **_k: True, "device_count": lambda *_a, **_k: state.count,
                    "current_accelerator": lambda *_a, **_k: torch.device("cuda"),
-                   "current_device_index": functions["current_device"],
-                   "set_device_index": state.set_device, "synchronize": lambda *_a: None,
-                   "current_stream": functions["current_stream"], "set_stream": lambda *_a: None}
+                   "current_device_index": lambda *_a, **_k: state.current,
+                   "set_device_index": lambda device, *_a: state.set_device(device), "synchronize": lambda *_a: None,
+                   "current_stream": lambda *_a, **_k: _Stream(), "set_stream": lambda *_a: None}
     for name, value in accelerator.items():
         patches.set(torch.accelerator, name, value)
     _redirect_autocast(patches)
