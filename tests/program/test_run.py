@@ -131,3 +131,12 @@ def test_a_program_that_takes_no_optimizer_step_is_stopped_after_max_seconds(tmp
 def test_an_unknown_launcher_exits_2_naming_those_supported(capsys):
     assert main(["run", "--", "deepspeed", "train.py"]) == 2
     assert "it runs accelerate, python, torchrun, tune commands" in capsys.readouterr().err
+
+
+def test_a_compiled_flex_attention_runs_its_eager_operator_as_on_cuda(tmp_path):
+    command = ["python", str(PROGRAMS / "flex_loop.py")]
+    result = run_program(command, device="cuda", out_dir=tmp_path, steps=1)
+    trace = result.runs[0].trace
+    names = {trace.op_names[i] for i in trace.ops["name"]}
+    assert result.runs[0].steps == 2
+    assert {"flex_attention", "flex_attention_backward"} <= names, sorted(names)

@@ -167,6 +167,7 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
         patches.set(torch.accelerator, name, value)
     _redirect_autocast(patches)
     _cuda_optimizer_defaults(patches)
+    _flex_attention_as_on_cuda(patches)
     from torch.utils.data._utils import pin_memory
 
     patches.set(pin_memory, "pin_memory", lambda data, *_a, **_k: data)  # host copies: not device memory
@@ -190,6 +191,22 @@ def _redirect_autocast(patches: Patches) -> None:
                 lambda device_type="cuda": enabled("cpu" if device_type == "cuda" else device_type))
     patches.set(torch, "get_autocast_dtype",
                 lambda device_type: get_dtype("cpu" if device_type == "cuda" else device_type))
+
+
+def _flex_attention_as_on_cuda(patches: Patches) -> None:
+    """`flex_attention` of fake tensors takes its backward as on CUDA: PyTorch refuses a
+    backward for cpu inputs before dispatch (torch/nn/attention/flex_attention.py,
+    `_validate_device`); on fake inputs its operators give their FakeTensor outputs (the
+    output and the fp32 log-sum-exp the CUDA kernel saves; its backward's gradients)."""
+    from torch.nn.attention import flex_attention
+
+    validate = flex_attention._validate_device
+
+    def validate_device(query: Any, key: Any, value: Any) -> None:
+        if not (isinstance(query, FakeTensor) and query.device.type == "cpu"):
+            validate(query, key, value)
+
+    patches.set(flex_attention, "_validate_device", validate_device)
 
 
 def _cuda_optimizer_defaults(patches: Patches) -> None:

@@ -188,6 +188,14 @@ def _visible_rng_state(world: World, patches: Patches) -> None:
     patches.set(torch, "get_rng_state", get_rng_state)
 
 
+def _compiled_as_eager() -> Any:
+    """`torch.compile`d functions run their eager ops, which the run traces (PyTorch's
+    `torch.compiler.set_stance("force_eager")`): Inductor would compile the fake tensors'
+    graph for the CPU, or, under the cuda facade, for a CUDA it does not have. What its
+    fusions save is not modelled: a compiled region is estimated as its eager ops."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: Launch, rank: int,
              options: RunOptions, writes: Any) -> list:
     """Every replacement of the run (module docstring); the hook handles to remove."""
@@ -228,7 +236,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
             redirect = DeviceRedirect(world)
             handles = _install(world, redirect, patches, launch, rank, options, writes)
             window.install()
-            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), redirect:
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), _compiled_as_eager(), redirect:
                 ended = _execute(launch)
             facts = seen.describe()  # while the process group the program made is there
         except BaseException:
