@@ -124,5 +124,8 @@ def test_torchtitans_trainer_on_two_fsdp2_ranks_is_traced_with_half_the_optimize
     assert doc["layout"]["fsdp2_mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     assert doc["parameters"] == PARAMETERS and doc["runs"][0]["steps"] == 3
     assert doc["seen"]["forward_calls_per_step"] == [1, 1, 1]
+    # the OptimizersContainer steps one AdamW (one model part): its states are the run's
+    assert doc["seen"]["optimizer"]["class"] == "AdamW"
+    assert doc["seen"]["optimizer"]["state_dtypes"] == {"fp32": 2 * TENSORS}
     state = doc["per_rank"][0]["breakdown"]["optimizer_state"]
     assert _per_rank_adamw_state_bytes() <= state <= _per_rank_adamw_state_bytes() + 2 * TENSORS * 512

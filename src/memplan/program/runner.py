@@ -116,7 +116,7 @@ class _Trace:
                 self.recorder.mark(t, "input")
 
     def step(self, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
-        self.seen.note_step(optimizers)
+        self.seen.note_step(optimizers, in_backward=self.world.window.step_in_backward)
         if self.recorder is not None:
             self.recorder.iteration = steps
             self.recorder.reset_phase()

@@ -72,6 +72,7 @@ class Seen:
         self.model_loss: bool | None = None
         self.optimizer_impl: str | None = None  # what the first optimizer's step ran
         self.first_step: list[torch.optim.Optimizer] = []  # the optimizers the first step took
+        self.first_step_in_backward = False
 
     def note_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not any(m is module for m in self.models):
@@ -95,10 +96,12 @@ class Seen:
                 loss = output.get("loss")
             self.model_loss = isinstance(loss, torch.Tensor)
 
-    def note_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """One step of the program: the optimizers it took (several for an optimizer in backward)."""
+    def note_step(self, optimizers: list[torch.optim.Optimizer], in_backward: bool = False) -> None:
+        """One step of the program: the optimizers it took (several for an optimizer in backward,
+        or for a wrapper of one optimizer per model part), and whether inside a backward."""
         if not self.first_step:
             self.first_step = list(optimizers)
+            self.first_step_in_backward = in_backward
         for optimizer in optimizers:
             if not any(o is optimizer for o in self.optimizers):
                 self.optimizers.append(optimizer)
@@ -114,7 +117,7 @@ class Seen:
         calls = [self.first_call] * max(1, self.calls_per_step[0] if self.calls_per_step else 1) \
             if self.first_call is not None else []
         setup, unseen = infer_setup(model, optimizer, calls, self.autocast)
-        if len(self.first_step) > 1 and setup.grad_accum == 1 and setup.cpu_offload == "none":
+        if self.first_step_in_backward and setup.grad_accum == 1 and setup.cpu_offload == "none":
             setup = dataclasses.replace(setup, optimizer_in_backward=True)
         return setup, unseen
 
@@ -132,7 +135,7 @@ class Seen:
                  "implementation": self.optimizer_impl,
                  "master_weights": dict(Counter(_dtype(p.dtype) for p in params)),
                  "state_dtypes": dict(states)}
-        if len(stepped) > 1:
+        if self.first_step_in_backward:
             facts["in_backward"] = len(stepped)  # optimizers stepped inside the backward
         return facts
 

@@ -21,7 +21,10 @@ counts iterations by (docs/watch.md). In the program's terms:
   `optimizer_in_bwd`) are together one step, which ends when that backward ends (a callback
   queued on autograd's engine, `Variable._execution_engine.queue_callback`, as FSDP's
   post-backward runs; torch/distributed/fsdp/_runtime_utils.py); `on_step` gets every
-  optimizer the step took;
+  optimizer the step took, and `step_in_backward` says it was taken so;
+- a wrapper that is itself an Optimizer and steps optimizers of its own (torchtitan's
+  `OptimizersContainer`, one per model part) takes one step: `on_step` gets the optimizers it
+  stepped, which hold the states, not the wrapper;
 - after `stop_after` optimizer steps, the program is stopped at its next top-level call or
   optimizer step (`ProgramStop`), so the last iteration's `zero_grad`, logging and next
   batch have run, as in the watch's iterations;
@@ -90,6 +93,9 @@ class StepWindow:
         self._previous_handler: Any = signal.SIG_DFL
         self._has_parameters: dict[int, bool] = {}
         self._backward_optimizers: list[torch.optim.Optimizer] = []  # stepped in the running backward
+        self._inner: list[torch.optim.Optimizer] = []  # stepped inside the running step of a wrapper
+        self._marks: list[int] = []  # len(self._inner) at each running step's start
+        self.step_in_backward = False  # whether the last step counted was taken inside a backward
 
     def install(self) -> None:
         original = self._original_call = torch.nn.Module._call_impl
@@ -168,23 +174,30 @@ class StepWindow:
         if self.optimizer_depth == 0 and not _in_backward():
             self._stop_if_done()
         self.optimizer_depth += 1
+        self._marks.append(len(self._inner))
 
     def _post_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self.optimizer_depth = max(0, self.optimizer_depth - 1)
+        mark = self._marks.pop() if self._marks else 0
+        wrapper = len(self._inner) > mark  # it stepped optimizers of its own: they hold the states
         if self.optimizer_depth:
-            return  # an inner optimizer of a wrapper that is itself an Optimizer
+            if not wrapper:
+                self._inner.append(optimizer)  # an inner optimizer of a wrapper that is itself an Optimizer
+            return
+        stepped, self._inner = (self._inner[mark:] if wrapper else [optimizer]), []
         if _in_backward():
             if not self._backward_optimizers:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            self._backward_optimizers.append(optimizer)
+            self._backward_optimizers.extend(stepped)
             return
-        self._count_step([optimizer])
+        self._count_step(stepped, in_backward=False)
 
     def _backward_ended(self) -> None:
         optimizers, self._backward_optimizers = self._backward_optimizers, []
-        self._count_step(optimizers)
+        self._count_step(optimizers, in_backward=True)
 
-    def _count_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def _count_step(self, optimizers: list[torch.optim.Optimizer], *, in_backward: bool) -> None:
+        self.step_in_backward = in_backward
         self.steps += 1
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.started_s
