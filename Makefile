@@ -1,5 +1,8 @@
 # Two set-up commands: `make demo` and `make test`. Both create .venv when it is
-# missing and install the pinned dependencies (torch==2.13.0 is the CPU build).
+# missing and install the pinned dependencies (torch==2.13.0 is the CPU build); torchtune,
+# whose release needs an older torchao than memplan's, goes to its own folder,
+# .venv/torchtune (requirements-torchtune.lock says why); torchtitan with triton likewise
+# to .venv/torchtitan (requirements-torchtitan.lock).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,11 +10,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint setup clean browser gpu-check
 
-$(STAMP): requirements.lock requirements-nodeps.lock pyproject.toml
+$(STAMP): requirements.lock requirements-nodeps.lock requirements-torchtune.lock requirements-torchtitan.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.lock
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/torchtune -r requirements-torchtune.lock
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/torchtitan -r requirements-torchtitan.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

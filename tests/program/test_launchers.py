@@ -1,5 +1,7 @@
 """The training command as its launcher reads it."""
 
+import sys
+
 import pytest
 
 from memplan.errors import UserError
@@ -32,7 +34,7 @@ def test_python_m_torch_distributed_run_is_torchrun():
 
 def test_an_unknown_launcher_is_refused_naming_those_supported():
     with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, litgpt, python, "
-                                        "torchrun, trl"):
+                                        "torchrun, trl, tune"):
         parse_command(["deepspeed", "train.py"])
 
 
@@ -80,3 +82,14 @@ def test_litgpt_runs_its_console_scripts_entry_point_with_the_command_as_typed()
     launch = parse_command(["litgpt", "finetune_lora", "checkpoints/tiny", "--data", "JSON"])
     assert (launch.launcher, launch.entry, launch.args) == \
         ("litgpt", "litgpt.__main__:main", ("finetune_lora", "checkpoints/tiny", "--data", "JSON"))
+
+
+def test_tune_run_without_an_importable_torchtune_is_refused_saying_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchtune._cli.run", None)  # what an import that fails raises
+    with pytest.raises(UserError, match="`tune run` needs torchtune, which does not import here"):
+        parse_command(["tune", "run", "full_finetune_single_device", "--config", "my.yaml"])
+
+
+def test_tune_other_than_run_is_refused():
+    with pytest.raises(UserError, match="runs `tune run RECIPE --config CONFIG`, not `tune download`"):
+        parse_command(["tune", "download", "meta-llama/Llama-3.2-1B"])

@@ -49,3 +49,27 @@ def test_reads_of_real_tensors_are_their_values():
     with DeviceRedirect(world):
         labels = torch.tensor([1, -100, 3]).to("cuda")
         assert int((labels != -100).sum()) == 2 and labels.tolist() == [1, -100, 3]
+
+
+def test_trunc_normal_of_a_fake_weight_ends_after_its_first_draw():
+    world = World("cuda", None)
+    weight = world.fake(torch.empty, (64, 64))
+    with DeviceRedirect(world):
+        torch.nn.init.trunc_normal_(weight, std=0.02)  # asks whether any sample falls outside [-2, 2]
+    assert sum(n for site, n in world.reads.answered.items() if site.endswith("__bool__")) == 1
+
+
+def test_a_dtensor_over_a_fake_shard_is_read_as_its_shard():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = World("cuda", None)
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    try:
+        loss = DTensor.from_local(_fake_loss(world), init_device_mesh("cpu", (1,)), [Replicate()])
+        with DeviceRedirect(world):
+            assert loss.item() == 0.0
+    finally:
+        dist.destroy_process_group()

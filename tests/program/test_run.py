@@ -32,11 +32,22 @@ def _within_one_percent(estimated, measured):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [[], ["--checkpoint"]], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("flags", [[], ["--checkpoint"], ["--optimizer-in-backward"]],
+                         ids=["plain", "checkpointed", "optimizer-in-backward"])
 def test_cpu_run_of_a_plain_loop_matches_the_profiler_of_the_real_run(text_file, tmp_path, flags):
     command = [sys.executable, PLAIN, "--data", str(text_file), *flags]
     result = run_program(command, device="cpu", out_dir=tmp_path)
     _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command)[0])
+
+
+def test_optimizers_stepped_inside_the_backward_are_one_step(text_file, tmp_path):
+    command = ["python", PLAIN, "--data", str(text_file), "--optimizer-in-backward", "--steps", "5"]
+    result = run_program(command, device="cpu", out_dir=tmp_path, steps=1)  # the first step and one more
+    assert result.runs[0].steps == 2 and result.seen["forward_calls_per_step"] == [1, 1]
+    # 29 parameters: 2 embeddings, 12 per block x 2 blocks, the final norm's 2, the head
+    assert result.seen["optimizer"]["in_backward"] == 29
+    assert result.seen["optimizer"]["state_dtypes"] == {"fp32": 2 * 29}
+    assert result.seen["setup"]["optimizer_in_backward"] is True
 
 
 @pytest.mark.slow
@@ -119,4 +130,13 @@ def test_a_program_that_takes_no_optimizer_step_is_stopped_after_max_seconds(tmp
 
 def test_an_unknown_launcher_exits_2_naming_those_supported(capsys):
     assert main(["run", "--", "deepspeed", "train.py"]) == 2
-    assert "it runs accelerate, litgpt, python, torchrun, trl commands" in capsys.readouterr().err
+    assert "it runs accelerate, litgpt, python, torchrun, trl, tune commands" in capsys.readouterr().err
+
+
+def test_a_compiled_flex_attention_runs_its_eager_operator_as_on_cuda(tmp_path):
+    command = ["python", str(PROGRAMS / "flex_loop.py")]
+    result = run_program(command, device="cuda", out_dir=tmp_path, steps=1)
+    trace = result.runs[0].trace
+    names = {trace.op_names[i] for i in trace.ops["name"]}
+    assert result.runs[0].steps == 2
+    assert {"flex_attention", "flex_attention_backward"} <= names, sorted(names)

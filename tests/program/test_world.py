@@ -65,3 +65,28 @@ def test_safetensors_weights_are_fake_tensors_read_from_the_header(tmp_path):
     opened = fakes.FakeSafeOpen(world, path)
     w = opened.get_slice("w")[...]
     assert opened.keys() == ["w"] and is_fake(w) and w.shape == (3, 5) and w.dtype == torch.bfloat16
+
+
+def test_vmap_over_a_device_tensor_gives_device_tensors():
+    world = World("cuda", None)
+    with DeviceRedirect(world):
+        positions = torch.arange(4, device="cuda")
+        # flex attention's create_block_mask calls its mask function so, under vmap
+        mask = torch.vmap(lambda p: p.new_ones((), dtype=torch.bool) & (p >= 1))(positions)
+    assert mask.tolist() == [False, True, True, True] and world.on_device(mask)
+
+
+def test_torchdynamo_traces_a_function_under_the_cuda_facade():
+    from memplan.hardware.devices import device_profile
+    from memplan.program import cuda_api
+
+    patches = Patches()
+    cuda_api.install(World("cuda", None), patches, device_profile("h100-80gb"), device_count=1, local_rank=0)
+    try:
+        torch._dynamo.reset()
+        # TorchDynamo keys its handlers by function: torch.accelerator's must not be torch.cuda's
+        twice = torch.compile(lambda x: torch.mul(x, 2), backend="eager", fullgraph=True)
+        assert twice(torch.ones(2)).tolist() == [2.0, 2.0]
+    finally:
+        patches.restore()
+        torch._dynamo.reset()

@@ -161,16 +161,20 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         patches.set(torch.cuda.nvtx, name, lambda *_a, **_k: None)
     patches.set(torch.cuda.nvtx, "range", _nothing)
-    accelerator = {"is_available": lambda *_a, **_k: True, "device_count": functions["device_count"],
+    # functions of their own, not torch.cuda's: TorchDynamo keys its handlers by function
+    # (torch/_dynamo/variables/torch.py, `_get_handlers`: `torch.accelerator.current_stream`
+    # and `torch.cuda.current_stream` in one `register`), and refuses one function twice
+    accelerator = {"is_available": lambda *_a, **_k: True, "device_count": lambda *_a, **_k: state.count,
                    "current_accelerator": lambda *_a, **_k: torch.device("cuda"),
-                   "current_device_index": functions["current_device"],
-                   "set_device_index": state.set_device, "synchronize": lambda *_a: None,
-                   "current_stream": functions["current_stream"], "set_stream": lambda *_a: None}
+                   "current_device_index": lambda *_a, **_k: state.current,
+                   "set_device_index": lambda device, *_a: state.set_device(device), "synchronize": lambda *_a: None,
+                   "current_stream": lambda *_a, **_k: _Stream(), "set_stream": lambda *_a: None}
     for name, value in accelerator.items():
         patches.set(torch.accelerator, name, value)
     _redirect_autocast(patches)
     _cuda_optimizer_defaults(patches)
     _device_map_indices_as_cuda(patches)
+    _flex_attention_as_on_cuda(patches)
     from torch.utils.data._utils import pin_memory
 
     patches.set(pin_memory, "pin_memory", lambda data, *_a, **_k: data)  # host copies: not device memory
@@ -235,6 +239,22 @@ def _device_map_indices_as_cuda(patches: Patches) -> None:
         return device_map
 
     patches.everywhere(get_device_map, device_map_on_cuda, ("transformers",))
+
+
+def _flex_attention_as_on_cuda(patches: Patches) -> None:
+    """`flex_attention` of fake tensors takes its backward as on CUDA: PyTorch refuses a
+    backward for cpu inputs before dispatch (torch/nn/attention/flex_attention.py,
+    `_validate_device`); on fake inputs its operators give their FakeTensor outputs (the
+    output and the fp32 log-sum-exp the CUDA kernel saves; its backward's gradients)."""
+    from torch.nn.attention import flex_attention
+
+    validate = flex_attention._validate_device
+
+    def validate_device(query: Any, key: Any, value: Any) -> None:
+        if not (isinstance(query, FakeTensor) and query.device.type == "cpu"):
+            validate(query, key, value)
+
+    patches.set(flex_attention, "_validate_device", validate_device)
 
 
 def _cuda_optimizer_defaults(patches: Patches) -> None:

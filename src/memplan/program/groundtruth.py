@@ -97,6 +97,7 @@ def measure_rank() -> None:
     sys.argv = [launch.target, *launch.args]
     if launch.path_entry is not None:
         sys.path.insert(0, launch.path_entry)
+    sys.path.extend(launch.path_after)
     window.install()
     try:
         run_launched(launch)

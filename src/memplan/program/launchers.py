@@ -31,6 +31,12 @@ is read as it reads it:
   (`litgpt.__main__:main`, jsonargparse), called as its wrapper calls it: it parses and trains
   in the process it runs in (Lightning Fabric starts no process for one device, and none under
   torchrun's environment).
+- `tune run [TORCHRUN-OPTIONS] RECIPE --config CONFIG [KEY=VALUE...]`: torchtune's own parser
+  and recipe lookup (`torchtune._cli.run.Run`, torchtune/_cli/run.py in torchtune 0.6.1): a
+  recipe or config named as torchtune ships them is its file in torchtune's `recipes/`, another
+  recipe a module path; the recipe runs as a script with `--config` and the overrides as typed,
+  the working directory appended to `sys.path` (`Run._run_cmd`). With torchrun options it is
+  torchrun's world (`Run._run_distributed`), as for `torchrun` above.
 
 `LAUNCHERS` maps each supported first word to its parser; another launcher is one more
 entry (docs/run.md says what each of the others would need). Anything else is a
@@ -39,6 +45,7 @@ entry (docs/run.md says what each of the others would need). Anything else is a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import contextvars
 import os
@@ -60,7 +67,7 @@ MASTER_PORT = "29500"  # torchrun's default (--master-port)
 class Launch:
     """One training command: what to run, with which arguments, in which world."""
 
-    launcher: str  # "python", "torchrun", "accelerate", "trl" or "litgpt"
+    launcher: str  # "python", "torchrun", "accelerate", "trl", "litgpt" or "tune"
     target: str  # a script path, a module name when `module`, a console script's name when `entry`
     args: tuple[str, ...]  # the program's own arguments, as typed
     module: bool = False
@@ -69,6 +76,7 @@ class Launch:
     distributed: bool = False  # whether the launcher sets the distributed environment
     env: dict[str, str] = field(default_factory=dict)  # the launcher's own settings for every rank
     entry: str | None = None  # a console script's entry point, `module:function`
+    path_after: tuple[str, ...] = ()  # folders the launcher appends to `sys.path` (tune run: the working directory)
 
     @property
     def argv0(self) -> str:
@@ -137,7 +145,7 @@ def _python_launch(words: list[str], launcher: str = "python") -> Launch:
 
 def _torchrun_launch(words: list[str]) -> Launch:
     """`torchrun [options] SCRIPT|-m MODULE ARGS...`, read by PyTorch's own parser."""
-    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+    from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.exit_on_error = False
@@ -145,6 +153,15 @@ def _torchrun_launch(words: list[str]) -> Launch:
         args = parser.parse_args(words[1:])
     except (SystemExit, Exception) as exc:  # argparse exits on a bad option
         raise UserError(f"torchrun could not read `{' '.join(words[1:])}`: {exc}") from None
+    return _torchrun_world(args, "torchrun", args.training_script, tuple(args.training_script_args),
+                           module=bool(args.module))
+
+
+def _torchrun_world(args: Any, launcher: str, target: str, program_args: tuple[str, ...], module: bool,
+                    path_after: tuple[str, ...] = ()) -> Launch:
+    """The `Launch` of torchrun's parsed options `args` (its world and environment) running `target`."""
+    from torch.distributed.run import parse_min_max_nnodes
+
     try:
         nproc = int(args.nproc_per_node)
     except ValueError:
@@ -158,8 +175,8 @@ def _torchrun_launch(words: list[str]) -> Launch:
         env["MASTER_ADDR"] = str(args.master_addr)
     if args.master_port:
         env["MASTER_PORT"] = str(args.master_port)
-    return Launch("torchrun", args.training_script, tuple(args.training_script_args), module=bool(args.module),
-                  world_size=max_nodes * nproc, nproc_per_node=nproc, distributed=True, env=env)
+    return Launch(launcher, target, program_args, module=module, world_size=max_nodes * nproc,
+                  nproc_per_node=nproc, distributed=True, env=env, path_after=path_after)
 
 
 def _accelerate_launch(words: list[str]) -> Launch:
@@ -258,12 +275,47 @@ def _litgpt_launch(words: list[str]) -> Launch:
     return Launch("litgpt", words[0], tuple(words[1:]), entry=console_script("litgpt"))
 
 
+def _tune_launch(words: list[str]) -> Launch:
+    """`tune run [TORCHRUN-OPTIONS] RECIPE --config CONFIG ...`, read by torchtune's own parser and lookup."""
+    if words[1:2] != ["run"]:
+        raise UserError(f"memplan run runs `tune run RECIPE --config CONFIG`, not `tune {' '.join(words[1:2])}`")
+    try:
+        from torchtune._cli.run import ROOT, Run
+    except ImportError as exc:  # torchtune imports torchao's internals, which move between releases
+        raise UserError(f"`tune run` needs torchtune, which does not import here ({type(exc).__name__}: {exc}): "
+                        "install a torchtune that imports with this torch and torchao (docs/run.md, tune run)") from None
+    parser = argparse.ArgumentParser(prog="tune", exit_on_error=False)
+    tune_run = Run(parser.add_subparsers())
+    try:
+        args = parser.parse_args(words[1:])
+        config_at = args.recipe_args.index("--config") + 1
+        config_name = args.recipe_args[config_at]
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option; no --config is a ValueError
+        raise UserError(f"tune run could not read `{' '.join(words[2:])}`: {exc} "
+                        "(it takes `tune run RECIPE --config CONFIG [KEY=VALUE...]`)") from None
+    recipe = tune_run._get_recipe(args.recipe)
+    config = tune_run._get_config(config_name, recipe)
+    program_args = list(args.recipe_args)
+    if config is not None:
+        program_args[config_at] = str(ROOT / "recipes" / "configs" / config.file_path)
+    builtin = recipe is not None
+    target = str(ROOT / "recipes" / recipe.file_path) if builtin else tune_run._convert_to_dotpath(args.recipe)
+    path_after = (os.getcwd(),)
+    if len(words) - 2 > len(args.recipe_args) + 1:  # torchrun options before the recipe (`_is_distributed_args`)
+        if builtin and not recipe.supports_distributed:
+            raise UserError(f"torchtune's recipe {recipe.name} does not support distributed training: "
+                            "run it without torchrun options")
+        return _torchrun_world(args, "tune", target, tuple(program_args), module=not builtin, path_after=path_after)
+    return Launch("tune", target, tuple(program_args), module=not builtin, path_after=path_after)
+
+
 LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
     "python": _python_launch,
     "torchrun": _torchrun_launch,
     "accelerate": _accelerate_launch,
     "trl": _trl_launch,
     "litgpt": _litgpt_launch,
+    "tune": _tune_launch,
 }
 
 

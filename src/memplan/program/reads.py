@@ -14,8 +14,16 @@ as they would be. For fake ones the policy is:
   tensor are all False and `isfinite` all True, carried through `any`, `all`, `~`, `|`, `&`
   (the checks of `Trainer`'s `logging_nan_inf_filter` and of `clip_grad_norm_`'s
   `error_if_nonfinite`), and a boolean read of such a result gives that value;
+- a boolean read inside PyTorch's own initialisation functions (`torch.nn.init`) is False:
+  `trunc_normal_` draws samples until none is rejected, asking `mask.any()` or
+  `pending.any()` after each draw (`_no_grad_trunc_normal_`, torch/nn/init.py:86-160,
+  PyTorch 2.13.0; torchtune's and torchtitan's model builders initialise with it); fake
+  weights have no samples to reject, and the loop ends after its first draw, whose ops ran;
 - any other read (an integer or boolean computed from the weights: a Python branch on a
   tensor, a size) is refused: `ReadRefused`, naming the op and the program's file:line.
+
+A DTensor whose local shard is fake (FSDP2's and TP's parameters in a distributed run) is
+read as that shard is.
 
 Every read the policy answered is counted by site (`ReadLog`), so the run can say which
 values it made up and where.
@@ -29,6 +37,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 Tensor = torch.Tensor
@@ -54,8 +63,27 @@ class ReadRefused(BaseException):  # noqa: N818 - raised through the program: it
 
 def is_fake_value(t: Any) -> bool:
     """Whether `t` is a fake tensor with no value memplan could read (a fake made from a
-    Python scalar keeps it as a constant, and reads as that)."""
+    Python scalar keeps it as a constant, and reads as that), or a DTensor over one."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
     return isinstance(t, FakeTensor) and t.constant is None
+
+
+_TORCH_INIT = str(Path(torch.nn.init.__file__))
+
+
+def _in_torch_init() -> bool:
+    """Whether the read is made by `torch.nn.init`'s own code (the frames above it up to the
+    first one outside PyTorch and memplan)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name == _TORCH_INIT:
+            return True
+        if "/torch/" not in name and "/memplan/" not in name:
+            return False
+        frame = frame.f_back
+    return False
 
 
 def program_site(program_dir: Path | None) -> str:
@@ -113,6 +141,8 @@ class ReadLog:
             return self._answer(func, t, self.known[t])
         if (t.is_floating_point() or t.is_complex()) and func is not Tensor.__bool__:
             return self._answer(func, t, 0.0, args, kwargs)
+        if func is Tensor.__bool__ and _in_torch_init():
+            return self._answer(func, t, False)
         what = {Tensor.__bool__: "a Python branch on (bool of)", Tensor.__int__: "int() of",
                 Tensor.__index__: "an index or size from"}.get(func, f"{func.__name__}() of")
         raise ReadRefused(

@@ -46,6 +46,10 @@ class ProgramRecorder(DistributedRecorder):
 
     def __init__(self, world: World) -> None:
         super().__init__(record_flops=True)
+        # a higher-order operator the program calls eagerly (flex attention's, whose fake
+        # implementation gives the output and log-sum-exp the CUDA kernel allocates) is
+        # one op, recorded with what it returns (memplan.capture.recorder)
+        self.supports_higher_order_operators = True
         self.world = world
         self.device_label = "cuda:0" if world.cuda else "cpu"
         self.attention: dict[str, Any] | None = None

@@ -115,8 +115,8 @@ class _Trace:
             for t in (x for x in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)):
                 self.recorder.mark(t, "input")
 
-    def step(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
-        self.seen.note_step(optimizer)
+    def step(self, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
+        self.seen.note_step(optimizers, in_backward=self.world.window.step_in_backward)
         if self.recorder is not None:
             self.recorder.iteration = steps
             self.recorder.reset_phase()
@@ -144,7 +144,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _program_argv(launch: Launch) -> Iterator[Path]:
-    """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them; the program's folder."""
+    """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them (and the launcher's
+    `path_after`); the program's folder."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     before = set(sys.modules)
     if not (launch.module or launch.entry) and not Path(launch.target).is_file():
@@ -153,6 +154,7 @@ def _program_argv(launch: Launch) -> Iterator[Path]:
     sys.argv = [launch.target, *launch.args]
     if launch.path_entry is not None:
         sys.path.insert(0, launch.path_entry)
+    sys.path.extend(launch.path_after)
     try:
         yield folder
     finally:
@@ -180,6 +182,14 @@ def _visible_rng_state(world: World, patches: Patches) -> None:
         return out
 
     patches.set(torch, "get_rng_state", get_rng_state)
+
+
+def _compiled_as_eager() -> Any:
+    """`torch.compile`d functions run their eager ops, which the run traces (PyTorch's
+    `torch.compiler.set_stance("force_eager")`): Inductor would compile the fake tensors'
+    graph for the CPU, or, under the cuda facade, for a CUDA it does not have. What its
+    fusions save is not modelled: a compiled region is estimated as its eager ops."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: Launch, rank: int,
@@ -223,7 +233,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
             redirect = DeviceRedirect(world)
             handles = _install(world, redirect, patches, launch, rank, options, writes)
             window.install()
-            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), redirect:
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), _compiled_as_eager(), redirect:
                 ended = _execute(launch)
             facts = seen.describe()  # while the process group the program made is there
         except BaseException:

@@ -7,7 +7,8 @@ run shows:
 
 - the model: its class, parameter count (a sharded parameter counts its full size) and name;
 - precision: the parameters' dtype, autocast at the first forward, and the optimizer's
-  parameters' dtype (the master weights) and its states' dtypes;
+  parameters' dtype (the master weights) and its states' dtypes (over every optimizer of the
+  first step: one per parameter for an optimizer in backward, memplan.program.steps);
 - the loss: the model's own (its output has a `loss`) or computed by the program;
 - the parallel layout the program built (memplan.program.distributed: FSDP2 `fully_shard`,
   FSDP1, DDP, DTensor meshes);
@@ -16,6 +17,7 @@ run shows:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -81,6 +83,8 @@ class Seen:
         self.autocast: tuple[str, torch.dtype] | None = None
         self.model_loss: bool | None = None
         self.optimizer_impl: str | None = None  # what the first optimizer's step ran
+        self.first_step: list[torch.optim.Optimizer] = []  # the optimizers the first step took
+        self.first_step_in_backward = False
 
     def note_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level call: with gradients, a micro-batch of the step; without, an evaluation
@@ -108,11 +112,17 @@ class Seen:
                 loss = output.get("loss")
             self.model_loss = isinstance(loss, torch.Tensor)
 
-    def note_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not any(o is optimizer for o in self.optimizers):
-            self.optimizers.append(optimizer)
-            if len(self.optimizers) == 1:
-                self.optimizer_impl = _implementation(optimizer)
+    def note_step(self, optimizers: list[torch.optim.Optimizer], in_backward: bool = False) -> None:
+        """One step of the program: the optimizers it took (several for an optimizer in backward,
+        or for a wrapper of one optimizer per model part), and whether inside a backward."""
+        if not self.first_step:
+            self.first_step = list(optimizers)
+            self.first_step_in_backward = in_backward
+        for optimizer in optimizers:
+            if not any(o is optimizer for o in self.optimizers):
+                self.optimizers.append(optimizer)
+                if len(self.optimizers) == 1:
+                    self.optimizer_impl = _implementation(optimizer)
         self.calls_per_step.append(self._calls_since_step)
         self._calls_since_step = 0
 
@@ -122,20 +132,28 @@ class Seen:
         optimizer = self.optimizers[0] if self.optimizers else None
         calls = [self.first_call] * max(1, self.calls_per_step[0] if self.calls_per_step else 1) \
             if self.first_call is not None else []
-        return infer_setup(model, optimizer, calls, self.autocast)
+        setup, unseen = infer_setup(model, optimizer, calls, self.autocast)
+        if self.first_step_in_backward and setup.grad_accum == 1 and setup.cpu_offload == "none":
+            setup = dataclasses.replace(setup, optimizer_in_backward=True)
+        return setup, unseen
 
     def optimizer_facts(self) -> dict[str, Any]:
-        """Class, implementation, master-weight dtype and state dtypes of the first optimizer."""
+        """Class and implementation of the first optimizer; master-weight and state dtypes of
+        the optimizers of the first step (one per parameter for an optimizer in backward)."""
         if not self.optimizers:
             return {}
         optimizer = self.optimizers[0]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        states = Counter(_dtype(t.dtype) for state in optimizer.state.values() for t in state.values()
+        stepped = self.first_step or [optimizer]
+        params = [p for o in stepped for group in o.param_groups for p in group["params"]]
+        states = Counter(_dtype(t.dtype) for o in stepped for state in o.state.values() for t in state.values()
                          if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"class": type(optimizer).__name__, "name": OPTIMIZER_NAMES.get(type(optimizer).__name__),
-                "implementation": self.optimizer_impl,
-                "master_weights": dict(Counter(_dtype(p.dtype) for p in params)),
-                "state_dtypes": dict(states)}
+        facts = {"class": type(optimizer).__name__, "name": OPTIMIZER_NAMES.get(type(optimizer).__name__),
+                 "implementation": self.optimizer_impl,
+                 "master_weights": dict(Counter(_dtype(p.dtype) for p in params)),
+                 "state_dtypes": dict(states)}
+        if self.first_step_in_backward:
+            facts["in_backward"] = len(stepped)  # optimizers stepped inside the backward
+        return facts
 
     def describe(self) -> dict[str, Any]:
         """What memplan saw, for the report (module docstring)."""

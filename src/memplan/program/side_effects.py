@@ -17,12 +17,18 @@
 - **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
   `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
-  read that copy; the caches (`~/.cache`, Inductor's `torchinductor_USER` in the temporary
-  folder, the folders of `CACHE_ENV`), `OUT` itself and `/dev` are written where they are
-  (files opened by descriptor, as `tempfile`'s, too), and so is every folder the program makes
-  with `tempfile.mkdtemp` (a new folder of a unique name is the program's scratch, which no
-  earlier file is in: multiprocessing's `pymp-*` folder, whose socket a `DataLoader`'s
-  workers send their batches through).
+  read that copy, as do its looks at a path that exists only there (`os.stat`, `os.lstat`,
+  `os.listdir`, `os.scandir`, and so `os.path.exists`, `Path.is_dir`: pathlib's
+  `mkdir(parents=True, exist_ok=True)` asks `is_dir()` of the folder it was refused to
+  make again, torchtune's checkpointer makes its output folder so); the caches
+  (`~/.cache`, Inductor's `torchinductor_USER` in the temporary folder, the folders of
+  `CACHE_ENV`), `OUT` itself and `/dev` are written where they are (files opened by
+  descriptor, as `tempfile`'s, too), as are the folders `tempfile.mkdtemp` makes (and so
+  `TemporaryDirectory`) and what is written in them: scratch space, which no earlier file is
+  in and which another process may be given (multiprocessing's `pymp-*` folder, whose socket
+  a `DataLoader`'s workers send their batches through; a compiler run as a subprocess with it
+  as its working directory, Inductor's C++ builds, torch/_inductor/cpp_builder.py,
+  `run_compile_cmd`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ import builtins
 import getpass
 import io
 import os
+import stat
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +67,12 @@ class WriteLog:
         self.out_dir = out_dir
         self.skipped: list[str] = []  # checkpoints of fake tensors, not written
         self.redirected: dict[str, str] = {}  # the program's path -> where it was written
-        self.scratch: list[Path] = []  # the folders the program made with tempfile.mkdtemp
+        self.scratch: list[Path] = []  # folders `tempfile.mkdtemp` made, where they are
+        self.making_scratch = False  # inside `tempfile.mkdtemp`
 
     def keep_in_place(self, path: Path) -> bool:
+        if self.making_scratch:
+            return True
         roots = [Path("/dev"), Path("/proc"), Path("/sys"), Path.home() / ".cache", self.out_dir,
                  Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}", *self.scratch]
         roots += [Path(os.environ[k]) for k in CACHE_ENV if os.environ.get(k)]
@@ -82,10 +91,33 @@ class WriteLog:
         return str(redirected)
 
     def source(self, path: Any) -> Any:
-        """Where a read of `path` reads: the copy the program wrote, if it wrote one."""
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
+        """Where a read of `path` reads: the copy the program wrote, if it wrote one; the copy
+        under `OUT/files/` of a path that exists only there. A folder that exists where it is
+        (`/tmp`, made again by `mkdir(parents=True)`) is read where it is."""
+        if not self.redirected or not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
             return path
-        return self.redirected.get(os.path.abspath(os.fspath(path)), path)
+        absolute = os.path.abspath(os.fspath(path))
+        copy = self.redirected.get(absolute) or str(self.files_dir / Path(absolute).relative_to(Path(absolute).anchor))
+        if not _lexists(copy):
+            return path
+        if _lexists(absolute) and (absolute not in self.redirected or _is_dir(absolute)):
+            return path
+        return copy
+
+
+_LSTAT = os.lstat  # the original: `redirect_writes` replaces `os.lstat` by one that calls `WriteLog.source`
+
+
+def _lexists(path: Any) -> bool:
+    try:
+        _LSTAT(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _is_dir(path: str) -> bool:
+    return stat.S_ISDIR(_LSTAT(path).st_mode)
 
 
 def _writes(mode: str) -> bool:
@@ -94,7 +126,7 @@ def _writes(mode: str) -> bool:
 
 def redirect_writes(patches: Patches, log: WriteLog) -> None:
     """The program's file writes go under `OUT/files/` (module docstring)."""
-    original_open, makedirs, mkdir = builtins.open, os.makedirs, os.mkdir
+    original_open, makedirs, mkdir, mkdtemp = builtins.open, os.makedirs, os.mkdir, tempfile.mkdtemp
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if _writes(mode):
@@ -108,26 +140,37 @@ def redirect_writes(patches: Patches, log: WriteLog) -> None:
     def makedirs_(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
         makedirs(log.target(name), mode, exist_ok)
 
-    making_scratch = threading.local()
-    mkdtemp = tempfile.mkdtemp
-
     def mkdir_(path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
-        mkdir(path if getattr(making_scratch, "on", False) else log.target(path), mode, *args, **kwargs)
+        target = log.target(path)
+        if target is not path and os.path.isdir(os.path.dirname(os.path.abspath(os.fspath(path)))):
+            makedirs(os.path.dirname(target), exist_ok=True)  # the copy's folders of the folders that exist
+        mkdir(target, mode, *args, **kwargs)
 
-    def mkdtemp_(*args: Any, **kwargs: Any) -> str:
-        making_scratch.on = True
+    def mkdtemp_(*args: Any, **kwargs: Any) -> Any:
+        log.making_scratch = True
         try:
             folder = mkdtemp(*args, **kwargs)
         finally:
-            making_scratch.on = False
-        log.scratch.append(Path(folder))
+            log.making_scratch = False
+        log.scratch.append(Path(os.fspath(folder)).resolve())
         return folder
 
+    patches.set(tempfile, "mkdtemp", mkdtemp_)
     patches.set(builtins, "open", open_)
     patches.set(io, "open", open_)
     patches.set(os, "makedirs", makedirs_)
     patches.set(os, "mkdir", mkdir_)
-    patches.set(tempfile, "mkdtemp", mkdtemp_)
+    for name in ("stat", "lstat", "listdir", "scandir"):
+        patches.set(os, name, _reading_copies(getattr(os, name), log))
+
+
+def _reading_copies(look: Any, log: WriteLog) -> Any:
+    """`look` (`os.stat`, ...) of the copy the program wrote, where it wrote one (`WriteLog.source`)."""
+
+    def look_(path: Any = ".", *args: Any, **kwargs: Any) -> Any:
+        return look(log.source(path), *args, **kwargs)
+
+    return look_
 
 
 def skip_checkpoints(patches: Patches, log: WriteLog) -> None:

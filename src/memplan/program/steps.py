@@ -20,6 +20,16 @@ counts iterations by (docs/watch.md). In the program's terms:
   the loss) runs the closure as outside the step: its model calls are the iteration's
   top-level calls, not the optimizer's work (the pre-hook returns the step's arguments with
   the closure wrapped, as `register_optimizer_step_pre_hook` allows);
+- optimizer steps taken inside autograd's backward (the optimizer in backward: one
+  optimizer per parameter stepped by its post-accumulate-grad hook, PyTorch's tutorial
+  "How to save memory by fusing the optimizer step into the backward pass", torchtune's
+  `optimizer_in_bwd`) are together one step, which ends when that backward ends (a callback
+  queued on autograd's engine, `Variable._execution_engine.queue_callback`, as FSDP's
+  post-backward runs; torch/distributed/fsdp/_runtime_utils.py); `on_step` gets every
+  optimizer the step took, and `step_in_backward` says it was taken so;
+- a wrapper that is itself an Optimizer and steps optimizers of its own (torchtitan's
+  `OptimizersContainer`, one per model part) takes one step: `on_step` gets the optimizers it
+  stepped, which hold the states, not the wrapper;
 - after `stop_after` optimizer steps, the program is stopped at its next top-level call or
   optimizer step (`ProgramStop`), so the last iteration's `zero_grad`, logging and next
   batch have run, as in the watch's iterations;
@@ -65,7 +75,7 @@ class StepWindow:
 
     def __init__(self, stop_after: int, *, on_open: Callable[[Call], None] | None = None,
                  on_call: Callable[[Call], None] | None = None,
-                 on_step: Callable[[torch.optim.Optimizer, int], None] | None = None,
+                 on_step: Callable[[list[torch.optim.Optimizer], int], None] | None = None,
                  on_return: Callable[[Any], None] | None = None,
                  on_first_child: Callable[[torch.nn.Module], None] | None = None,
                  max_seconds: float | None = None) -> None:
@@ -87,6 +97,10 @@ class StepWindow:
         self._timer = False
         self._previous_handler: Any = signal.SIG_DFL
         self._has_parameters: dict[int, bool] = {}
+        self._backward_optimizers: list[torch.optim.Optimizer] = []  # stepped in the running backward
+        self._inner: list[torch.optim.Optimizer] = []  # stepped inside the running step of a wrapper
+        self._marks: list[int] = []  # len(self._inner) at each running step's start
+        self.step_in_backward = False  # whether the last step counted was taken inside a backward
 
     def install(self) -> None:
         original = self._original_call = torch.nn.Module._call_impl
@@ -94,7 +108,7 @@ class StepWindow:
 
         def call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             top = window.depth == 0 and window.optimizer_depth == 0 and window._top_level(module) \
-                and torch._C._current_graph_task_id() == -1  # a recomputation in backward is no new call
+                and not _in_backward()  # a recomputation in backward is no new call
             if top:
                 window._top_call(module, args, kwargs)
             elif window.depth == 1 and window.on_first_child is not None and not window._child_seen:
@@ -162,9 +176,10 @@ class StepWindow:
             self.on_call(call)
 
     def _pre_step(self, _optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self.optimizer_depth == 0:
+        if self.optimizer_depth == 0 and not _in_backward():
             self._stop_if_done()
         self.optimizer_depth += 1
+        self._marks.append(len(self._inner))
         return self._closure_outside_step(args, kwargs)
 
     def _closure_outside_step(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -187,12 +202,35 @@ class StepWindow:
 
     def _post_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self.optimizer_depth = max(0, self.optimizer_depth - 1)
+        mark = self._marks.pop() if self._marks else 0
+        wrapper = len(self._inner) > mark  # it stepped optimizers of its own: they hold the states
         if self.optimizer_depth:
-            return  # an inner optimizer of a wrapper that is itself an Optimizer
+            if not wrapper:
+                self._inner.append(optimizer)  # an inner optimizer of a wrapper that is itself an Optimizer
+            return
+        stepped, self._inner = (self._inner[mark:] if wrapper else [optimizer]), []
+        if _in_backward():
+            if not self._backward_optimizers:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._backward_optimizers.extend(stepped)
+            return
+        self._count_step(stepped, in_backward=False)
+
+    def _backward_ended(self) -> None:
+        optimizers, self._backward_optimizers = self._backward_optimizers, []
+        self._count_step(optimizers, in_backward=True)
+
+    def _count_step(self, optimizers: list[torch.optim.Optimizer], *, in_backward: bool) -> None:
+        self.step_in_backward = in_backward
         self.steps += 1
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.started_s
         if self._timer:
             signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
         if self.on_step is not None:
-            self.on_step(optimizer, self.steps)
+            self.on_step(optimizers, self.steps)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1

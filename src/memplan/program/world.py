@@ -17,7 +17,8 @@ real.** Concretely (`DeviceRedirect`, a `TorchFunctionMode` active for the whole
   of values (`tensor`, `arange`, `linspace`, `eye`) stay real;
 - everything else runs as PyTorch runs it: an op with a fake input gives a fake output
   (FakeTensor's own dispatch), an op on real tensors a real one, tagged as device memory
-  when one of its inputs is;
+  when one of its inputs is (a boolean mask too: `&`, `|`, `~` of real device tensors);
+  functorch's wrappers (`vmap`'s BatchedTensor) are looked through to the tensor they wrap;
 - reading a fake tensor's value follows `memplan.program.reads`;
 - `data_ptr()` of a fake tensor is an address of its own: a fake storage has none (PyTorch
   gives 0, with a warning), and code keys tensors by it (accelerate's FSDP2 preparation maps
@@ -85,6 +86,15 @@ def redirect_in_backward(mode: TorchFunctionMode, patches: Patches) -> None:
     patches.set(torch.autograd, "_engine_run_backward", engine_run_backward)
 
 
+def _unwrapped(t: Tensor) -> Tensor:
+    """The tensor under functorch's wrappers (`vmap`'s BatchedTensor, `grad`'s wrapper), which
+    have no storage of their own: flex attention's `create_block_mask` runs its mask function
+    under `vmap` (torch/nn/attention/flex_attention.py, `create_mask`)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def is_cuda(device: Any) -> bool:
     """Whether a `device=` value names a CUDA device (`"cuda"`, `"cuda:1"`, `torch.device`, an index)."""
     if isinstance(device, torch.device):
@@ -127,6 +137,7 @@ class World:
         """Whether `t`'s storage is device memory (a cpu job: always)."""
         if not self.cuda:
             return True
+        t = _unwrapped(t)
         storage = t.untyped_storage()
         if is_fake(t):
             return storage not in self._host_fakes
@@ -139,7 +150,7 @@ class World:
 
     def tag_device(self, t: Tensor) -> Tensor:
         if self.cuda and isinstance(t, Tensor):
-            storage = t.untyped_storage()
+            storage = _unwrapped(t).untyped_storage()
             if is_fake(t):
                 self._host_fakes.pop(storage, None)
             else:
@@ -207,9 +218,9 @@ class DeviceRedirect(TorchFunctionMode):
             kwargs.pop("pin_memory", None)
             return self._tagged(func(*args, **kwargs))
         result = func(*args, **kwargs)
-        if func in KNOWN_BOOL_OPS:
+        if func in KNOWN_BOOL_OPS:  # a check of fake values carried on; of real ones, a device mask
             self.world.reads.note_known(func, args, result)
-        elif self.world.cuda and _real_tensors(result) and any(
+        if self.world.cuda and _real_tensors(result) and any(
                 self.world.on_device(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)):
             self._tagged(result)
         return result

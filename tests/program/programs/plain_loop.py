@@ -1,9 +1,13 @@
 """A plain PyTorch training loop on character-level data: a small GPT-style model built in
 the script, moved to the device, trained with AdamW, its loss logged with `loss.item()`.
 
-python plain_loop.py --data FILE [--steps N] [--batch B] [--block T] [--checkpoint] [--save DIR]
+python plain_loop.py --data FILE [--steps N] [--batch B] [--block T] [--checkpoint]
+                     [--optimizer-in-backward] [--save DIR]
 
 With --save, each step appends a line to DIR/log.txt and the first saves DIR/ckpt.pt.
+With --optimizer-in-backward, each parameter has its own AdamW, stepped in the parameter's
+post-accumulate-grad hook (PyTorch's tutorial "How to save memory by fusing the optimizer
+step into the backward pass"): `loss.backward()` is the whole update.
 """
 
 import argparse
@@ -61,6 +65,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--optimizer-in-backward", action="store_true")
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
 
@@ -71,7 +76,17 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = GPT(len(chars), block=args.block, use_checkpoint=args.checkpoint).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.optimizer_in_backward:
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()}
+
+        def step_in_backward(p):
+            optimizers[p].step()
+            optimizers[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_in_backward)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     for step in range(args.steps):
         starts = torch.randint(len(data) - args.block - 1, (args.batch,), generator=gen)
@@ -79,8 +94,9 @@ def main():
         y = torch.stack([data[s + 1:s + 1 + args.block] for s in starts]).to(device)
         loss = model(x, y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not args.optimizer_in_backward:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         print(f"step {step} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}")
         if args.save:
             os.makedirs(args.save, exist_ok=True)
