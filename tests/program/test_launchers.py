@@ -31,8 +31,8 @@ def test_python_m_torch_distributed_run_is_torchrun():
 
 
 def test_an_unknown_launcher_is_refused_naming_those_supported():
-    with pytest.raises(UserError, match="does not know the launcher `deepspeed`: it runs accelerate, python, torchrun"):
-        parse_command(["deepspeed", "train.py"])
+    with pytest.raises(UserError, match="does not know the launcher `mpirun`: it runs accelerate, deepspeed, python"):
+        parse_command(["mpirun", "-np", "2", "python", "train.py"])
 
 
 def test_torchrun_without_a_number_of_processes_is_refused():
@@ -65,3 +65,31 @@ def test_accelerate_launch_reads_its_config_file_and_gives_each_rank_its_environ
 def test_accelerate_launch_with_deepspeed_is_refused():
     with pytest.raises(UserError, match="DeepSpeed or TPU"):
         parse_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "train.py"])
+
+
+def test_deepspeed_world_is_num_gpus_and_each_rank_gets_local_rank_before_its_arguments():
+    launch = parse_command(["deepspeed", "--num_gpus", "4", "--master_port", "29700", "train.py", "--deepspeed",
+                            "--deepspeed_config", "ds.json"])
+    assert (launch.launcher, launch.world_size, launch.nproc_per_node, launch.target) == ("deepspeed", 4, 4, "train.py")
+    assert launch.rank_args(2) == ("--local_rank=2", "--deepspeed", "--deepspeed_config", "ds.json")
+    env = launch.rank_env(3)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_SIZE"], env["MASTER_PORT"]) == \
+        ("3", "3", "4", "4", "29700")
+
+
+def test_deepspeed_no_local_rank_passes_the_arguments_as_typed():
+    launch = parse_command(["deepspeed", "--num_gpus", "2", "--no_local_rank", "train.py", "--lr", "1"])
+    assert launch.rank_args(1) == ("--lr", "1")
+
+
+def test_deepspeed_hostfile_gives_nodes_times_slots(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
+    launch = parse_command(["deepspeed", "--hostfile", str(hostfile), "train.py"])
+    assert (launch.world_size, launch.nproc_per_node) == (16, 8)
+    assert launch.rank_env(9)["CROSS_RANK"] == "1" and launch.rank_env(9)["LOCAL_RANK"] == "1"
+
+
+def test_deepspeed_without_num_gpus_or_hostfile_is_refused():
+    with pytest.raises(UserError, match="give --num_gpus N"):
+        parse_command(["deepspeed", "train.py"])

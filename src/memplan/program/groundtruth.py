@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from memplan.parallel.groundtruth import PROFILER_ATTEMPTS, PROFILER_LOGGER, _SizeMismatches
+from memplan.program.deepspeed_engine import no_shm_comm_op
 from memplan.program.launchers import parse_command
+from memplan.program.patches import Patches
 
 
 def _free_port() -> int:
@@ -65,7 +67,7 @@ def _measured_run(words: list[str], steps: int, timeout_s: float) -> tuple[list[
         for rank in range(launch.world_size):
             env = {**os.environ, **launch.rank_env(rank), "MASTER_PORT": port, "MASTER_ADDR": "127.0.0.1",
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-            spec = json.dumps({"words": words, "steps": steps, "out": f"{workdir}/rank{rank}.json",
+            spec = json.dumps({"words": words, "steps": steps, "out": f"{workdir}/rank{rank}.json", "rank": rank,
                                "threads": 1 if launch.world_size > 1 else 0})
             procs.append(subprocess.Popen([sys.executable, "-c",
                                            "from memplan.program.groundtruth import measure_rank; measure_rank()",
@@ -95,7 +97,8 @@ def measure_rank() -> None:
     launch = parse_command(spec["words"])
     profiler = memory_profiler()
     window = StepWindow(spec["steps"] + 1, on_open=lambda _call: profiler.start())
-    sys.argv = [launch.target, *launch.args]
+    no_shm_comm_op(Patches())  # as in the traced run (memplan.program.deepspeed_engine)
+    sys.argv = [launch.target, *launch.rank_args(spec["rank"])]
     if not launch.module:
         sys.path.insert(0, str(Path(launch.target).resolve().parent))
     window.install()

@@ -24,6 +24,14 @@ is read as it reads it:
   `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
   torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
   are refused.
+- `deepspeed [options] SCRIPT|--module MODULE ARGS...`: DeepSpeed's own parser
+  (`deepspeed.launcher.runner.parse_args`) and resource rules (`fetch_hostfile`,
+  `parse_inclusion_exclusion`, `apply_num_nodes_and_gpus`): the world is every slot left
+  (`--num_gpus` per node on one node without a hostfile: the GPUs of a machine memplan does not
+  run on cannot be counted), each rank gets the environment its per-node launcher sets
+  (`deepspeed/launcher/launch.py`, `main`: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, CROSS_RANK,
+  CROSS_SIZE, LOCAL_SIZE, RANK, LOCAL_RANK) and `--local_rank=L` before the program's own
+  arguments unless `--no_local_rank`.
 
 `LAUNCHERS` maps each supported first word to its parser; another launcher is one more
 entry (docs/run.md says what each of the others would need). Anything else is a
@@ -47,7 +55,7 @@ MASTER_PORT = "29500"  # torchrun's default (--master-port)
 class Launch:
     """One training command: what to run, with which arguments, in which world."""
 
-    launcher: str  # "python", "torchrun" or "accelerate"
+    launcher: str  # "python", "torchrun", "accelerate" or "deepspeed"
     target: str  # a script path, or a module name when `module`
     args: tuple[str, ...]  # the program's own arguments, as typed
     module: bool = False
@@ -55,17 +63,30 @@ class Launch:
     nproc_per_node: int = 1
     distributed: bool = False  # whether the launcher sets the distributed environment
     env: dict[str, str] = field(default_factory=dict)  # the launcher's own settings for every rank
+    local_rank_arg: bool = False  # `--local_rank=L` goes before the program's arguments (deepspeed)
 
     @property
     def argv0(self) -> str:
         """`sys.argv[0]` as the program sees it (`-m`: the module's file is unknown until it runs)."""
         return self.target if not self.module else "-m"
 
+    def rank_args(self, rank: int) -> tuple[str, ...]:
+        """The arguments rank `rank`'s process gets after its script (`sys.argv[1:]`)."""
+        if self.local_rank_arg:
+            return (f"--local_rank={rank % self.nproc_per_node}", *self.args)
+        return self.args
+
     def rank_env(self, rank: int) -> dict[str, str]:
         """The environment the launcher gives rank `rank` (nothing for a plain `python`)."""
         if not self.distributed:
             return dict(self.env)
         local = rank % self.nproc_per_node
+        if self.launcher == "deepspeed":  # deepspeed/launcher/launch.py, main
+            return {**self.env, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world_size),
+                    "LOCAL_SIZE": str(self.nproc_per_node), "CROSS_RANK": str(rank // self.nproc_per_node),
+                    "CROSS_SIZE": str(self.world_size // self.nproc_per_node),
+                    "MASTER_ADDR": self.env.get("MASTER_ADDR", MASTER_ADDR),
+                    "MASTER_PORT": self.env.get("MASTER_PORT", MASTER_PORT)}
         return {**self.env, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.nproc_per_node), "GROUP_RANK": str(rank // self.nproc_per_node),
                 "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
@@ -153,10 +174,54 @@ def _accelerate_launch(words: list[str]) -> Launch:
                   distributed=distributed, env=env)
 
 
+def _deepspeed_launch(words: list[str]) -> Launch:
+    """`deepspeed [options] SCRIPT ARGS...`, read by DeepSpeed's own parser and resource rules."""
+    from deepspeed.launcher.runner import (
+        apply_num_nodes_and_gpus,
+        fetch_hostfile,
+        parse_args,
+        parse_inclusion_exclusion,
+    )
+
+    try:
+        args = parse_args(words[1:])
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option
+        raise UserError(f"deepspeed could not read `{' '.join(words[1:])}`: {exc}") from None
+    if args.no_python or args.autotuning:
+        raise UserError("deepspeed --no_python / --autotuning do not run one Python training program memplan "
+                        "can trace: leave them out")
+    pool = fetch_hostfile(args.hostfile)
+    if not pool:
+        if args.num_gpus < 1:
+            raise UserError("deepspeed without --num_gpus starts one process per GPU of the machine it runs on: "
+                            "give --num_gpus N (the GPUs of the node memplan run traces for)")
+        if args.num_nodes > 1:
+            raise UserError("deepspeed --num_nodes > 1 needs a hostfile (--hostfile) naming the nodes")
+        pool = {"localhost": args.num_gpus}
+    if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
+        raise UserError("deepspeed cannot take --num_nodes/--num_gpus with --include/--exclude")
+    try:
+        active = apply_num_nodes_and_gpus(parse_inclusion_exclusion(pool, args.include, args.exclude),
+                                          args.num_nodes, args.num_gpus)
+    except (ValueError, AssertionError) as exc:
+        raise UserError(f"deepspeed's resources: {exc}") from None
+    slots = [len(ids) for ids in active.values()]
+    if len(set(slots)) != 1:
+        raise UserError(f"deepspeed's nodes have different numbers of GPUs ({slots}): memplan run needs "
+                        "the same number per node")
+    env = {"MASTER_PORT": str(args.master_port)}
+    if args.master_addr:
+        env["MASTER_ADDR"] = args.master_addr
+    return Launch("deepspeed", args.user_script, tuple(args.user_args), module=bool(args.module),
+                  world_size=sum(slots), nproc_per_node=slots[0], distributed=True, env=env,
+                  local_rank_arg=not args.no_local_rank)
+
+
 LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
     "python": _python_launch,
     "torchrun": _torchrun_launch,
     "accelerate": _accelerate_launch,
+    "deepspeed": _deepspeed_launch,
 }
 
 

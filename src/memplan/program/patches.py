@@ -5,14 +5,64 @@
 `Patches.everywhere(original, value)` replaces a function in every loaded module that
 bound it by name (`from safetensors import safe_open` makes `transformers.modeling_utils
 .safe_open` a second reference that patching `safetensors.safe_open` alone would miss).
+`Patches.on_import(package, apply)` calls `apply(module)` for every module of a package
+(the package and its submodules) already loaded, and for each the program imports later,
+right after its code has run (a finder first on `sys.meta_path` wraps the module's loader):
+a library the program may or may not import is patched only when it does.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from importlib.abc import MetaPathFinder
+from types import ModuleType
 from typing import Any
 
 _MISSING = object()
+
+
+def in_package(name: str, package: str) -> bool:
+    """Whether module `name` is `package` or one of its submodules."""
+    return name == package or name.startswith(package + ".")
+
+
+class _ImportWatch(MetaPathFinder):
+    """Calls `apply(module)` after each module of `package` is executed (module docstring)."""
+
+    def __init__(self, package: str, apply: Callable[[ModuleType], None]) -> None:
+        self.package = package
+        self.apply = apply
+        self._finding: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not in_package(fullname, self.package) or fullname in self._finding:
+            return None
+        import importlib.util
+
+        self._finding.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding.discard(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute, apply = loader.exec_module, self.apply
+
+        class _Loader:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                execute(module)
+                apply(module)
+
+        spec.loader = _Loader()
+        return spec
 
 
 class Patches:
@@ -21,6 +71,8 @@ class Patches:
     def __init__(self) -> None:
         self._undo: list[tuple[Any, str, Any]] = []
         self._swept: list[tuple[Any, Any, tuple[str, ...]]] = []  # (original, replacement, prefixes)
+        self._watches: list[_ImportWatch] = []
+        self._on_restore: list[Callable[[], None]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> Any:
         """Replace `owner.name` by `value`; the original (or None when there was none)."""
@@ -50,9 +102,29 @@ class Patches:
                     count += 1
         return count
 
+    def on_import(self, package: str, apply: Callable[[ModuleType], None]) -> None:
+        """`apply(module)` for each module of `package`, loaded now or later (module docstring)."""
+        for name, module in sorted(sys.modules.items()):
+            if module is not None and in_package(name, package):
+                apply(module)
+        watch = _ImportWatch(package, apply)
+        sys.meta_path.insert(0, watch)
+        self._watches.append(watch)
+
+    def on_restore(self, callback: Callable[[], None]) -> None:
+        """`callback()` first when the run's changes are put back."""
+        self._on_restore.append(callback)
+
     def restore(self) -> None:
         """Put every original back: the replaced attributes, and the bindings of a replaced
-        function that modules imported during the run made of the replacement."""
+        function that modules imported during the run made of the replacement; no import is
+        watched any more."""
+        while self._on_restore:
+            self._on_restore.pop()()
+        while self._watches:
+            watch = self._watches.pop()
+            if watch in sys.meta_path:
+                sys.meta_path.remove(watch)
         while self._swept:
             original, value, prefixes = self._swept.pop()
             self._rebind(value, original, prefixes, remember=False)
