@@ -21,6 +21,13 @@ optimizers on memplan's world (memplan.program.world) and fake process group
   truth (memplan.program.groundtruth), where the build alone takes minutes in a fresh checkout
   (measured: 3 min 50 s on 2 loaded cores) and every backend builds it, the program's own
   `init_process_group("gloo")` first or not (deepspeed/comm/comm.py:874-910).
+- **Cross-rank checks.** ZeRO-3 checks that every rank gathers and orders the same parameters
+  (`assert_ints_same_as_other_ranks`, deepspeed/runtime/zero/utils.py: each rank compares its
+  list with rank 0's, broadcast from rank 0; called by `partitioned_param_coordinator.py`
+  when a module trace completes, and in safe mode and sanity checks). On the fake group a
+  broadcast moves no value, so a rank other than 0 would read its own `-1` placeholder and
+  raise; the ranks of the run are one program, and the check is skipped (each rank's lists
+  are its own, as they are in the real run where the check passes).
 - **Module state.** DeepSpeed keeps its backend (`deepspeed.comm.comm.cdb`), its process groups
   (`deepspeed.utils.groups`), its accelerator and ZeRO-3's bookkeeping in module globals, set
   on the first rank's fake group. Every module-level name of DeepSpeed's modules is bound again
@@ -49,6 +56,7 @@ the recorder sees as its free, as it sees every tensor's.
 from __future__ import annotations
 
 import functools
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -105,6 +113,21 @@ def _counted_as_engine_code(world: World, method: Any) -> Any:
     return inside
 
 
+def no_cross_rank_checks(patches: Patches) -> None:
+    """ZeRO-3's cross-rank consistency checks are skipped (module docstring)."""
+    state: dict[str, Any] = {}
+
+    def patch(module: ModuleType) -> None:
+        utils = sys.modules.get(PACKAGE + ".runtime.zero.utils")  # loaded before any module that binds it
+        if "original" not in state and hasattr(utils, "assert_ints_same_as_other_ranks"):
+            state["original"] = utils.assert_ints_same_as_other_ranks
+        original = state.get("original")
+        if original is not None and getattr(module, "assert_ints_same_as_other_ranks", None) is original:
+            patches.set(module, "assert_ints_same_as_other_ranks", lambda ints: None)
+
+    patches.on_import(PACKAGE + ".runtime.zero", patch)
+
+
 def engine_code(world: World, patches: Patches) -> None:
     """DeepSpeed's engine and `zero.Init` make device state (module docstring)."""
 
@@ -127,6 +150,7 @@ def install(world: World, patches: Patches) -> None:
     patches.on_import(PACKAGE, saved.keep)
     no_shm_comm_op(patches)
     engine_code(world, patches)
+    no_cross_rank_checks(patches)
 
     def accelerator(module: ModuleType) -> None:
         if module.__name__ != "deepspeed.accelerator.real_accelerator":
