@@ -1,0 +1,74 @@
+"""`memplan run` of DeepSpeed programs: `deepspeed` and `torchrun` launches of a script that
+calls `deepspeed.initialize` (tests/program/programs/deepspeed_loop.py), ZeRO run by DeepSpeed
+itself on memplan's fake process group.
+
+Ground truth: the same `deepspeed --num_gpus 2` command run for real, 2 processes on gloo with
+DeepSpeed's CPU accelerator, each measured by torch.profiler over the same steps
+(`measure_program`). fp32 throughout: no bf16 kernel, whose CPU allocations depend on the
+instruction set. Measured: ZeRO-1 +0.001% on both ranks (3,164,672 B against 3,164,632 /
+3,164,636 B).
+"""
+
+import json
+
+import pytest
+
+from memplan import models
+from memplan.program import measure_program, run_program
+
+from .conftest import PROGRAMS
+
+DEEPSPEED = str(PROGRAMS / "deepspeed_loop.py")
+PARTITION_BYTES = 166_208 // 2 * 4  # half of the tiny Llama's fp32 parameters
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-config")
+    models.tiny_config("llama-2-7b").save_pretrained(folder)
+    return folder
+
+
+def _config(tmp_path, stage, **zero):
+    path = tmp_path / f"zero{stage}.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000, **zero}}))
+    return path
+
+
+def _deepspeed(model, data, config, *extra):
+    return ["deepspeed", "--num_gpus", "2", DEEPSPEED, "--model", str(model), "--data", str(data),
+            "--deepspeed_config", str(config), *extra]
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_cpu_run_of_deepspeed_zero1_matches_every_rank_of_the_real_gloo_run(tiny_llama, text_file, tmp_path):
+    command = _deepspeed(tiny_llama, text_file, _config(tmp_path, 1))
+    estimated = [r.peak_allocated_bytes for r in run_program(command, device="cpu", steps=1,
+                                                             out_dir=tmp_path / "run").estimate.per_rank]
+    measured = measure_program(command, steps=1)
+    assert len(estimated) == 2
+    for e, m in zip(estimated, measured):
+        assert abs(e - m) <= 0.01 * m, (estimated, measured)
+
+
+def test_cuda_run_of_deepspeed_zero2_holds_each_ranks_partition_of_the_optimizer_state(tiny_llama, text_file,
+                                                                                       tmp_path):
+    command = _deepspeed(tiny_llama, text_file, _config(tmp_path, 2))
+    result = run_program(command, device="cuda", steps=0, out_dir=tmp_path / "run")
+    per_rank = result.estimate.per_rank
+    assert [r.rank for r in per_rank] == [0, 1]  # ZeRO's partitions are no DTensors: every rank is traced
+    for rank in per_rank:
+        # Adam's two states of this rank's half, each in whole 512-byte blocks of the CUDA allocator
+        assert rank.breakdown["optimizer_state"] == 2 * (-(-PARTITION_BYTES // 512) * 512)
+
+
+def test_torchrun_of_a_zero3_program_partitions_its_optimizer_state(tiny_llama, text_file, tmp_path):
+    command = ["torchrun", "--nproc-per-node", "2", DEEPSPEED, "--model", str(tiny_llama), "--data",
+               str(text_file), "--deepspeed_config",
+               str(_config(tmp_path, 3, stage3_param_persistence_threshold=0))]
+    result = run_program(command, device="cpu", steps=0, out_dir=tmp_path / "run")
+    assert [run.steps for run in result.runs] == [1, 1]
+    for rank in result.estimate.per_rank:  # Adam's two states of this rank's flat partition, and its step count
+        assert rank.breakdown["optimizer_state"] == 2 * PARTITION_BYTES + 4
