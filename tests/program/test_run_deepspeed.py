@@ -66,11 +66,24 @@ def test_cuda_run_of_deepspeed_zero2_holds_each_ranks_partition_of_the_optimizer
         assert rank.breakdown["optimizer_state"] == 2 * (-(-PARTITION_BYTES // 512) * 512)
 
 
-def test_torchrun_of_a_zero3_program_partitions_its_optimizer_state(tiny_llama, text_file, tmp_path):
+def test_torchrun_of_a_zero3_program_building_its_model_under_zero_init(tiny_llama, text_file, tmp_path):
     command = ["torchrun", "--nproc-per-node", "2", DEEPSPEED, "--model", str(tiny_llama), "--data",
                str(text_file), "--deepspeed_config",
-               str(_config(tmp_path, 3, stage3_param_persistence_threshold=0))]
+               str(_config(tmp_path, 3, stage3_param_persistence_threshold=0)), "--zero-init"]
     result = run_program(command, device="cpu", steps=0, out_dir=tmp_path / "run")
     assert [run.steps for run in result.runs] == [1, 1]
     for rank in result.estimate.per_rank:  # Adam's two states of this rank's flat partition, and its step count
         assert rank.breakdown["optimizer_state"] == 2 * PARTITION_BYTES + 4
+
+
+def test_trainer_with_a_deepspeed_zero2_config_under_the_deepspeed_launcher(tiny_checkpoint, text_file, tmp_path):
+    config = tmp_path / "zero2.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                  "zero_optimization": {"stage": 2, "reduce_bucket_size": 100_000}}))
+    command = ["deepspeed", "--num_gpus", "2", str(PROGRAMS / "hf_trainer.py"), "--model", str(tiny_checkpoint),
+               "--data", str(text_file), "--output_dir", str(tmp_path / "trainer"), "--per_device_train_batch_size",
+               "2", "--max_steps", "50", "--deepspeed", str(config)]
+    result = run_program(command, device="cpu", steps=0, out_dir=tmp_path / "run")
+    assert result.seen["model"]["class"] == "DeepSpeedEngine"
+    assert result.seen["optimizer"]["implementation"] == "fused"  # the Trainer's AdamW inside DeepSpeed's engine
+    assert [r.rank for r in result.estimate.per_rank] == [0, 1]

@@ -41,8 +41,9 @@ optimizers on memplan's world (memplan.program.world) and fake process group
   (the ZeRO optimizer's flat parameter groups, fp32 partitions, gradient buffers), the
   epilogue of `DeepSpeedEngine.backward` after autograd's engine has returned (ZeRO-1/2's
   gradient partitions, `stage_1_and_2.py` `independent_gradient_partition_epilogue`),
-  `DeepSpeedEngine.step`, and the modules built inside `deepspeed.zero.Init` (ZeRO-3's
-  `ds_tensor` partitions). In a cpu run those factories name the CPU, which the world keeps
+  `DeepSpeedEngine.step`, and the whole `with deepspeed.zero.Init(...):` block (its post-init
+  hook partitions each module as it is built: ZeRO-3's `ds_tensor` partitions, the
+  `param.data = torch.empty(0)` of each freed parameter). In a cpu run those factories name the CPU, which the world keeps
   real outside the model's code (data); DeepSpeed's code is the model's code for the world
   (`World.engine_depth`), so what it makes is fake, at any size, as on a GPU.
 
@@ -65,7 +66,6 @@ from memplan.program.world import World
 
 PACKAGE = "deepspeed"
 ENGINE_METHODS = ("__init__", "backward", "step")  # deepspeed/runtime/engine.py, DeepSpeedEngine
-ZERO_INIT_METHODS = ("__init__", "__enter__", "__exit__")  # partition_parameters.py, Init (and its base)
 
 
 class ModuleGlobals:
@@ -128,6 +128,29 @@ def no_cross_rank_checks(patches: Patches) -> None:
     patches.on_import(PACKAGE + ".runtime.zero", patch)
 
 
+def _zero_init_block_counted(world: World, patches: Patches, init: type) -> None:
+    """The whole `with deepspeed.zero.Init(...):` block is engine code: the modules built in
+    it are partitioned by its post-init hook as they are made (module docstring)."""
+    enter, leave = init.__enter__, init.__exit__
+
+    def __enter__(self: Any) -> Any:
+        world.engine_depth += 1
+        try:
+            return enter(self)
+        except BaseException:
+            world.engine_depth -= 1
+            raise
+
+    def __exit__(self: Any, *exc: Any) -> Any:
+        try:
+            return leave(self, *exc)
+        finally:
+            world.engine_depth -= 1
+
+    patches.set(init, "__enter__", __enter__)
+    patches.set(init, "__exit__", __exit__)
+
+
 def engine_code(world: World, patches: Patches) -> None:
     """DeepSpeed's engine and `zero.Init` make device state (module docstring)."""
 
@@ -137,8 +160,8 @@ def engine_code(world: World, patches: Patches) -> None:
                 patches.set(module.DeepSpeedEngine, name,
                             _counted_as_engine_code(world, getattr(module.DeepSpeedEngine, name)))
         elif module.__name__ == "deepspeed.runtime.zero.partition_parameters":
-            for name in ZERO_INIT_METHODS:
-                patches.set(module.Init, name, _counted_as_engine_code(world, getattr(module.Init, name)))
+            patches.set(module.Init, "__init__", _counted_as_engine_code(world, module.Init.__init__))
+            _zero_init_block_counted(world, patches, module.Init)
 
     patches.on_import(PACKAGE + ".runtime", patch)
 
