@@ -62,9 +62,30 @@ def test_accelerate_launch_reads_its_config_file_and_gives_each_rank_its_environ
         ("true", "2", "bf16", "3")
 
 
-def test_accelerate_launch_with_deepspeed_is_refused():
-    with pytest.raises(UserError, match="DeepSpeed or TPU"):
-        parse_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "train.py"])
+DEEPSPEED_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 2
+  gradient_accumulation_steps: 1
+num_machines: 1
+num_processes: 2
+mixed_precision: 'no'
+"""
+
+
+def test_accelerate_launch_with_a_deepspeed_config_gives_each_rank_deepspeeds_environment(tmp_path):
+    config = tmp_path / "ds.yaml"
+    config.write_text(DEEPSPEED_CONFIG)
+    launch = parse_command(["accelerate", "launch", "--config_file", str(config), "train.py"])
+    assert (launch.world_size, launch.nproc_per_node, launch.distributed) == (2, 2, True)
+    env = launch.rank_env(1)
+    assert (env["ACCELERATE_USE_DEEPSPEED"], env["ACCELERATE_DEEPSPEED_ZERO_STAGE"], env["RANK"]) == ("true", "2", "1")
+
+
+def test_accelerate_launch_with_deepspeed_on_several_machines_is_refused():
+    with pytest.raises(UserError, match="DeepSpeed on several machines"):
+        parse_command(["accelerate", "launch", "--use_deepspeed", "--num_machines", "2", "--num_processes", "4",
+                       "--machine_rank", "0", "--main_process_ip", "10.0.0.1", "train.py"])
 
 
 def test_deepspeed_world_is_num_gpus_and_each_rank_gets_local_rank_before_its_arguments():

@@ -87,3 +87,16 @@ def test_trainer_with_a_deepspeed_zero2_config_under_the_deepspeed_launcher(tiny
     assert result.seen["model"]["class"] == "DeepSpeedEngine"
     assert result.seen["optimizer"]["implementation"] == "fused"  # the Trainer's AdamW inside DeepSpeed's engine
     assert [r.rank for r in result.estimate.per_rank] == [0, 1]
+
+
+def test_cuda_run_of_a_trainer_under_accelerate_launch_with_a_deepspeed_config(tiny_checkpoint, text_file, tmp_path):
+    from .test_launchers import DEEPSPEED_CONFIG
+
+    config = tmp_path / "ds.yaml"
+    config.write_text(DEEPSPEED_CONFIG)
+    command = ["accelerate", "launch", "--config_file", str(config), str(PROGRAMS / "hf_trainer.py"), "--model",
+               str(tiny_checkpoint), "--data", str(text_file), "--output_dir", str(tmp_path / "trainer"),
+               "--per_device_train_batch_size", "2", "--max_steps", "50"]
+    result = run_program(command, device="cuda", steps=0, out_dir=tmp_path / "run")
+    assert result.seen["model"]["class"] == "DeepSpeedEngine"  # accelerate's prepare ran deepspeed.initialize
+    assert [r.rank for r in result.estimate.per_rank] == [0, 1]

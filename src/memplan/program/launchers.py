@@ -22,8 +22,9 @@ is read as it reads it:
   `_validate_launch_command`), and the environment its launcher gives each worker
   (`accelerate.utils.launch.prepare_multi_gpu_env`: `ACCELERATE_USE_FSDP`, `FSDP_*`,
   `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
-  torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
-  are refused.
+  torchrun's; `prepare_simple_launcher_cmd_env` for one process; `prepare_deepspeed_cmd_env`
+  for DeepSpeed on one machine: ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_*, as
+  `deepspeed_launcher` gives torchrun). TPU and multi-machine DeepSpeed launches are refused.
 - `deepspeed [options] SCRIPT|--module MODULE ARGS...`: DeepSpeed's own parser
   (`deepspeed.launcher.runner.parse_args`) and resource rules (`fetch_hostfile`,
   `parse_inclusion_exclusion`, `apply_num_nodes_and_gpus`): the world is every slot left
@@ -156,17 +157,24 @@ def _accelerate_launch(words: list[str]) -> Launch:
     from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     try:
-        args, _defaults, _mixed_precision_from_config = _validate_launch_command(
+        args, defaults, mixed_precision_from_config = _validate_launch_command(
             launch_command_parser().parse_args(words[2:]))
     except (SystemExit, Exception) as exc:  # argparse exits on a bad option; accelerate raises ValueError
         raise UserError(f"accelerate launch could not read `{' '.join(words[2:])}`: {exc}") from None
-    if args.use_deepspeed or args.tpu:
-        raise UserError("accelerate launch with DeepSpeed or TPU: memplan run does not run these yet "
-                        "(docs/run.md, Launchers)")
+    if args.tpu or (args.use_deepspeed and args.num_machines > 1):
+        raise UserError("accelerate launch on TPU or with DeepSpeed on several machines: memplan run does not "
+                        "run these yet (docs/run.md, Launchers)")
     if args.main_process_port is None:
         args.main_process_port = 0  # a free port: the check of the default one is no concern of a fake group
-    distributed = bool(args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
-    env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
+    distributed = bool(args.use_fsdp or args.multi_gpu or args.use_megatron_lm or args.use_deepspeed) and not args.cpu
+    if args.use_deepspeed:  # one machine: torchrun's world with DeepSpeed's environment (deepspeed_launcher)
+        from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+        fields = list(defaults.deepspeed_config) if defaults else []  # accelerate.commands.launch, launch_command
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mixed_precision_from_config)
+        env = prepare_deepspeed_cmd_env(args)[1]
+    else:
+        env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
     env = {k: v for k, v in env.items() if os.environ.get(k) != v}
     nproc = int(args.nproc_per_node) if distributed else 1
     return Launch("accelerate", args.training_script, tuple(args.training_script_args), module=bool(args.module),
