@@ -118,5 +118,5 @@ def test_a_program_that_takes_no_optimizer_step_is_stopped_after_max_seconds(tmp
 
 
 def test_an_unknown_launcher_exits_2_naming_those_supported(capsys):
-    assert main(["run", "--", "deepspeed", "train.py"]) == 2
-    assert "it runs accelerate, python, torchrun commands" in capsys.readouterr().err
+    assert main(["run", "--", "mpirun", "-np", "2", "python", "train.py"]) == 2
+    assert "it runs accelerate, deepspeed, python, torchrun commands" in capsys.readouterr().err
