@@ -129,8 +129,8 @@ def test_a_program_that_takes_no_optimizer_step_is_stopped_after_max_seconds(tmp
 
 
 def test_an_unknown_launcher_exits_2_naming_those_supported(capsys):
-    assert main(["run", "--", "deepspeed", "train.py"]) == 2
-    assert "it runs accelerate, litgpt, python, torchrun, trl, tune commands" in capsys.readouterr().err
+    assert main(["run", "--", "mpirun", "-np", "2", "python", "train.py"]) == 2
+    assert "it runs accelerate, deepspeed, litgpt, python, torchrun, trl, tune commands" in capsys.readouterr().err
 
 
 def test_a_compiled_flex_attention_runs_its_eager_operator_as_on_cuda(tmp_path):

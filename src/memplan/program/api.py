@@ -26,7 +26,7 @@ import torch
 from memplan.errors import UserError
 from memplan.estimation.pipeline import Estimate, RankEstimate
 from memplan.hardware.devices import DeviceProfile, device_profile
-from memplan.program import cuda_api
+from memplan.program import cuda_api, deepspeed_engine
 from memplan.program.distributed import distinct_ranks
 from memplan.program.estimate import rank_estimate
 from memplan.program.launchers import Launch, parse_command
@@ -83,6 +83,8 @@ def _traced_runs(launch: Launch, options: RunOptions, ranks: list[int] | str,
     _progress(f"running rank {first} of {launch.world_size}", progress)
     runs = [run_rank(launch, first, options)]
     if ranks == "all":
+        stands_for = {r: [r] for r in range(launch.world_size)}
+    elif ranks == "distinct" and deepspeed_engine.wraps_a_model(runs[0].seen.models):
         stands_for = {r: [r] for r in range(launch.world_size)}
     elif ranks == "distinct":
         stands_for = distinct_ranks(runs[0].seen.models, launch.world_size) if launch.world_size > 1 else {0: [0]}

@@ -21,7 +21,10 @@
   to; FakeTensorMode's converter memoizes the fake outputs of ops it computes afresh
   (`FakeTensorConverter.from_meta_and_device`) in a weak-value table, and so does every other
   fake mode that meets them (DTensor's sharding propagation makes its own). For the run, a
-  swap of fake tensors first drops them from every such table (`swappable_fakes`).
+  swap of fake tensors first drops them from every such table (`swappable_fakes`). A
+  `weakref.finalize` on a fake tensor (DeepSpeed's parameter-name map, deepspeed/utils/debug.py
+  `WeakIdNameMap`) is detached before the swap and registered again on the same object after
+  it: the swap keeps each object's identity, which is what a finalizer is about.
 - **torch.load.** The file is memory-mapped where its format allows (`mmap=True`) and every
   floating-point tensor in it is replaced by a fake copy (weights, optimizer states); integer
   and boolean tensors (token ids, masks: data) stay real, so data files load as they are.
@@ -166,15 +169,22 @@ def swappable_fakes(patches: Patches) -> None:
 
     swap = torch.utils.swap_tensors
 
-    def forget(t: torch.Tensor) -> None:
+    def forget(t: torch.Tensor) -> list[tuple]:
+        """Drop `t` from weak-value tables; detach its finalizers, returned to register again."""
+        detached = []
         if isinstance(t, FakeTensor):
             for ref in weakref.getweakrefs(t):
-                _drop_from_weak_table(ref)
+                if isinstance(ref.__callback__, weakref.finalize):
+                    detached.append(ref.__callback__.detach())
+                else:
+                    _drop_from_weak_table(ref)
+        return [d for d in detached if d is not None]
 
     def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        forget(t1)  # in a function of its own: its references to the weak references die with it
-        forget(t2)
+        finalizers = forget(t1) + forget(t2)  # a function of its own: its weak references die with it
         swap(t1, t2)
+        for obj, func, args, kwargs in finalizers:
+            weakref.finalize(obj, func, *args, **kwargs)
 
     patches.set(torch.utils, "swap_tensors", swap_tensors)
 

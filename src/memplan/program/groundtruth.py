@@ -11,6 +11,16 @@ top-level forward to its stop after `steps + 1` optimizer steps), and the rank's
 peak of the timeline's total on the cpu (`timeline_peak_bytes`). It returns the per-rank
 peaks in rank order.
 
+The profiler learns the size of a block allocated before it started only from the ops that
+take it, as the span of the tensors those ops see: a buffer used only through views
+(DeepSpeed ZeRO-3's flat gradient partition, 332,416 B, seen through a 65,536 B slice) is
+undercounted. With `whole_storages=True`, when the window opens every storage alive in the
+process (the tensors the garbage collector tracks) is shown to the profiler once whole, by a
+view of all its bytes, which allocates nothing (`memplan.capture.groundtruth
+.profiler_peak_bytes` does the same for the tensors a step carries). Profiling each process
+from its start instead records the Python tracer's every call from the imports on
+(`with_stack`): gigabytes for a tiny DeepSpeed program.
+
 torch's memory-profiler analysis sometimes fails on an FSDP2 step ("version mismatch"), or
 reports its own timeline inconsistent ("Mismatch between allocation and free": gloo's worker
 thread frees and re-uses an address; `memplan.parallel.groundtruth`): then the whole set of
@@ -35,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from memplan.parallel.groundtruth import PROFILER_ATTEMPTS, PROFILER_LOGGER, _SizeMismatches
+from memplan.program.deepspeed_engine import no_shm_comm_op
 from memplan.program.launchers import parse_command, run_launched
+from memplan.program.patches import Patches
 
 
 def _free_port() -> int:
@@ -44,18 +56,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure_program(words: list[str], steps: int = 2, timeout_s: float = 600.0) -> list[int]:
+def measure_program(words: list[str], steps: int = 2, timeout_s: float = 600.0,
+                    whole_storages: bool = False) -> list[int]:
     """Per rank, the profiler peak bytes of the real run of `words` (module docstring)."""
     failures = []
     for _ in range(PROFILER_ATTEMPTS):
-        peaks, failed = _measured_run(words, steps, timeout_s)
+        peaks, failed = _measured_run(words, steps, timeout_s, whole_storages)
         if not failed:
             return peaks
         failures.append(failed)
     raise RuntimeError(f"torch.profiler's memory analysis failed {PROFILER_ATTEMPTS} times: {failures}")
 
 
-def _measured_run(words: list[str], steps: int, timeout_s: float) -> tuple[list[int], list[str]]:
+def _measured_run(words: list[str], steps: int, timeout_s: float,
+                  whole_storages: bool) -> tuple[list[int], list[str]]:
     """One fresh set of processes: the per-rank peaks, and the ranks whose analysis failed."""
     launch = parse_command(words)
     port = str(_free_port())
@@ -64,8 +78,8 @@ def _measured_run(words: list[str], steps: int, timeout_s: float) -> tuple[list[
         for rank in range(launch.world_size):
             env = {**os.environ, **launch.rank_env(rank), "MASTER_PORT": port, "MASTER_ADDR": "127.0.0.1",
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-            spec = json.dumps({"words": words, "steps": steps, "out": f"{workdir}/rank{rank}.json",
-                               "threads": 1 if launch.world_size > 1 else 0})
+            spec = json.dumps({"words": words, "steps": steps, "out": f"{workdir}/rank{rank}.json", "rank": rank,
+                               "threads": 1 if launch.world_size > 1 else 0, "whole_storages": whole_storages})
             procs.append(subprocess.Popen([sys.executable, "-c",
                                            "from memplan.program.groundtruth import measure_rank; measure_rank()",
                                            spec], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
@@ -81,6 +95,26 @@ def _measured_run(words: list[str], steps: int, timeout_s: float) -> tuple[list[
                                                         if "failed" in r]
 
 
+def _show_whole_storages() -> None:
+    """One view of all the bytes of each storage alive, for the profiler (module docstring)."""
+    import gc
+
+    import torch
+
+    seen: set[int] = set()
+    for obj in gc.get_objects():
+        if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or other storage-less layouts
+            continue
+        if storage.nbytes() == 0 or storage.device.type != "cpu" or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        torch.empty(0, dtype=torch.uint8).set_(storage).view(-1)
+
+
 def measure_rank() -> None:
     """The body of one ground-truth process (spec as JSON in `sys.argv[1]`)."""
     import torch
@@ -93,8 +127,15 @@ def measure_rank() -> None:
         torch.set_num_threads(spec["threads"])
     launch = parse_command(spec["words"])
     profiler = memory_profiler()
-    window = StepWindow(spec["steps"] + 1, on_open=lambda _call: profiler.start())
-    sys.argv = [launch.target, *launch.args]
+
+    def on_open(_call: Any) -> None:
+        profiler.start()
+        if spec["whole_storages"]:
+            _show_whole_storages()
+
+    window = StepWindow(spec["steps"] + 1, on_open=on_open)
+    no_shm_comm_op(Patches())  # as in the traced run (memplan.program.deepspeed_engine)
+    sys.argv = [launch.target, *launch.rank_args(spec["rank"])]
     if launch.path_entry is not None:
         sys.path.insert(0, launch.path_entry)
     sys.path.extend(launch.path_after)

@@ -22,8 +22,9 @@ is read as it reads it:
   `_validate_launch_command`), and the environment its launcher gives each worker
   (`accelerate.utils.launch.prepare_multi_gpu_env`: `ACCELERATE_USE_FSDP`, `FSDP_*`,
   `ACCELERATE_MIXED_PRECISION`, ... for a multi-GPU, FSDP or Megatron launch, then
-  torchrun's; `prepare_simple_launcher_cmd_env` for one process). DeepSpeed and TPU launches
-  are refused.
+  torchrun's; `prepare_simple_launcher_cmd_env` for one process; `prepare_deepspeed_cmd_env`
+  for DeepSpeed on one machine: ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_*, as
+  `deepspeed_launcher` gives torchrun). TPU and multi-machine DeepSpeed launches are refused.
 - `trl sft|dpo|grpo|... ARGS`: TRL's own CLI (the `trl` console script's entry point,
   `trl.cli:main`) run here until it hands its `accelerate launch` of trl/scripts/NAME.py to
   accelerate; that launch is read as `accelerate launch` above.
@@ -37,6 +38,14 @@ is read as it reads it:
   recipe a module path; the recipe runs as a script with `--config` and the overrides as typed,
   the working directory appended to `sys.path` (`Run._run_cmd`). With torchrun options it is
   torchrun's world (`Run._run_distributed`), as for `torchrun` above.
+- `deepspeed [options] SCRIPT|--module MODULE ARGS...`: DeepSpeed's own parser
+  (`deepspeed.launcher.runner.parse_args`) and resource rules (`fetch_hostfile`,
+  `parse_inclusion_exclusion`, `apply_num_nodes_and_gpus`): the world is every slot left
+  (`--num_gpus` per node on one node without a hostfile: the GPUs of a machine memplan does not
+  run on cannot be counted), each rank gets the environment its per-node launcher sets
+  (`deepspeed/launcher/launch.py`, `main`: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, CROSS_RANK,
+  CROSS_SIZE, LOCAL_SIZE, RANK, LOCAL_RANK) and `--local_rank=L` before the program's own
+  arguments unless `--no_local_rank`.
 
 `LAUNCHERS` maps each supported first word to its parser; another launcher is one more
 entry (docs/run.md says what each of the others would need). Anything else is a
@@ -67,7 +76,7 @@ MASTER_PORT = "29500"  # torchrun's default (--master-port)
 class Launch:
     """One training command: what to run, with which arguments, in which world."""
 
-    launcher: str  # "python", "torchrun", "accelerate", "trl", "litgpt" or "tune"
+    launcher: str  # "python", "torchrun", "accelerate", "trl", "litgpt", "tune" or "deepspeed"
     target: str  # a script path, a module name when `module`, a console script's name when `entry`
     args: tuple[str, ...]  # the program's own arguments, as typed
     module: bool = False
@@ -77,6 +86,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # the launcher's own settings for every rank
     entry: str | None = None  # a console script's entry point, `module:function`
     path_after: tuple[str, ...] = ()  # folders the launcher appends to `sys.path` (tune run: the working directory)
+    local_rank_arg: bool = False  # `--local_rank=L` goes before the program's arguments (deepspeed)
 
     @property
     def argv0(self) -> str:
@@ -104,11 +114,23 @@ class Launch:
             return None
         return "" if self.module else str(self.folder)
 
+    def rank_args(self, rank: int) -> tuple[str, ...]:
+        """The arguments rank `rank`'s process gets after its script (`sys.argv[1:]`)."""
+        if self.local_rank_arg:
+            return (f"--local_rank={rank % self.nproc_per_node}", *self.args)
+        return self.args
+
     def rank_env(self, rank: int) -> dict[str, str]:
         """The environment the launcher gives rank `rank` (nothing for a plain `python`)."""
         if not self.distributed:
             return dict(self.env)
         local = rank % self.nproc_per_node
+        if self.launcher == "deepspeed":  # deepspeed/launcher/launch.py, main
+            return {**self.env, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world_size),
+                    "LOCAL_SIZE": str(self.nproc_per_node), "CROSS_RANK": str(rank // self.nproc_per_node),
+                    "CROSS_SIZE": str(self.world_size // self.nproc_per_node),
+                    "MASTER_ADDR": self.env.get("MASTER_ADDR", MASTER_ADDR),
+                    "MASTER_PORT": self.env.get("MASTER_PORT", MASTER_PORT)}
         return {**self.env, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.nproc_per_node), "GROUP_RANK": str(rank // self.nproc_per_node),
                 "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
@@ -199,16 +221,23 @@ def _accelerate_launch_of(args: Any, launcher: str, typed: str) -> Launch:
     from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     try:
-        args, _defaults, _mixed_precision_from_config = _validate_launch_command(args)
+        args, defaults, mixed_precision_from_config = _validate_launch_command(args)
     except (SystemExit, Exception) as exc:  # accelerate raises ValueError on a bad combination
         raise UserError(f"accelerate launch could not read `{typed}`: {exc}") from None
-    if args.use_deepspeed or args.tpu:
-        raise UserError("accelerate launch with DeepSpeed or TPU: memplan run does not run these yet "
-                        "(docs/run.md, Launchers)")
+    if args.tpu or (args.use_deepspeed and args.num_machines > 1):
+        raise UserError("accelerate launch on TPU or with DeepSpeed on several machines: memplan run does not "
+                        "run these yet (docs/run.md, Launchers)")
     if args.main_process_port is None:
         args.main_process_port = 0  # a free port: the check of the default one is no concern of a fake group
-    distributed = bool(args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
-    env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
+    distributed = bool(args.use_fsdp or args.multi_gpu or args.use_megatron_lm or args.use_deepspeed) and not args.cpu
+    if args.use_deepspeed:  # one machine: torchrun's world with DeepSpeed's environment (deepspeed_launcher)
+        from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+        fields = list(defaults.deepspeed_config) if defaults else []  # accelerate.commands.launch, launch_command
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mixed_precision_from_config)
+        env = prepare_deepspeed_cmd_env(args)[1]
+    else:
+        env = prepare_multi_gpu_env(args) if distributed else prepare_simple_launcher_cmd_env(args)[1]
     env = {k: v for k, v in env.items() if os.environ.get(k) != v}
     nproc = int(args.nproc_per_node) if distributed else 1
     return Launch(launcher, args.training_script, tuple(args.training_script_args), module=bool(args.module),
@@ -309,6 +338,49 @@ def _tune_launch(words: list[str]) -> Launch:
     return Launch("tune", target, tuple(program_args), module=not builtin, path_after=path_after)
 
 
+def _deepspeed_launch(words: list[str]) -> Launch:
+    """`deepspeed [options] SCRIPT ARGS...`, read by DeepSpeed's own parser and resource rules."""
+    from deepspeed.launcher.runner import (
+        apply_num_nodes_and_gpus,
+        fetch_hostfile,
+        parse_args,
+        parse_inclusion_exclusion,
+    )
+
+    try:
+        args = parse_args(words[1:])
+    except (SystemExit, Exception) as exc:  # argparse exits on a bad option
+        raise UserError(f"deepspeed could not read `{' '.join(words[1:])}`: {exc}") from None
+    if args.no_python or args.autotuning:
+        raise UserError("deepspeed --no_python / --autotuning do not run one Python training program memplan "
+                        "can trace: leave them out")
+    pool = fetch_hostfile(args.hostfile)
+    if not pool:
+        if args.num_gpus < 1:
+            raise UserError("deepspeed without --num_gpus starts one process per GPU of the machine it runs on: "
+                            "give --num_gpus N (the GPUs of the node memplan run traces for)")
+        if args.num_nodes > 1:
+            raise UserError("deepspeed --num_nodes > 1 needs a hostfile (--hostfile) naming the nodes")
+        pool = {"localhost": args.num_gpus}
+    if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
+        raise UserError("deepspeed cannot take --num_nodes/--num_gpus with --include/--exclude")
+    try:
+        active = apply_num_nodes_and_gpus(parse_inclusion_exclusion(pool, args.include, args.exclude),
+                                          args.num_nodes, args.num_gpus)
+    except (ValueError, AssertionError) as exc:
+        raise UserError(f"deepspeed's resources: {exc}") from None
+    slots = [len(ids) for ids in active.values()]
+    if len(set(slots)) != 1:
+        raise UserError(f"deepspeed's nodes have different numbers of GPUs ({slots}): memplan run needs "
+                        "the same number per node")
+    env = {"MASTER_PORT": str(args.master_port)}
+    if args.master_addr:
+        env["MASTER_ADDR"] = args.master_addr
+    return Launch("deepspeed", args.user_script, tuple(args.user_args), module=bool(args.module),
+                  world_size=sum(slots), nproc_per_node=slots[0], distributed=True, env=env,
+                  local_rank_arg=not args.no_local_rank)
+
+
 LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
     "python": _python_launch,
     "torchrun": _torchrun_launch,
@@ -316,6 +388,7 @@ LAUNCHERS: dict[str, Callable[[list[str]], Launch]] = {
     "trl": _trl_launch,
     "litgpt": _litgpt_launch,
     "tune": _tune_launch,
+    "deepspeed": _deepspeed_launch,
 }
 
 

@@ -5,19 +5,64 @@
 `Patches.everywhere(original, value)` replaces a function in every loaded module that
 bound it by name (`from safetensors import safe_open` makes `transformers.modeling_utils
 .safe_open` a second reference that patching `safetensors.safe_open` alone would miss).
-`Patches.when_imported(name, patch)` runs `patch(module)` on a module now if it is loaded,
-else right after the program imports it (a finder first on `sys.meta_path` whose loader runs
-the module, then the patch): a library the program may never import is not imported for it.
+`Patches.on_import(package, apply)` calls `apply(module)` for every module of a package
+(the package and its submodules) already loaded, and for each the program imports later,
+right after its code has run (a finder first on `sys.meta_path` wraps the module's loader):
+a library the program may or may not import is patched only when it does.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 from collections.abc import Callable
+from importlib.abc import MetaPathFinder
+from types import ModuleType
 from typing import Any
 
 _MISSING = object()
+
+
+def in_package(name: str, package: str) -> bool:
+    """Whether module `name` is `package` or one of its submodules."""
+    return name == package or name.startswith(package + ".")
+
+
+class _ImportWatch(MetaPathFinder):
+    """Calls `apply(module)` after each module of `package` is executed (module docstring)."""
+
+    def __init__(self, package: str, apply: Callable[[ModuleType], None]) -> None:
+        self.package = package
+        self.apply = apply
+        self._finding: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not in_package(fullname, self.package) or fullname in self._finding:
+            return None
+        import importlib.util
+
+        self._finding.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding.discard(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute, apply = loader.exec_module, self.apply
+
+        class _Loader:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                execute(module)
+                apply(module)
+
+        spec.loader = _Loader()
+        return spec
 
 
 class Patches:
@@ -26,6 +71,8 @@ class Patches:
     def __init__(self) -> None:
         self._undo: list[tuple[Any, str, Any]] = []
         self._swept: list[tuple[Any, Any, tuple[str, ...]]] = []  # (original, replacement, prefixes)
+        self._watches: list[_ImportWatch] = []
+        self._on_restore: list[Callable[[], None]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> Any:
         """Replace `owner.name` by `value`; the original (or None when there was none)."""
@@ -55,26 +102,35 @@ class Patches:
                     count += 1
         return count
 
-    def when_imported(self, name: str, patch: Callable[[Any], None]) -> None:
-        """`patch(module)` on the module `name` once it is loaded (module docstring)."""
-        if name in sys.modules:
-            patch(sys.modules[name])
-            return
-        finder = _AfterImport(name, patch)
-        sys.meta_path.insert(0, finder)
-        self._undo.append((_MetaPath(finder), "", _MISSING))
+    def on_import(self, package: str, apply: Callable[[ModuleType], None]) -> None:
+        """`apply(module)` for each module of `package`, loaded now or later (module docstring)."""
+        for name, module in sorted(sys.modules.items()):
+            if module is not None and in_package(name, package):
+                apply(module)
+        watch = _ImportWatch(package, apply)
+        sys.meta_path.insert(0, watch)
+        self._watches.append(watch)
+
+    def on_restore(self, callback: Callable[[], None]) -> None:
+        """`callback()` first when the run's changes are put back."""
+        self._on_restore.append(callback)
 
     def restore(self) -> None:
         """Put every original back: the replaced attributes, and the bindings of a replaced
-        function that modules imported during the run made of the replacement."""
+        function that modules imported during the run made of the replacement; no import is
+        watched any more."""
+        while self._on_restore:
+            self._on_restore.pop()()
+        while self._watches:
+            watch = self._watches.pop()
+            if watch in sys.meta_path:
+                sys.meta_path.remove(watch)
         while self._swept:
             original, value, prefixes = self._swept.pop()
             self._rebind(value, original, prefixes, remember=False)
         while self._undo:
             owner, name, original = self._undo.pop()
-            if isinstance(owner, _MetaPath):
-                owner.remove()
-            elif original is _MISSING:
+            if original is _MISSING:
                 try:
                     delattr(owner, name)
                 except AttributeError:
@@ -82,52 +138,3 @@ class Patches:
             else:
                 setattr(owner, name, original)
 
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds the module `name` with the other finders and patches it once its loader ran it."""
-
-    def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
-        self.name = name
-        self.patch = patch
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _ThenPatch(spec.loader, self.patch)
-                return spec
-        return None
-
-
-class _ThenPatch:
-    """A module loader that patches the module after running it; the loader's other methods
-    (source, resources) are its own."""
-
-    def __init__(self, loader: Any, patch: Callable[[Any], None]) -> None:
-        self._loader = loader
-        self._patch = patch
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        self._patch(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-class _MetaPath:
-    """The undo entry of a finder on `sys.meta_path`."""
-
-    def __init__(self, finder: Any) -> None:
-        self.finder = finder
-
-    def remove(self) -> None:
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)

@@ -13,7 +13,11 @@ as they would be. For fake ones the policy is:
 - the values of the model's tensors are taken to be finite: `isnan` / `isinf` of a fake
   tensor are all False and `isfinite` all True, carried through `any`, `all`, `~`, `|`, `&`
   (the checks of `Trainer`'s `logging_nan_inf_filter` and of `clip_grad_norm_`'s
-  `error_if_nonfinite`), and a boolean read of such a result gives that value;
+  `error_if_nonfinite`), and a boolean read of such a result gives that value; so does
+  `x < 0` of a one-element floating-point fake tensor (False): a norm is below zero only as
+  the sentinel of a non-finite one (DeepSpeed's group-norm helpers report inf/NaN as -1 and
+  `is_invalid_grad_norm` tests `~isfinite(norm) | (norm < 0)`, deepspeed/runtime/utils.py,
+  DeepSpeed 0.19.8);
 - a boolean read inside PyTorch's own initialisation functions (`torch.nn.init`) is False:
   `trunc_normal_` draws samples until none is rejected, asking `mask.any()` or
   `pending.any()` after each draw (`_no_grad_trunc_normal_`, torch/nn/init.py:86-160,
@@ -52,7 +56,8 @@ _REDUCE = frozenset({torch.any, Tensor.any, torch.all, Tensor.all})
 _NOT = frozenset({torch.logical_not, Tensor.logical_not, Tensor.__invert__, torch.bitwise_not, Tensor.bitwise_not})
 _OR = frozenset({torch.logical_or, Tensor.logical_or, Tensor.__or__, Tensor.__ror__, torch.bitwise_or})
 _AND = frozenset({torch.logical_and, Tensor.logical_and, Tensor.__and__, Tensor.__rand__, torch.bitwise_and})
-KNOWN_BOOL_OPS = frozenset({*_FINITE_CHECKS, *_REDUCE, *_NOT, *_OR, *_AND})
+_BELOW = frozenset({torch.lt, Tensor.lt, Tensor.__lt__, torch.less, Tensor.less})
+KNOWN_BOOL_OPS = frozenset({*_FINITE_CHECKS, *_REDUCE, *_NOT, *_OR, *_AND, *_BELOW})
 
 _LIBRARY_PARTS = ("site-packages", "dist-packages", f"{Path(sys.prefix).name}/lib", "<frozen")
 
@@ -108,6 +113,10 @@ def _short(path: str) -> str:
         return path
 
 
+def _one_fake_float(t: Any) -> bool:
+    return isinstance(t, FakeTensor) and t.is_floating_point() and t.numel() == 1
+
+
 class ReadLog:
     """The reads the policy answered, and the values of the model's boolean checks."""
 
@@ -123,6 +132,10 @@ class ReadLog:
         if func in _FINITE_CHECKS:
             if args and isinstance(args[0], FakeTensor):
                 self.known[result] = _FINITE_CHECKS[func]
+            return
+        if func in _BELOW:
+            if _one_fake_float(args[0]) and len(args) > 1 and not isinstance(args[1], Tensor) and args[1] == 0:
+                self.known[result] = False
             return
         values = [self.known.get(a) if isinstance(a, Tensor) else None for a in args[:2]]
         if func in _REDUCE and values and values[0] is not None:

@@ -40,7 +40,7 @@ from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
 from memplan.hardware.devices import DeviceProfile
 from memplan.models import tracing
-from memplan.program import cuda_api, distributed, fakes, side_effects
+from memplan.program import cuda_api, deepspeed_engine, distributed, fakes, side_effects
 from memplan.program.launchers import Launch, run_launched
 from memplan.program.patches import Patches
 from memplan.program.reads import ReadRefused
@@ -143,15 +143,15 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _program_argv(launch: Launch) -> Iterator[Path]:
-    """`sys.argv` and `sys.path` as `python SCRIPT ARGS` sets them (and the launcher's
-    `path_after`); the program's folder."""
+def _program_argv(launch: Launch, rank: int) -> Iterator[Path]:
+    """`sys.argv` (rank `rank`'s arguments) and `sys.path` as `python SCRIPT ARGS` sets them
+    (and the launcher's `path_after`); the program's folder."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     before = set(sys.modules)
     if not (launch.module or launch.entry) and not Path(launch.target).is_file():
         raise UserError(f"the program's script {launch.target} does not exist (relative to {Path.cwd()})")
     folder = launch.folder
-    sys.argv = [launch.target, *launch.args]
+    sys.argv = [launch.target, *launch.rank_args(rank)]
     if launch.path_entry is not None:
         sys.path.insert(0, launch.path_entry)
     sys.path.extend(launch.path_after)
@@ -211,6 +211,7 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
                          local_rank=rank % launch.nproc_per_node)
     if launch.distributed:
         distributed.install(world, patches, rank=rank, world_size=launch.world_size)
+    deepspeed_engine.install(world, patches)
     return fakes.module_hooks(world)
 
 
@@ -218,7 +219,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
     """Run rank `rank` of the program and trace it (module docstring)."""
     start = time.perf_counter()
     env = {**launch.rank_env(rank), **side_effects.REPORTING_ENV, **fakes.FAKE_ENV}
-    with _environment(env), _program_argv(launch) as folder:
+    with _environment(env), _program_argv(launch, rank) as folder:
         world = World(options.device, folder)
         seen = Seen(world)
         recording = _Trace(world, seen)

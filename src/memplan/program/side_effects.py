@@ -224,8 +224,8 @@ def no_process_starts(patches: Patches) -> None:
     for package in ("lightning.fabric", "lightning.pytorch"):
         for module_name, cls, method in (("subprocess_script", "_SubprocessScriptLauncher", "_call_children_scripts"),
                                           ("multiprocessing", "_MultiProcessingLauncher", "launch")):
-            patches.when_imported(f"{package}.strategies.launchers.{module_name}",
-                                  lambda module, cls=cls, method=method: patches.set(getattr(module, cls), method, refuse))
+            patches.on_import(f"{package}.strategies.launchers.{module_name}",
+                              lambda module, cls=cls, method=method: patches.set(getattr(module, cls), method, refuse))
 
 
 def no_reporting(patches: Patches) -> None:

@@ -14,7 +14,10 @@ real.** Concretely (`DeviceRedirect`, a `TorchFunctionMode` active for the whole
   `full`, `rand*`, their `_like` and `new_*` forms) make a fake tensor when they are for
   the device or run inside the model's code (a module's forward, autograd's backward, an
   optimizer's step, where `device=x.device` names the cpu the fake stands on); factories
-  of values (`tensor`, `arange`, `linspace`, `eye`) stay real;
+  of values (`tensor`, `arange`, `linspace`, `eye`) stay real; a training engine's own code
+  (DeepSpeed's initialisation, backward and step, memplan.program.deepspeed_engine) counts as
+  the model's: the buffers and partitions it makes for `get_accelerator().current_device_name()`
+  (the CPU in a cpu run) are device state;
 - everything else runs as PyTorch runs it: an op with a fake input gives a fake output
   (FakeTensor's own dispatch), an op on real tensors a real one, tagged as device memory
   when one of its inputs is (a boolean mask too: `&`, `|`, `~` of real device tensors);
@@ -125,6 +128,7 @@ class World:
         self._fake_addresses: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake storage -> its address
         self._next_address = FAKE_ADDRESS_BASE
         self.window: Any = None  # the step window (memplan.program.steps): module and optimizer depth
+        self.engine_depth = 0  # calls into a training engine's own device code (memplan.program.deepspeed_engine)
         self.allocated_bytes = 0  # live device tensors the recorder sees (512-byte blocks)
         self.peak_allocated_bytes = 0
 
@@ -173,9 +177,10 @@ class World:
         return base + t.storage_offset() * t.element_size()
 
     def in_model_code(self) -> bool:
-        """Inside a module's forward, autograd's backward or an optimizer's step."""
+        """Inside a module's forward, autograd's backward, an optimizer's step or a training
+        engine's code that builds or updates device state (`engine_depth`)."""
         window = self.window
-        if window is not None and (window.depth > 0 or window.optimizer_depth > 0):
+        if self.engine_depth > 0 or window is not None and (window.depth > 0 or window.optimizer_depth > 0):
             return True
         return torch._C._current_graph_task_id() != -1
 
