@@ -32,11 +32,13 @@ from memplan.parallel.layout import Layout
 ARGPARSE_TYPES = {int: whole_number, float: float, str: str, tuple: split_names}
 
 
-def add_job_flags(parser: argparse.ArgumentParser, cls: type, *, leave_out: tuple[str, ...] = ()) -> None:
-    """One argparse group per section for the declared fields of `cls` (but `leave_out`)."""
+def add_job_flags(parser: argparse.ArgumentParser, cls: type, *, leave_out: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None) -> None:
+    """One argparse group per section for the declared fields of `cls` (but `leave_out`;
+    with `only`, those fields alone: a subcommand that takes a few of the job's fields)."""
     groups: dict[str, Any] = {}
     for field in declared(cls):
-        if not field.option.cli or field.dotted in leave_out:
+        if not field.option.cli or field.dotted in leave_out or (only is not None and field.dotted not in only):
             continue
         if field.section not in groups:
             groups[field.section] = parser.add_argument_group(SECTIONS[field.section])

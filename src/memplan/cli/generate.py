@@ -7,13 +7,17 @@ import argparse
 from typing import TYPE_CHECKING
 
 from memplan.cli import SUBCOMMANDS, print_json
+from memplan.cli.flags import add_job_flags
 from memplan.cli.from_file import add_model_input_flags
 from memplan.cli.inputs import model_arg
 from memplan.cli.table import echo, pairs, paragraph
 from memplan.errors import UserError
 from memplan.inference.gen_setup import CACHES, GenerationSetup
-from memplan.models.setup import ATTENTIONS, DTYPES, QUANT_STORAGES, QUANTS
+from memplan.models.setup import DTYPES, TrainingSetup
 from memplan.units import format_bytes, parse_size
+
+# the fields of the training setup that build the model for inference (`gen_capture.model_setup`)
+MODEL_FIELDS = ("attn", "quant", "double_quant", "quant_storage", "compute_dtype", "routing")
 
 if TYPE_CHECKING:  # imported where they are used: parsing the command line needs none of them
     from memplan.inference.generate import GenerationEstimate
@@ -42,14 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help="sample K sequences per prompt")
     model = p.add_argument_group("model")
     model.add_argument("--dtype", choices=DTYPES, default="fp32", help="weights' dtype (default fp32)")
-    model.add_argument("--attn", choices=ATTENTIONS, default="sdpa", help="attention implementation")
-    model.add_argument("--quant", choices=QUANTS, default="none",
-                       help="bitsandbytes-quantised weights (nf4/fp4: Linear4bit, int8: Linear8bitLt)")
-    model.add_argument("--double-quant", action="store_true", help="4-bit: quantise the constants too")
-    model.add_argument("--quant-storage", choices=QUANT_STORAGES, default="uint8", help="4-bit storage dtype")
-    model.add_argument("--compute-dtype", choices=DTYPES, default=None, help="4-bit matmuls' dtype")
-    model.add_argument("--routing", default="balanced", metavar="balanced|worst|capacity:F",
-                       help="mixture-of-experts models: the token-to-expert assignment (default balanced)")
+    add_job_flags(p, TrainingSetup, only=MODEL_FIELDS)
     add_model_input_flags(p)
     target = p.add_argument_group("target")
     target.add_argument("--gpu", default=None, metavar="NAME", help="device profile, e.g. h100-80gb")
