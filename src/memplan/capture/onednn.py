@@ -46,11 +46,11 @@ def matmul_signature(schema_name: str | None, args: Any, kwargs: dict[str, Any])
     `out=` is left out: the kernel is the same)."""
     if schema_name not in MATMUL_OPS:
         return None
-    tensors = [[list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch.")]
+    tensors = [(list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch."))
                for t in args if isinstance(t, torch.Tensor)]
     if not all(isinstance(d, int) for shape, strides, _ in tensors for d in shape + strides):
         return None  # symbolic sizes (a dynamic-shape graph): no kernel to run
-    return {"op": schema_name, "tensors": tensors, "alpha": float(kwargs.get("alpha", 1)),
+    return {"op": schema_name, "tensors": [list(t) for t in tensors], "alpha": float(kwargs.get("alpha", 1)),
             "beta": float(kwargs.get("beta", 1))}
 
 

@@ -269,8 +269,8 @@ class _Search:
                 self.rows[changes] = row
                 if not row.traced and row.passes_screen():
                     confirm.append(changes)
-        for changes, row in zip(confirm, self.ev.run([Task([self.rows[c].candidate], [True]) for c in confirm])):
-            self.rows[changes] = row[0]
+        for changes, traced in zip(confirm, self.ev.run([Task([self.rows[c].candidate], [True]) for c in confirm])):
+            self.rows[changes] = traced[0]
         self.found += [(level, self.rows[c]) for c, _ in wave if self.rows[c].traced and self.rows[c].fits]
 
 

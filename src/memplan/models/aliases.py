@@ -49,7 +49,7 @@ HUB_VARIANTS = {
 _FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 _MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                               "model.embed_tokens", "lm_head"]}
-HUB_QUANTIZATION = {
+HUB_QUANTIZATION: dict[str, dict[str, Any]] = {
     "deepseek-ai/deepseek-v3": _FP8_BLOCK,
     "openai/gpt-oss-20b": _MXFP4,
     "openai/gpt-oss-120b": _MXFP4,

@@ -30,7 +30,7 @@ def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return new
 
 
-def block_kinds(config: PretrainedConfig, layers: int | None = None) -> list[tuple[object, ...]]:
+def block_kinds(config: PretrainedConfig, layers: int | None = None) -> list[tuple[str | None, bool]]:
     """What sets each of the first `layers` blocks (default: all) apart from the others, per
     block: its attention kind (`layer_types`: full or sliding window) and whether its MLP
     is a mixture of experts (DeepSeek's `first_k_dense_replace` dense blocks first and
@@ -43,7 +43,7 @@ def block_kinds(config: PretrainedConfig, layers: int | None = None) -> list[tup
     sparse_step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
     interleave = int(getattr(config, "interleave_moe_layer_step", 1) or 1)
-    kinds = []
+    kinds: list[tuple[str | None, bool]] = []
     for i in range(count or 0):
         attention = types[i] if isinstance(types, list) and i < len(types) else None
         moe = i >= dense_first and i % every == 0 and (i + 1) % sparse_step == 0 and i not in mlp_only \

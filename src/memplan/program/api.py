@@ -82,14 +82,12 @@ def _traced_runs(launch: Launch, options: RunOptions, ranks: list[int] | str,
     first = 0 if not isinstance(ranks, list) else ranks[0]
     _progress(f"running rank {first} of {launch.world_size}", progress)
     runs = [run_rank(launch, first, options)]
-    if ranks == "all":
-        stands_for = {r: [r] for r in range(launch.world_size)}
-    elif ranks == "distinct" and deepspeed_engine.wraps_a_model(runs[0].seen.models):
-        stands_for = {r: [r] for r in range(launch.world_size)}
-    elif ranks == "distinct":
-        stands_for = distinct_ranks(runs[0].seen.models, launch.world_size) if launch.world_size > 1 else {0: [0]}
-    else:
+    if isinstance(ranks, list):
         stands_for = {r: [r] for r in ranks}
+    elif ranks == "all" or deepspeed_engine.wraps_a_model(runs[0].seen.models):  # DeepSpeed: every rank
+        stands_for = {r: [r] for r in range(launch.world_size)}
+    else:  # "distinct"
+        stands_for = distinct_ranks(runs[0].seen.models, launch.world_size) if launch.world_size > 1 else {0: [0]}
     for rank in sorted(stands_for):
         if rank != first:
             _progress(f"running rank {rank} (stands for ranks {stands_for[rank]})", progress)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
@@ -128,7 +129,7 @@ def no_cross_rank_checks(patches: Patches) -> None:
     patches.on_import(PACKAGE + ".runtime.zero", patch)
 
 
-def _zero_init_block_counted(world: World, patches: Patches, init: type) -> None:
+def _zero_init_block_counted(world: World, patches: Patches, init: type[AbstractContextManager]) -> None:
     """The whole `with deepspeed.zero.Init(...):` block is engine code: the modules built in
     it are partitioned by its post-init hook as they are made (module docstring)."""
     enter, leave = init.__enter__, init.__exit__
@@ -175,7 +176,7 @@ def install(world: World, patches: Patches) -> None:
     engine_code(world, patches)
     no_cross_rank_checks(patches)
 
-    def accelerator(module: ModuleType) -> None:
+    def accelerator(module: Any) -> None:  # real_accelerator: its global `ds_accelerator` is set
         if module.__name__ != "deepspeed.accelerator.real_accelerator":
             return
         if world.cuda:

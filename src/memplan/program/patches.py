@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from importlib.abc import MetaPathFinder
+from importlib.abc import Loader, MetaPathFinder
 from types import ModuleType
 from typing import Any
 
@@ -48,21 +48,27 @@ class _ImportWatch(MetaPathFinder):
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        execute, apply = loader.exec_module, self.apply
-
-        class _Loader:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(loader, name)
-
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: ModuleType) -> None:
-                execute(module)
-                apply(module)
-
-        spec.loader = _Loader()
+        spec.loader = _ThenApply(loader, self.apply)
         return spec
+
+
+class _ThenApply(Loader):
+    """A module's loader that calls `apply(module)` after running the module; its other
+    methods (source, resources) are the loader's own."""
+
+    def __init__(self, loader: Any, apply: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._apply = apply
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._apply(module)
 
 
 class Patches:

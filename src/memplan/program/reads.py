@@ -164,7 +164,7 @@ class ReadLog:
             "have no values, and reads only floating-point values (as 0.0, for logging) and the finiteness checks "
             "isnan/isinf/isfinite; compute it from the data, or make it a floating-point value the program logs")
 
-    def _answer(self, func: Any, t: Tensor, value: float | bool, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def _answer(self, func: Any, t: torch.Tensor, value: float | bool, args: tuple = (), kwargs: dict | None = None) -> Any:
         site = f"{program_site(self.program_dir)}: {func.__name__}"
         self.answered[site] = self.answered.get(site, 0) + 1
         if func is Tensor.tolist:

@@ -147,7 +147,7 @@ class Seen:
         params = [p for o in stepped for group in o.param_groups for p in group["params"]]
         states = Counter(_dtype(t.dtype) for o in stepped for state in o.state.values() for t in state.values()
                          if isinstance(t, torch.Tensor) and t.dim() > 0)
-        facts = {"class": type(optimizer).__name__, "name": OPTIMIZER_NAMES.get(type(optimizer).__name__),
+        facts: dict[str, Any] = {"class": type(optimizer).__name__, "name": OPTIMIZER_NAMES.get(type(optimizer).__name__),
                  "implementation": self.optimizer_impl,
                  "master_weights": dict(Counter(_dtype(p.dtype) for p in params)),
                  "state_dtypes": dict(states)}

@@ -89,7 +89,7 @@ def redirect_in_backward(mode: TorchFunctionMode, patches: Patches) -> None:
     patches.set(torch.autograd, "_engine_run_backward", engine_run_backward)
 
 
-def _unwrapped(t: Tensor) -> Tensor:
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
     """The tensor under functorch's wrappers (`vmap`'s BatchedTensor, `grad`'s wrapper), which
     have no storage of their own: flex attention's `create_block_mask` runs its mask function
     under `vmap` (torch/nn/attention/flex_attention.py, `create_mask`)."""
@@ -107,7 +107,7 @@ def is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-def _real_tensors(value: Any) -> list[Tensor]:
+def _real_tensors(value: Any) -> list[torch.Tensor]:
     if type(value) is Tensor or (isinstance(value, Tensor) and not is_fake(value)):
         return [value]
     if isinstance(value, (tuple, list)):
@@ -137,7 +137,7 @@ class World:
     def cuda(self) -> bool:
         return self.device == "cuda"
 
-    def on_device(self, t: Tensor) -> bool:
+    def on_device(self, t: torch.Tensor) -> bool:
         """Whether `t`'s storage is device memory (a cpu job: always)."""
         if not self.cuda:
             return True
@@ -152,7 +152,7 @@ class World:
             return True
         return storage not in self._host_fakes if fake else storage in self._device_storages
 
-    def tag_device(self, t: Tensor) -> Tensor:
+    def tag_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.cuda and isinstance(t, Tensor):
             storage = _unwrapped(t).untyped_storage()
             if is_fake(t):
@@ -161,13 +161,13 @@ class World:
                 self._device_storages[storage] = True
         return t
 
-    def tag_host(self, t: Tensor) -> Tensor:
+    def tag_host(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor made on the host (a parameter of a model built on the CPU)."""
         if self.cuda and is_fake(t):
             self._host_fakes[t.untyped_storage()] = True
         return t
 
-    def fake_address(self, t: Tensor) -> int:
+    def fake_address(self, t: torch.Tensor) -> int:
         """`t.data_ptr()` of a fake tensor (module docstring)."""
         storage = t.untyped_storage()
         base = self._fake_addresses.get(storage)
@@ -189,7 +189,7 @@ class World:
         with self.fake_mode:
             return func(*args, **kwargs)
 
-    def fake_like(self, t: Tensor) -> Tensor:
+    def fake_like(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor of `t`'s shape, strides and dtype, made by a factory: a fake made by
         `FakeTensorMode.from_tensor` is weakly referenced by the mode's converter, and
         `Module._apply` (`.to()`) swaps fake parameters with `torch.utils.swap_tensors`,
@@ -290,13 +290,13 @@ class DeviceRedirect(TorchFunctionMode):
             return self._to_host(t, dtype)
         return func(*args, **kwargs)
 
-    def _to_device(self, t: Tensor, dtype: torch.dtype | None, non_blocking: bool, *, copy: bool) -> Tensor:
+    def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None, non_blocking: bool, *, copy: bool) -> torch.Tensor:
         if self.world.on_device(t) and not copy:
             return t if dtype is None or dtype == t.dtype else t.to(dtype)
         out = t.to("cpu", dtype=dtype or t.dtype, copy=True, non_blocking=non_blocking)
         return self.world.tag_device(out)
 
-    def _to_host(self, t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    def _to_host(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         out = t.to("cpu", dtype=dtype or t.dtype, copy=True)
         if is_fake(out):
             self.world.tag_host(out)
