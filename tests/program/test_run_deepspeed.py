@@ -17,6 +17,7 @@ rank is repeated in fresh processes, up to twice, and each rank's smallest peak 
 import json
 
 import pytest
+import torch
 
 from memplan import models
 from memplan.program import measure_program, run_program
@@ -74,6 +75,7 @@ def test_cuda_run_of_deepspeed_zero2_holds_each_ranks_partition_of_the_optimizer
 
 
 def test_torchrun_of_a_zero3_program_building_its_model_under_zero_init(tiny_llama, text_file, tmp_path):
+    linear = torch.nn.functional.linear
     command = ["torchrun", "--nproc-per-node", "2", DEEPSPEED, "--model", str(tiny_llama), "--data",
                str(text_file), "--deepspeed_config",
                str(_config(tmp_path, 3, stage3_param_persistence_threshold=0)), "--zero-init"]
@@ -81,6 +83,7 @@ def test_torchrun_of_a_zero3_program_building_its_model_under_zero_init(tiny_lla
     assert [run.steps for run in result.runs] == [1, 1]
     for rank in result.estimate.per_rank:  # Adam's two states of this rank's flat partition, and its step count
         assert rank.breakdown["optimizer_state"] == 2 * PARTITION_BYTES + 4
+    assert torch.nn.functional.linear is linear  # zero.Init's zero3_linear_wrap does not outlive the run
 
 
 def test_trainer_with_a_deepspeed_zero2_config_under_the_deepspeed_launcher(tiny_checkpoint, text_file, tmp_path):

@@ -34,6 +34,11 @@ optimizers on memplan's world (memplan.program.world) and fake process group
   as it was when the module was first seen (imported, or loaded before the rank) when a rank
   ends, so the next rank starts anew; a name the run added is removed (submodules stay).
   Containers changed in place (`groups._EXPERT_PARALLEL_GROUP`, MoE's) are not restored.
+  `zero.Init` also replaces `torch.nn.functional.linear` by ZeRO-3's `zero3_linear_wrap` for
+  the rest of the process (`Init._enable_mem_efficient_linear`,
+  deepspeed/runtime/zero/partition_parameters.py:412-419: "This will persist unless manually
+  reset"): torch's own is put back when the rank ends, or a later run in the same process
+  would trace every linear layer through ZeRO-3's autograd function.
 
 - **Its device state.** DeepSpeed makes its buffers and partitions with factories for
   `get_accelerator().current_device_name()` (`torch.empty(n, device=...)`, `torch.zeros`),
@@ -61,6 +66,8 @@ import sys
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
+
+import torch
 
 from memplan.program.patches import Patches, in_package
 from memplan.program.world import World
@@ -161,6 +168,7 @@ def engine_code(world: World, patches: Patches) -> None:
                 patches.set(module.DeepSpeedEngine, name,
                             _counted_as_engine_code(world, getattr(module.DeepSpeedEngine, name)))
         elif module.__name__ == "deepspeed.runtime.zero.partition_parameters":
+            patches.set(torch.nn.functional, "linear", torch.nn.functional.linear)  # put back at the end (above)
             patches.set(module.Init, "__init__", _counted_as_engine_code(world, module.Init.__init__))
             _zero_init_block_counted(world, patches, module.Init)
 
