@@ -20,7 +20,7 @@ _LAZY_NAMES = {  # imported on first use: `memplan --help` imports neither numpy
     "planned_allocator": "memplan.runtime",
     "estimate": "memplan.estimation",
     "estimate_generation": "memplan.inference.generate",
-    "fit": "memplan.estimation",
+    "fit": "memplan.estimation.fit",
     "reorder": "memplan.order.run",
     "plan_addresses": "memplan.layout",
     "save_address_plan": "memplan.layout",

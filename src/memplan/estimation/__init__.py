@@ -5,13 +5,14 @@ and `memplan.fit(model, gpu, gpus, setup)`; this package is named `estimation` s
 `memplan.estimate` can be the function.
 
 The names below are imported on first use, so that a command line parses (and prints its
-help, with the margin of `memplan.estimation.margin`) without torch.
+help, with the margin of `memplan.estimation.margin`) without torch. `fit` is the
+submodule `memplan.estimation.fit` here; its function is `memplan.fit`.
 """
 
 import importlib
 
 _LAZY_NAMES = {
-    "fit": "memplan.estimation.fit", "Estimate": "memplan.estimation.pipeline",
+    "Estimate": "memplan.estimation.pipeline",
     "RankEstimate": "memplan.estimation.pipeline", "estimate": "memplan.estimation.pipeline",
     "DeviceProfile": "memplan.hardware.devices", "device_profile": "memplan.hardware.devices",
     "list_devices": "memplan.hardware.devices",
