@@ -53,7 +53,9 @@ if TYPE_CHECKING:  # transformers takes a second to import; only its config clas
 
 Case = tuple["PretrainedConfig", TrainingSetup, Layout]  # what one measurement runs
 
-PROFILER_ATTEMPTS = 3
+# fresh runs of the whole set of processes when torch's memory-profiler analysis fails (it does
+# on about half of the DeepSpeed runs: "version mismatch"); a run measures or is repeated
+PROFILER_ATTEMPTS = 6
 PROFILER_LOGGER = "torch.profiler._memory_profiler"
 SIZE_MISMATCH = "Mismatch between allocation and free"
 
