@@ -19,12 +19,14 @@ def num_layers(config: PretrainedConfig) -> int | None:
 
 
 def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
-    """A copy of `config` with `layers` transformer blocks (per-layer lists cut to match)."""
+    """A copy of `config` with `layers` transformer blocks (per-layer lists cut to match, or
+    grown by repeating their pattern: the model's attention classes index `layer_types` by
+    layer)."""
     new = copy.deepcopy(config)
     new.num_hidden_layers = layers
     types = getattr(new, "layer_types", None)
-    if isinstance(types, list) and len(types) >= layers:
-        new.layer_types = types[:layers]
+    if isinstance(types, list) and types:
+        new.layer_types = [types[i % len(types)] for i in range(layers)]
     if getattr(new, "max_window_layers", None) is not None:
         new.max_window_layers = min(new.max_window_layers, layers)
     return new

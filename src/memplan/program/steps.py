@@ -96,6 +96,7 @@ class StepWindow:
         self._original_call: Any = None
         self._timer = False
         self._previous_handler: Any = signal.SIG_DFL
+        self._expired: Any = None  # this window's SIGALRM handler, once armed
         self._has_parameters: dict[int, bool] = {}
         self._backward_optimizers: list[torch.optim.Optimizer] = []  # stepped in the running backward
         self._inner: list[torch.optim.Optimizer] = []  # stepped inside the running step of a wrapper
@@ -149,6 +150,7 @@ class StepWindow:
                                  f"(after {self.steps} steps): give --max-seconds more, or check that it trains")
 
         self._previous_handler = signal.signal(signal.SIGALRM, expired)
+        self._expired = expired
         signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
         self._timer = True
 
@@ -225,7 +227,9 @@ class StepWindow:
         self.steps += 1
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.started_s
-        if self._timer:
+        if self._timer and signal.getsignal(signal.SIGALRM) is self._expired:
+            # re-armed only while SIGALRM is still this window's: an alarm under another
+            # handler (the default one terminates the process) is never set from here
             signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
         if self.on_step is not None:
             self.on_step(optimizers, self.steps)
