@@ -98,3 +98,18 @@ def instruction_json(tmp_path_factory) -> Path:
     path.write_text(json.dumps([{"instruction": " ".join(rng.choice(WORDS) for _ in range(8)), "input": "",
                                  "output": " ".join(rng.choice(WORDS) for _ in range(12))} for _ in range(40)]))
     return path
+
+
+def measured_ranks(command, **options):
+    """Per rank, the profiler peaks of the real multi-process run of `command`
+    (`measure_program`), or the test skipped where torch's memory-profiler analysis failed on
+    every attempt ("version mismatch": torch/profiler/_memory_profiler.py): that run has no
+    ground truth, and the skip says so; a run the analysis reads is compared as it is."""
+    from memplan.program import measure_program
+
+    try:
+        return measure_program(command, **options)
+    except RuntimeError as exc:
+        if "memory analysis failed" not in str(exc):
+            raise
+        pytest.skip(f"no ground truth this run: {str(exc)[:160]}")

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from memplan import models
-from memplan.program import measure_program, run_program
+from memplan.program import run_program
 
-from .conftest import PROGRAMS
+from .conftest import PROGRAMS, measured_ranks
 
 DEEPSPEED = str(PROGRAMS / "deepspeed_loop.py")
 PARTITION_BYTES = 166_208 // 2 * 4  # half of the tiny Llama's fp32 parameters
@@ -55,11 +55,11 @@ def test_cpu_run_of_deepspeed_matches_every_rank_of_the_real_gloo_run(tiny_llama
     command = _deepspeed(tiny_llama, text_file, _config(tmp_path, stage, **zero))
     estimated = [r.peak_allocated_bytes for r in run_program(command, device="cpu", steps=1,
                                                              out_dir=tmp_path / "run").estimate.per_rank]
-    measured = measure_program(command, steps=1, whole_storages=whole)
+    measured = measured_ranks(command, steps=1, whole_storages=whole)
     for _ in range(2):  # a buffer gloo still holds on its own thread (test_run_distributed.py): fresh processes
         if all(abs(e - m) <= 0.01 * m for e, m in zip(estimated, measured)):
             break
-        measured = [min(a, b) for a, b in zip(measured, measure_program(command, steps=1, whole_storages=whole))]
+        measured = [min(a, b) for a, b in zip(measured, measured_ranks(command, steps=1, whole_storages=whole))]
     assert len(estimated) == 2
     for e, m in zip(estimated, measured):
         assert abs(e - m) <= 0.01 * m, (estimated, measured)

@@ -17,9 +17,9 @@ compared. Measured: -512 B on each rank (-0.016%).
 
 import pytest
 
-from memplan.program import measure_program, run_program
+from memplan.program import run_program
 
-from .conftest import PROGRAMS
+from .conftest import PROGRAMS, measured_ranks
 from .test_launchers import FSDP2_CONFIG
 
 FSDP2 = str(PROGRAMS / "fsdp2_loop.py")
@@ -35,11 +35,11 @@ def test_cpu_run_of_fsdp2_torchrun_matches_every_rank_of_the_real_gloo_run(text_
     command = _torchrun(text_file, "fp64")
     estimated = [r.peak_allocated_bytes for r in run_program(command, device="cpu", steps=1,
                                                              out_dir=tmp_path).estimate.per_rank]
-    measured = measure_program(command, steps=1)
+    measured = measured_ranks(command, steps=1)
     for _ in range(2):
         if all(abs(e - m) <= 0.01 * m for e, m in zip(estimated, measured)):
             break
-        measured = [min(a, b) for a, b in zip(measured, measure_program(command, steps=1))]
+        measured = [min(a, b) for a, b in zip(measured, measured_ranks(command, steps=1))]
     assert len(estimated) == 2
     for e, m in zip(estimated, measured):
         assert abs(e - m) <= 0.01 * m, (estimated, measured)
