@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmarks_md import write_section  # noqa: E402
+from benchmarks_md import run_cli, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "answer_speed"
@@ -36,16 +33,9 @@ CASES = [
 
 def run_case(argv: list[str]) -> dict:
     """One fresh CLI process: wall and CPU seconds, exit code, load before and after."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "memplan", *argv], capture_output=True, text=True, env=env,
-                          check=False)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": wall, "cpu_s": cpu, "code": done.returncode, "load": (load_before, os.getloadavg()[0])}
+    proc, wall, cpu = run_cli(argv)
+    return {"wall_s": wall, "cpu_s": cpu, "code": proc.returncode, "load": (load_before, os.getloadavg()[0])}
 
 
 def table(rows: list[tuple[str, list[str], float, dict]]) -> str:

@@ -17,16 +17,11 @@ Writes the `bench:rl` table of BENCHMARKS.md.
 
 import json
 import os
-import resource
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import trl_truth
 
-from benchmarks_md import write_section
+from benchmarks_md import run_cli, write_section
 from memplan.models.registry import tiny_config
 from memplan.models.setup import TrainingSetup
 from memplan.rl import estimate_rl
@@ -58,14 +53,7 @@ def _rows(path, prompt, completion, batch):
 
 
 def _done_when():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "memplan", *DONE_WHEN], capture_output=True, text=True, env=env,
-                          check=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    proc, wall, cpu = run_cli(DONE_WHEN, check=True)
     return json.loads(proc.stdout), cpu, wall
 
 
