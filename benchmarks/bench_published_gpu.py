@@ -25,17 +25,25 @@ their own model code, which memplan does not trace; the HF Trainer runs (the
 Transformers docs' bert-large series, a sequence-classification fine-tune: `head: seq-cls`)
 and PEFT's MetaMathQA runs use the Hugging Face modules memplan traces. The `notes` column
 says where the setup is guessed or the step differs from the step memplan traces.
-Writes the `bench:published_gpu` table of BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/bench_published_gpu.py
+Where `benchmarks/published_runs/` knows the trainer's own command for a case, the row also
+gets `memplan run -- <command>` (a fresh process per case: `run_through_trainer`), the
+trainer's program traced as it runs, and the summary gives the median error of those rows
+beside the flag-built estimate's on the same rows. Writes the `bench:published_gpu` table of
+BENCHMARKS.md.
+
+    .venv/bin/python benchmarks/bench_published_gpu.py [--only ID ...] [--no-trainer] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +57,7 @@ from memplan import models  # noqa: E402
 from memplan.errors import UserError  # noqa: E402
 from memplan.estimation import estimate  # noqa: E402
 from memplan.parallel import Layout  # noqa: E402
+from published_runs import Prepare, trainer_runs  # noqa: E402
 
 CASES_JSON = Path(__file__).resolve().parent / "published_gpu.json"
 COMMAND = ".venv/bin/python benchmarks/bench_published_gpu.py"
@@ -191,6 +200,71 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any]:
+    """`memplan run --gpu GPU -- <the trainer's command>` for one case, in a fresh process
+    (each program's imports and patches stay its own): the case's metric from the run's
+    answer, the largest over the traced ranks."""
+    field = METRIC_FIELD[case["metric"]]
+    with tempfile.TemporaryDirectory(prefix=f"memplan-published-{case['id']}-") as tmp:
+        run = prepare(case, Path(tmp))
+        out = Path(tmp) / "memplan-run"
+        memplan = [sys.executable, "-m", "memplan", "run", "--gpu", case["gpu"], "--json", "-o", str(out), "--"]
+        env = {**os.environ, **run.env, "PYTHONPATH": os.pathsep.join(
+            [str(SRC), *filter(None, [run.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])])}
+        start = time.perf_counter()
+        done = subprocess.run(memplan + run.command, cwd=run.cwd or tmp, env=env, capture_output=True, text=True)
+        elapsed_s = time.perf_counter() - start
+        if done.returncode != 0:
+            tail = " / ".join(done.stderr.strip().splitlines()[-4:]) or "(no output)"
+            return {"failed": f"memplan run exit {done.returncode}: {tail}", "elapsed_s": elapsed_s,
+                    "command": run.command, "notes": run.notes}
+        answer = json.loads((out / "run.json").read_text())
+    predicted = max(int(r[field]) for r in answer["per_rank"])
+    published = published_bytes(case)
+    return {"memplan_bytes": predicted, "error_pct": 100.0 * (predicted - published) / published,
+            "peak_phase": answer["per_rank"][0].get("peak_phase"), "seen": answer.get("seen", {}),
+            "elapsed_s": elapsed_s, "command": run.command, "notes": run.notes}
+
+
+def _trainer_cells(row: dict[str, Any]) -> str:
+    """The two "through the trainer" cells of a row: figure and error, or why there are none."""
+    trainer = row.get("trainer")
+    if trainer is None:
+        return "- | -"
+    if "failed" in trainer:
+        return "failed | -"
+    return f"{_gib(trainer['memplan_bytes'])} | {trainer['error_pct']:+.1f}"
+
+
+def _trainer_notes(row: dict[str, Any]) -> list[str]:
+    trainer = row.get("trainer")
+    if trainer is None:
+        return []
+    command = " ".join(trainer["command"])
+    said = [f"through the trainer: `memplan run -- {command}`"] + trainer["notes"]
+    if "failed" in trainer:
+        said.append(f"the run failed: {trainer['failed']}")
+    return said
+
+
+def _trainer_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The median |error| of the rows run through the trainer, beside the flag-built estimate's
+    on the same rows."""
+    ran = [r for r in rows if "error_pct" in (r.get("trainer") or {})]
+    failed = [r["id"] for r in rows if "failed" in (r.get("trainer") or {})]
+    if not ran:
+        return []
+    through = [abs(r["trainer"]["error_pct"]) for r in ran]
+    flags = [abs(r["error_pct"]) for r in ran if "error_pct" in r]
+    line = (f"Through the trainer (`memplan run`): median absolute error {statistics.median(through):.1f}% "
+            f"over {len(ran)} rows (mean {statistics.mean(through):.1f}%), where the flag-built estimate of the "
+            f"same rows has median {statistics.median(flags):.1f}%" if flags else "")
+    return [line + (f"; {len(failed)} row(s) failed to run: {', '.join(failed)}." if failed else ".")]
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -214,26 +288,34 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         COMMAND,
         "```",
         "",
-        "| source | model | setup | GPU | metric | published | memplan | error % | notes |",
-        "|---|---|---|---|---|---:|---:|---:|---|",
+        "The column \"through the trainer\" is `memplan run -- <command>`: the trainer's own program",
+        "(`tune run`, torchtitan's `train.py`, `litgpt finetune_*`, a Trainer script) traced as it runs,",
+        "with a checkpoint of shapes only and local synthetic data of the published shapes",
+        "(`benchmarks/published_runs/`; each row's notes say what was made up).",
+        "",
+        "| source | model | setup | GPU | metric | published | memplan | error % | through the trainer | error % "
+        "| notes |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for case, row in zip(cases, rows):
         if "refused" in row:  # a technique this version of memplan does not apply yet
             lines.append(f"| [{case['source']}]({case['url']}) | {case['model']} | {setup_label(case)} | {case['gpu']} "
                          f"| {case['metric']} | {case['published']['value']} {case['published']['unit']} | - | - "
-                         f"| not estimated: {row['refused']} |")
+                         f"| {_trainer_cells(row)} | not estimated: {row['refused']} |")
             continue
         published = f"{case['published']['value']} {case['published']['unit']} ({_gib(row['published_bytes'])})"
         notes = "; ".join(["guessed: " + g for g in case.get("guessed", [])]
-                          + case.get("known_differences", []))
+                          + case.get("known_differences", []) + _trainer_notes(row))
         if row["with_source_context_bytes"] is not None:
             notes = (f"with the source's measured context ({case['context_measured']['value']} "
                      f"{case['context_measured']['unit']}): {_gib(row['with_source_context_bytes'])}, "
                      f"{row['with_source_context_error_pct']:+.1f}%; " + notes)
         lines.append(
             f"| [{case['source']}]({case['url']}) | {case['model']} | {setup_label(case)} | {case['gpu']} "
-            f"| {case['metric']} | {published} | {_gib(row['memplan_bytes'])} | {row['error_pct']:+.1f} | {notes} |"
+            f"| {case['metric']} | {published} | {_gib(row['memplan_bytes'])} | {row['error_pct']:+.1f} "
+            f"| {_trainer_cells(row)} | {notes} |"
         )
+    trainer_lines = _trainer_summary(rows)
     refused = len([r for r in rows if "refused" in r])
     cases = [c for c, r in zip(cases, rows) if "refused" not in r]
     rows = [r for r in rows if "refused" not in r]
@@ -246,6 +328,7 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         + (f"; {refused} case(s) name a technique this version does not apply and are not estimated." if refused
            else "."),
     ]
+    lines += trainer_lines
     contexts = [abs(r["with_source_context_error_pct"]) for r in rows if r["with_source_context_error_pct"] is not None]
     if contexts:
         lines.append(f"The {len(contexts)} nvidia-smi cases with the source's own measured CUDA context in place of "
@@ -264,20 +347,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=Path, default=CASES_JSON, help="JSON file of published cases")
     parser.add_argument("--only", nargs="*", default=None, metavar="ID", help="run only these case ids")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    parser.add_argument("--no-trainer", action="store_true",
+                        help="leave out the runs through the trainers' own code (benchmarks/published_runs)")
     args = parser.parse_args(argv)
 
     cases = json.loads(args.cases.read_text())["cases"]
     if args.only:
         cases = [c for c in cases if c["id"] in set(args.only)]
     rows = []
+    runs = trainer_runs()
     for case in cases:
         try:
             row = run_case(case)
         except UserError as exc:  # a technique not applied yet: the case waits for it
-            rows.append({"id": case["id"], "refused": str(exc)})
+            row = {"id": case["id"], "refused": str(exc)}
             print(f"{case['id']}: not estimated: {exc}", flush=True)
-            continue
+        if case["id"] in runs and not args.no_trainer:
+            row["trainer"] = run_through_trainer(case, runs[case["id"]])
+            trainer = row["trainer"]
+            print(f"{case['id']}: through the trainer: "
+                  + (trainer["failed"] if "failed" in trainer else
+                     f"{_gib(trainer['memplan_bytes'])} ({trainer['error_pct']:+.1f}%), peak in "
+                     f"{trainer['peak_phase']}") + f", {trainer['elapsed_s']:.1f} s", flush=True)
         rows.append(row)
+        if "refused" in row:
+            continue
         breakdown = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in row["breakdown"].items())
         print(f"{row['id']}: published {_gib(row['published_bytes'])}, memplan {row['field']} "
               f"{_gib(row['memplan_bytes'])} ({row['error_pct']:+.1f}%), peak in {row['peak_phase']}, "
