@@ -32,7 +32,10 @@ trainer's program traced as it runs, and the summary gives the median error of t
 beside the flag-built estimate's on the same rows. Writes the `bench:published_gpu` table of
 BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/bench_published_gpu.py [--only ID ...] [--no-trainer] [--no-write]
+    .venv/bin/python benchmarks/bench_published_gpu.py [--only ID ...] [--table-only] [--no-trainer] [--no-write]
+
+Each case's last measurement is stored in `benchmarks/results/published_gpu/ID.json`: `--only`
+re-measures the cases named and the table keeps the others' stored rows.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ from memplan.parallel import Layout  # noqa: E402
 from published_runs import Prepare, trainer_runs  # noqa: E402
 
 CASES_JSON = Path(__file__).resolve().parent / "published_gpu.json"
+# Each case's last measurement, one file per case: `--only` re-measures some cases and the table
+# keeps the others' stored rows (each with the time it was measured).
+ROWS_DIR = Path(__file__).resolve().parent / "results" / "published_gpu"
 COMMAND = ".venv/bin/python benchmarks/bench_published_gpu.py"
 UNIT_BYTES = {"B": 1, "GB": 10**9, "GiB": 2**30, "MB": 10**6, "MiB": 2**20}
 METRIC_FIELD = {
@@ -342,43 +348,66 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def measured_row(case: dict[str, Any], runs: dict[str, Prepare], with_trainer: bool) -> dict[str, Any]:
+    """One case measured now: the flag-built estimate and, where a trainer command is known,
+    the run through the trainer; printed as it comes."""
+    try:
+        row = run_case(case)
+    except UserError as exc:  # a technique not applied yet: the case waits for it
+        row = {"id": case["id"], "refused": str(exc)}
+        print(f"{case['id']}: not estimated: {exc}", flush=True)
+    else:
+        breakdown = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in row["breakdown"].items())
+        print(f"{row['id']}: published {_gib(row['published_bytes'])}, memplan {row['field']} "
+              f"{_gib(row['memplan_bytes'])} ({row['error_pct']:+.1f}%), peak in {row['peak_phase']}, "
+              f"{row['parallel']}, {row['elapsed_s']:.1f} s; breakdown GiB: {breakdown}", flush=True)
+    if with_trainer and case["id"] in runs:
+        trainer = row["trainer"] = run_through_trainer(case, runs[case["id"]])
+        print(f"{case['id']}: through the trainer: "
+              + (trainer["failed"] if "failed" in trainer else
+                 f"{_gib(trainer['memplan_bytes'])} ({trainer['error_pct']:+.1f}%), peak in "
+                 f"{trainer['peak_phase']}") + f", {trainer['elapsed_s']:.1f} s", flush=True)
+    row["measured_at"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    return row
+
+
+def stored_row(case_id: str) -> dict[str, Any] | None:
+    """The row a case's last measurement stored (ROWS_DIR), or None."""
+    path = ROWS_DIR / f"{case_id}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=Path, default=CASES_JSON, help="JSON file of published cases")
-    parser.add_argument("--only", nargs="*", default=None, metavar="ID", help="run only these case ids")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    parser.add_argument("--only", nargs="*", default=None, metavar="ID",
+                        help="measure only these case ids; the table keeps the other rows' last measurement")
+    parser.add_argument("--table-only", action="store_true",
+                        help="measure nothing: write the table from the stored rows")
+    parser.add_argument("--no-write", action="store_true",
+                        help="print only; leave BENCHMARKS.md and the stored rows alone")
     parser.add_argument("--no-trainer", action="store_true",
                         help="leave out the runs through the trainers' own code (benchmarks/published_runs)")
     args = parser.parse_args(argv)
 
     cases = json.loads(args.cases.read_text())["cases"]
-    if args.only:
-        cases = [c for c in cases if c["id"] in set(args.only)]
-    rows = []
+    measure = set() if args.table_only else {c["id"] for c in cases} if args.only is None else set(args.only)
     runs = trainer_runs()
+    rows = []
     for case in cases:
-        try:
-            row = run_case(case)
-        except UserError as exc:  # a technique not applied yet: the case waits for it
-            row = {"id": case["id"], "refused": str(exc)}
-            print(f"{case['id']}: not estimated: {exc}", flush=True)
-        if case["id"] in runs and not args.no_trainer:
-            row["trainer"] = run_through_trainer(case, runs[case["id"]])
-            trainer = row["trainer"]
-            print(f"{case['id']}: through the trainer: "
-                  + (trainer["failed"] if "failed" in trainer else
-                     f"{_gib(trainer['memplan_bytes'])} ({trainer['error_pct']:+.1f}%), peak in "
-                     f"{trainer['peak_phase']}") + f", {trainer['elapsed_s']:.1f} s", flush=True)
+        if case["id"] in measure:
+            row = measured_row(case, runs, with_trainer=not args.no_trainer)
+            if args.no_trainer and (old := stored_row(case["id"])) and "trainer" in old:
+                row["trainer"] = old["trainer"]
+            if not args.no_write:
+                ROWS_DIR.mkdir(parents=True, exist_ok=True)
+                (ROWS_DIR / f"{case['id']}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
+        elif (row := stored_row(case["id"])) is None:
+            raise SystemExit(f"{case['id']}: no stored measurement in {ROWS_DIR}: measure it (--only {case['id']})")
         rows.append(row)
-        if "refused" in row:
-            continue
-        breakdown = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in row["breakdown"].items())
-        print(f"{row['id']}: published {_gib(row['published_bytes'])}, memplan {row['field']} "
-              f"{_gib(row['memplan_bytes'])} ({row['error_pct']:+.1f}%), peak in {row['peak_phase']}, "
-              f"{row['parallel']}, {row['elapsed_s']:.1f} s; breakdown GiB: {breakdown}", flush=True)
     section = table(cases, rows)
-    print("\n".join(section.splitlines()[-2:]))
-    if not args.no_write and not args.only:
+    print("\n".join(section.splitlines()[-3:]))
+    if not args.no_write:
         write_section("published_gpu", section)
     return 0
 
