@@ -156,7 +156,7 @@ def llama3_8b_fsdp8_compile_float8(case: dict[str, Any], workdir: Path) -> Train
     """Table 1, row "FSDP + torch.compile + Float8": the same with torchtitan's float8
     converter (torchao `Float8Linear`, tensorwise scaling; the TOML filters out the output
     head and leaves float8 all-gathers off)."""
-    return _llama3_8b_fsdp(case, workdir, ["--compile.enable", "--model.converters", "float8"],
+    return _llama3_8b_fsdp(case, workdir, ["--compile.enable", "--model.converters", "quantize.linear.float8"],
                            ["float8: the TOML's own settings (bf16 all-gathers), as the source does not say"])
 
 
