@@ -55,3 +55,18 @@ def test_a_temporary_folder_and_its_files_are_made_where_they_are(tmp_path):
         patches.restore()
     assert written == ["kernel.cpp"] and made_there
     assert not (tmp_path / "run" / "files").exists()
+
+
+def test_a_file_named_in_bytes_is_written_and_read_under_the_output(tmp_path):
+    folder = tmp_path / "program" / "tb"
+    patches, _log = _redirected(tmp_path / "run")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.fsencode(folder / "events"), "wb") as f:  # tensorboard's writer names its file in bytes
+            f.write(b"event")
+        with open(os.fsencode(folder / "events"), "rb") as f:
+            read = f.read()
+    finally:
+        patches.restore()
+    assert read == b"event" and not folder.exists()
+    assert (tmp_path / "run" / "files" / folder.relative_to("/") / "events").read_bytes() == b"event"

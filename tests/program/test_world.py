@@ -90,3 +90,34 @@ def test_torchdynamo_traces_a_function_under_the_cuda_facade():
     finally:
         patches.restore()
         torch._dynamo.reset()
+
+
+def test_a_device_buffer_is_traced_on_the_stream_the_program_allocates_it_on():
+    from memplan.hardware.devices import device_profile
+    from memplan.program import cuda_api
+    from memplan.program.recording import ProgramRecorder
+
+    world, patches = World("cuda", None), Patches()
+    cuda_api.install(world, patches, device_profile("h100-80gb"), device_count=1, local_rank=0)
+    try:
+        side = torch.cuda.Stream(priority=-1)  # as FSDP2 makes its all-gather and reduce-scatter streams
+        with DeviceRedirect(world), ProgramRecorder(world) as recorder:
+            on_default = torch.empty(1024, device="cuda")
+            with torch.cuda.stream(side):
+                on_side = torch.empty(2048, device="cuda")
+                current = torch.cuda.current_stream()
+            with side:
+                also_on_side = torch.empty(4096, device="cuda")
+            after = torch.empty(8192, device="cuda")
+            # FSDP2's mesh is on the cpu in a cuda run: its device handle is torch.cpu
+            cpu_side = torch.cpu.Stream()
+            with torch.cpu.stream(cpu_side):
+                gathered = torch.empty(16384, device="cuda")
+        trace = recorder.finish()
+    finally:
+        patches.restore()
+    assert current is side
+    streams = dict(zip(trace.buffers["nbytes"].tolist(), trace.buffers["stream"].tolist()))
+    assert streams == {4096: 0, 8192: side.number, 16384: side.number, 32768: 0, 65536: cpu_side.number}
+    assert 0 < side.number < cpu_side.number
+    del on_default, on_side, also_on_side, after, gathered

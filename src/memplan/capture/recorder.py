@@ -148,6 +148,7 @@ class _Buffers:
         self.microbatch: list[int] = []
         self.category: list[int] = []
         self.preexisting: list[bool] = []
+        self.stream: list[int] = []
 
     def __len__(self) -> int:
         return len(self.nbytes)
@@ -219,6 +220,7 @@ class Recorder(TorchDispatchMode):
         self.iteration = 0
         self.microbatch = 0
         self.in_optimizer = False
+        self.stream = 0  # the stream new buffers are allocated on (a program run follows its stream contexts)
         self.explicit_microbatch = False  # set by `set_microbatch`: no auto-numbering
         self._fwd_depth = 0
         self._module_stack: list[str] = []
@@ -289,6 +291,7 @@ class Recorder(TorchDispatchMode):
         b.device.append(self._intern(self._devices, f"host:{kind}" if kind is not None else str(device)))
         b.preexisting.append(preexisting)
         b.category.append(_UNKNOWN)
+        b.stream.append(0 if preexisting else self.stream)
         if preexisting:
             b.alloc_op.append(-1)
             b.module.append(0)
@@ -537,7 +540,7 @@ class Recorder(TorchDispatchMode):
             "free_event": free_event,
             "category": category,
             "device": np.asarray(b.device, np.int16),
-            "stream": np.zeros(n, np.int32),
+            "stream": np.asarray(b.stream, np.int32),
             "alloc_op": np.asarray(b.alloc_op, np.int64),
             "module": np.asarray(b.module, np.int32),
             "phase": phase,

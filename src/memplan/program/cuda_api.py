@@ -18,9 +18,16 @@ figures:
   allocator replay of the estimate); `mem_get_info` is (capacity - CUDA context - reserved,
   capacity); `memory_stats` / `memory_summary` hold these; `reset_peak_memory_stats` resets
   the peak;
-- no-ops: `synchronize`, `empty_cache`, `ipc_collect`, streams and events (`Stream`,
-  `Event`, `current_stream`, `stream(...)`: memory is traced in program order on one
-  stream), `manual_seed*`, `nvtx` ranges; `get_rng_state` gives a 16-byte host tensor (a
+- streams: `Stream`, `current_stream`, `default_stream`, `stream(...)`, `set_stream` and
+  `with stream:` (and the same of `torch.cpu`, the device FSDP2's mesh has in a cuda run)
+  keep which stream the program's work is on, and each device buffer is
+  traced on the stream it was allocated on (`World.stream`): the caching allocator keeps a
+  pool per stream (c10/cuda/CUDACachingAllocator.cpp, blocks are reused only by the
+  stream they were allocated on), and FSDP2 allocates its all-gather outputs and its
+  sharded gradients on streams of their own (torch/distributed/fsdp/_fully_shard/
+  _fsdp_collectives.py, `foreach_all_gather`, `foreach_reduce`, torch 2.13); waits and
+  events are no-ops (memory is traced in program order);
+- no-ops: `synchronize`, `empty_cache`, `ipc_collect`, `manual_seed*`, `nvtx` ranges; `get_rng_state` gives a 16-byte host tensor (a
   Philox seed and offset, as `CUDAGeneratorImpl::get_state`);
 - `torch.autocast("cuda", ...)` (and `torch.cuda.amp.autocast`) runs CPU autocast with
   CUDA's default dtype (fp16) and CUDA's op lists (`memplan.capture.cuda_kernels
@@ -57,15 +64,21 @@ CAPABILITY = {"volta": (7, 0), "turing": (7, 5), "ampere": (8, 0), "ada": (8, 9)
 
 
 class _Stream:
-    """A CUDA stream or event standing in for the real one: every wait is already satisfied."""
+    """A CUDA stream or event standing in for the real one: every wait is already satisfied.
+    Each has a number of its own, in the order the run makes them (0: the default stream);
+    `with stream:` makes it the stream new device buffers are allocated on (`CudaState.switch`),
+    as `torch.cuda.stream(stream)` and `set_stream` do."""
+
+    state: CudaState | None = None  # the run's, on the class `CudaState` makes for it
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         self.device = torch.device("cuda", 0)
+        self.number = self.state.new_stream_number() if self.state is not None else 0
 
     def wait_stream(self, *_args: Any) -> None: ...
     def wait_event(self, *_args: Any) -> None: ...
     def record_event(self, event: Any = None) -> Any:
-        return event if event is not None else _Stream()
+        return event if event is not None else type(self)()
     def record(self, *_args: Any) -> None: ...
     def synchronize(self) -> None: ...
     def query(self) -> bool:
@@ -75,8 +88,12 @@ class _Stream:
     def elapsed_time(self, _other: Any) -> float:
         return 0.0
     def __enter__(self) -> _Stream:
+        if self.state is not None:
+            self.state.outer_streams.append(self.state.switch(self))
         return self
-    def __exit__(self, *exc: Any) -> None: ...
+    def __exit__(self, *exc: Any) -> None:
+        if self.state is not None:
+            self.state.switch(self.state.outer_streams.pop())
 
 
 @contextlib.contextmanager
@@ -92,6 +109,35 @@ class CudaState:
         self.profile = profile
         self.count = max(1, device_count)
         self.current = local_rank % self.count
+        self._streams_made = 0
+        self.stream_class = type("Stream", (_Stream,), {"state": self})
+        self.default_stream = self.stream_class()
+        self.current_stream = self.default_stream
+        self.outer_streams: list[_Stream] = []  # of the `with stream:` blocks the program is in
+
+    def new_stream_number(self) -> int:
+        self._streams_made += 1
+        return self._streams_made - 1
+
+    def switch(self, stream: Any) -> _Stream:
+        """Make `stream` (the default stream for anything else) the one new device buffers are
+        allocated on (`World.stream`); the stream that was."""
+        previous = self.current_stream
+        self.current_stream = stream if isinstance(stream, _Stream) else self.default_stream
+        self.world.stream = self.current_stream.number
+        return previous
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: Any = None) -> Iterator[None]:
+        """`torch.cuda.stream(stream)`: `None` changes nothing."""
+        if stream is None:
+            yield
+            return
+        previous = self.switch(stream)
+        try:
+            yield
+        finally:
+            self.switch(previous)
 
     def set_device(self, device: Any) -> None:
         index = device.index if isinstance(device, torch.device) else (
@@ -146,9 +192,10 @@ def _functions(state: CudaState) -> dict[str, Any]:
         "manual_seed": lambda *_a: None, "manual_seed_all": lambda *_a: None, "seed": lambda: None,
         "seed_all": lambda: None, "initial_seed": lambda: 0, "get_rng_state": rng,
         "get_rng_state_all": lambda: [rng() for _ in range(state.count)], "set_rng_state": lambda *_a, **_k: None,
-        "set_rng_state_all": lambda *_a: None, "Stream": _Stream, "Event": _Stream, "ExternalStream": _Stream,
-        "current_stream": lambda *_a, **_k: _Stream(), "default_stream": lambda *_a, **_k: _Stream(),
-        "set_stream": lambda *_a: None, "stream": _nothing, "device": _nothing, "device_of": _nothing,
+        "set_rng_state_all": lambda *_a: None, "Stream": state.stream_class, "Event": state.stream_class,
+        "ExternalStream": state.stream_class, "current_stream": lambda *_a, **_k: state.current_stream,
+        "default_stream": lambda *_a, **_k: state.default_stream, "set_stream": state.switch,
+        "stream": state.stream_context, "device": _nothing, "device_of": _nothing,
     }
 
 
@@ -158,6 +205,10 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
     functions = _functions(state)
     for name, value in functions.items():
         patches.set(torch.cuda, name, value)
+    # FSDP2 takes the stream API of its mesh's device type (`_get_device_handle`,
+    # torch/distributed/device_mesh.py), which is `cpu` in a cuda run (memplan.program.distributed)
+    for name in ("Stream", "Event", "current_stream", "stream"):
+        patches.set(torch.cpu, name, functions[name])
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         patches.set(torch.cuda.nvtx, name, lambda *_a, **_k: None)
     patches.set(torch.cuda.nvtx, "range", _nothing)
@@ -168,7 +219,8 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
                    "current_accelerator": lambda *_a, **_k: torch.device("cuda"),
                    "current_device_index": lambda *_a, **_k: state.current,
                    "set_device_index": lambda device, *_a: state.set_device(device), "synchronize": lambda *_a: None,
-                   "current_stream": lambda *_a, **_k: _Stream(), "set_stream": lambda *_a: None}
+                   "current_stream": lambda *_a, **_k: state.current_stream,
+                   "set_stream": lambda stream, *_a: state.switch(stream)}
     for name, value in accelerator.items():
         patches.set(torch.accelerator, name, value)
     _redirect_autocast(patches)

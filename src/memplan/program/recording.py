@@ -64,6 +64,7 @@ class ProgramRecorder(DistributedRecorder):
             world._device_storages[storage] = True
             on_device = True
         label = self.device_label if on_device else "host:pageable"
+        self.stream = world.stream if on_device else 0
         idx = super()._new_buffer(storage, label, preexisting=preexisting, op=op)
         if on_device:
             charged = round_size_plain(int(storage.nbytes())) if storage.nbytes() else 0

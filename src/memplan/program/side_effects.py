@@ -14,7 +14,8 @@
   spawns; lightning/fabric/strategies/launchers/ and lightning/pytorch/strategies/launchers/,
   Lightning 2.6): the ranks memplan runs are those of the launcher it reads (torchrun's, with
   which Lightning starts none: its `TorchElasticEnvironment` creates processes externally).
-- **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`;
+- **Files.** Every file the program opens for writing (`open` with `w`, `a`, `x` or `+`, its
+  name a `str`, a path or `bytes` as tensorboard's event writer gives it;
   `os.makedirs`/`os.mkdir` for its folders) goes under `OUT/files/` at the same path (an
   absolute path `/a/b` becomes `OUT/files/a/b`), and the program's reads of a file it wrote
   read that copy, as do its looks at a path that exists only there (`os.stat`, `os.lstat`,
@@ -80,29 +81,35 @@ class WriteLog:
         return any(resolved == root.resolve() or root.resolve() in resolved.parents for root in roots)
 
     def target(self, path: Any) -> Any:
-        """Where a write to `path` goes (module docstring)."""
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
+        """Where a write to `path` goes (module docstring); a `bytes` path gives a `bytes` one."""
+        if not _is_path(path):
             return path
-        absolute = Path(os.path.abspath(os.fspath(path)))
+        absolute = Path(os.path.abspath(os.fsdecode(path)))
         if self.keep_in_place(absolute):
             return path
         redirected = self.files_dir / absolute.relative_to(absolute.anchor)
         self.redirected[str(absolute)] = str(redirected)
-        return str(redirected)
+        return os.fsencode(redirected) if isinstance(path, bytes) else str(redirected)
 
     def source(self, path: Any) -> Any:
         """Where a read of `path` reads: the copy the program wrote, if it wrote one; the copy
         under `OUT/files/` of a path that exists only there. A folder that exists where it is
         (`/tmp`, made again by `mkdir(parents=True)`) is read where it is."""
-        if not self.redirected or not isinstance(path, (str, os.PathLike)) or isinstance(path, int):
+        if not self.redirected or not _is_path(path):
             return path
-        absolute = os.path.abspath(os.fspath(path))
+        absolute = os.path.abspath(os.fsdecode(path))
         copy = self.redirected.get(absolute) or str(self.files_dir / Path(absolute).relative_to(Path(absolute).anchor))
         if not _lexists(copy):
             return path
         if _lexists(absolute) and (absolute not in self.redirected or _is_dir(absolute)):
             return path
-        return copy
+        return os.fsencode(copy) if isinstance(path, bytes) else copy
+
+
+def _is_path(path: Any) -> bool:
+    """A file name (`str`, `bytes` or path-like; tensorboard's writer opens `bytes` names), not a
+    descriptor."""
+    return isinstance(path, (str, bytes, os.PathLike))
 
 
 _LSTAT = os.lstat  # the original: `redirect_writes` replaces `os.lstat` by one that calls `WriteLog.source`
@@ -131,7 +138,7 @@ def redirect_writes(patches: Patches, log: WriteLog) -> None:
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if _writes(mode):
             file = log.target(file)
-            if isinstance(file, str):
+            if isinstance(file, (str, bytes)):
                 makedirs(os.path.dirname(file) or ".", exist_ok=True)
         else:
             file = log.source(file)

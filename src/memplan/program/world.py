@@ -131,6 +131,7 @@ class World:
         self.engine_depth = 0  # calls into a training engine's own device code (memplan.program.deepspeed_engine)
         self.allocated_bytes = 0  # live device tensors the recorder sees (512-byte blocks)
         self.peak_allocated_bytes = 0
+        self.stream = 0  # the CUDA stream the program's work is on (memplan.program.cuda_api)
 
     # --- tags ------------------------------------------------------------------------
     @property
