@@ -326,14 +326,15 @@ def table(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     cases = [c for c, r in zip(cases, rows) if "refused" not in r]
     rows = [r for r in rows if "refused" not in r]
     errors = [abs(r["error_pct"]) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["error_pct"]))
-    lines += [
-        "",
-        f"Mean absolute error {statistics.mean(errors):.1f}% over {len(rows)} cases "
-        f"(median {statistics.median(errors):.1f}%); worst {worst['id']} {worst['error_pct']:+.1f}%"
-        + (f"; {refused} case(s) name a technique this version does not apply and are not estimated." if refused
-           else "."),
-    ]
+    lines.append("")
+    if rows:
+        worst = max(rows, key=lambda r: abs(r["error_pct"]))
+        lines.append(f"Mean absolute error {statistics.mean(errors):.1f}% over {len(rows)} cases "
+                     f"(median {statistics.median(errors):.1f}%); worst {worst['id']} {worst['error_pct']:+.1f}%"
+                     + (f"; {refused} case(s) name a technique this version does not apply and are not estimated."
+                        if refused else "."))
+    else:
+        lines.append(f"No case estimated: {refused} case(s) name a technique this version does not apply.")
     lines += trainer_lines
     contexts = [abs(r["with_source_context_error_pct"]) for r in rows if r["with_source_context_error_pct"] is not None]
     if contexts:

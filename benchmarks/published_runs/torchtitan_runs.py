@@ -106,6 +106,12 @@ freq = 500
 steps = 1200 # Recommend value for c4_validation with world-size=8 and seq_len=8192
 """
 
+# torchtitan's launcher, run_llama_train.sh, runs torchrun with expandable segments
+# (https://github.com/pytorch/torchtitan/blob/9628a182f55601e100e9c3734f597029bb1b6308/run_llama_train.sh,
+# lines 21-22), the way its README starts a training run; memplan run replays the allocator the
+# environment names.
+LAUNCHER_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
 ROWS = 16  # rows of text in the dataset: each longer than a sample, so every batch is full
 
 
@@ -136,8 +142,10 @@ def _llama3_8b_fsdp(case: dict[str, Any], workdir: Path, extra_flags: list[str],
              f"tokenizer: word-level, Llama 3's {LLAMA3_VOCAB:,} tokens; data: local JSON rows of its words "
              "(c4_test loader) instead of allenai/c4",
              "weights: torchtitan's own initialisation (no checkpoint), fake under memplan run",
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's launcher of the time sets it "
+             "(run_llama_train.sh at commit 9628a18)",
              *extra_notes]
-    return TrainerRun(command=command, env={"PYTHONPATH": str(TORCHTITAN)}, cwd=workdir, notes=notes)
+    return TrainerRun(command=command, env={"PYTHONPATH": str(TORCHTITAN), **LAUNCHER_ENV}, cwd=workdir, notes=notes)
 
 
 def llama3_8b_fsdp8(case: dict[str, Any], workdir: Path) -> TrainerRun:
