@@ -90,3 +90,16 @@ def test_torchdynamo_traces_a_function_under_the_cuda_facade():
     finally:
         patches.restore()
         torch._dynamo.reset()
+
+
+def test_the_cuda_facade_answers_that_nccl_is_there_as_a_cuda_build_would():
+    from memplan.hardware.devices import device_profile
+    from memplan.program import cuda_api
+
+    patches = Patches()
+    cuda_api.install(World("cuda", None), patches, device_profile("a100-80gb"), device_count=1, local_rank=0)
+    try:  # torchtune's bf16 check (verify_bf16_support) asks both
+        assert torch.distributed.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    finally:
+        patches.restore()
+    assert not torch.distributed.is_nccl_available()  # the CPU build's own answer is back
