@@ -42,19 +42,29 @@ from published_runs import TrainerRun, assets
 
 TORCHTUNE = Path(os.environ.get("MEMPLAN_TORCHTUNE_PATH", Path(sys.prefix) / "torchtune"))
 
-# the README ladder's baseline (README.md:143, 163-176): every later technique off
-LADDER_BASE = ["batch_size=2", "tokenizer.max_seq_len=4096", "gradient_accumulation_steps=1", "epochs=1",
-               "optimizer=torch.optim.AdamW", "dataset.packed=True", "compile=False",
-               "loss=torch.nn.CrossEntropyLoss", "enable_activation_checkpointing=False",
-               "optimizer_in_bwd=False", "enable_activation_offloading=False"]
-LADDER = {
-    "torchtune-llama3.2-3b-full-packed": [],
-    "torchtune-llama3.2-3b-full-packed-compile": ["compile=True"],
-    "torchtune-llama3.2-3b-chunked-ce": ["compile=True", "loss=torchtune.modules.loss.CEWithChunkedOutputLoss"],
-    "torchtune-llama3.2-3b-activation-offloading": [
-        "compile=True", "loss=torchtune.modules.loss.CEWithChunkedOutputLoss",
-        "enable_activation_checkpointing=True", "optimizer_in_bwd=True", "enable_activation_offloading=True"],
-}
+# the README ladder's baseline (README.md:143, 163-176), every later technique off; each row
+# turns on the techniques of the rows above it and its own
+LADDER_BASE = {"batch_size": "2", "tokenizer.max_seq_len": "4096", "gradient_accumulation_steps": "1", "epochs": "1",
+               "optimizer": "torch.optim.AdamW", "dataset.packed": "True", "compile": "False",
+               "loss": "torch.nn.CrossEntropyLoss", "enable_activation_checkpointing": "False",
+               "optimizer_in_bwd": "False", "enable_activation_offloading": "False"}
+TECHNIQUES = [("torchtune-llama3.2-3b-full-packed", {}),
+              ("torchtune-llama3.2-3b-full-packed-compile", {"compile": "True"}),
+              ("torchtune-llama3.2-3b-chunked-ce", {"loss": "torchtune.modules.loss.CEWithChunkedOutputLoss"}),
+              (None, {"enable_activation_checkpointing": "True"}),  # README rows not in published_gpu.json
+              (None, {"optimizer_in_bwd": "True"}),
+              ("torchtune-llama3.2-3b-activation-offloading", {"enable_activation_offloading": "True"})]
+
+
+def ladder_overrides() -> dict[str, list[str]]:
+    """Case id -> the `key=value` overrides of its README row, each key once."""
+    rows, settings = {}, dict(LADDER_BASE)
+    for case_id, technique in TECHNIQUES:
+        settings.update(technique)
+        if case_id is not None:
+            rows[case_id] = [f"{k}={v}" for k, v in settings.items()]
+    return rows
+
 
 # torchao's rows: the optimizer each ran (torchao/optim/README.md:51-57)
 TORCHAO_OPTIMIZERS = {
@@ -121,14 +131,14 @@ def _common_overrides(checkpoint: Path, data: Path, out: Path) -> list[str]:
             f"dataset.data_files={data}", "dataset.split=train"]
 
 
-def _ladder_prepare(extra: list[str]):
+def _ladder_prepare(overrides: list[str]):
     def prepare(case: dict[str, Any], workdir: Path) -> TrainerRun:
         checkpoint = _checkpoint(case, workdir / "Llama-3.2-3B-Instruct")
         tokenizer = write_byte_tiktoken(workdir / "tokenizer.model")
         # Alpaca-like lengths (one token per byte here: ~5 per word), enough for > 10 packs of 4096
         write_alpaca_rows(workdir / "data.json", rows=160, words_per_row=(40, 160))
         command = ["tune", "run", "full_finetune_single_device", "--config", "llama3_2/3B_full_single_device",
-                   *LADDER_BASE, *extra, f"tokenizer.path={tokenizer}",
+                   *overrides, f"tokenizer.path={tokenizer}",
                    *_common_overrides(checkpoint, workdir / "data.json", workdir / "out")]
         return TrainerRun(command=command, env={"PYTHONPATH": str(TORCHTUNE)}, cwd=workdir, notes=[
             "shapes-only Llama-3.2-3B checkpoint from memplan's llama-3.2-3b HF config",
@@ -159,5 +169,5 @@ def _torchao_prepare(optimizer: list[str]):
     return prepare
 
 
-RUNS = {case_id: _ladder_prepare(extra) for case_id, extra in LADDER.items()}
+RUNS = {case_id: _ladder_prepare(overrides) for case_id, overrides in ladder_overrides().items()}
 RUNS.update({case_id: _torchao_prepare(opt) for case_id, opt in TORCHAO_OPTIMIZERS.items()})
