@@ -48,7 +48,12 @@ from memplan.program.recording import ProgramRecorder
 from memplan.program.seen import Seen
 from memplan.program.side_effects import ProcessStartRefused
 from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
-from memplan.program.world import DeviceRedirect, World, redirect_in_backward, redirect_in_saved_tensor_hooks
+from memplan.program.world import (
+    DeviceRedirect,
+    World,
+    redirect_in_backward,
+    redirect_in_saved_tensor_hooks,
+)
 from memplan.trace.model import Trace
 
 
