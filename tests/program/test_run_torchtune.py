@@ -186,3 +186,18 @@ print(json.dumps([dataclasses.asdict(parse_command(c)) for c in json.loads(sys.a
     assert distributed["target"].endswith("recipes/full_finetune_distributed.py")
     assert (custom["target"], custom["module"], custom["args"]) == ("recipes.my_recipe", True, ["--config", "my.yaml"])
     assert custom["path_after"] == [os.getcwd()]
+
+
+def test_torchtune_imported_to_read_a_cuda_run_decides_flex_attention_for_the_runs_gpu():
+    # torchtune sets _SUPPORTS_FLEX_ATTENTION at import (CUDA of capability >= 7.5); the recipe
+    # then runs in the same process, so the import must see the GPU the run is for
+    done = _in_torchtune_process(["-c", """from memplan.hardware.devices import device_profile
+from memplan.program import cuda_api
+from memplan.program.launchers import parse_command
+import torch
+parse_command(["tune", "run", "full_finetune_single_device", "--config", "llama3_2/3B_full_single_device"],
+              lambda: cuda_api.answering(device_profile("a100-80gb")))
+from torchtune.utils import _import_guard
+print(_import_guard._SUPPORTS_FLEX_ATTENTION, torch.cuda.is_available())"""])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]  # flex for the A100; the host's own answer is back

@@ -121,3 +121,42 @@ def test_a_device_buffer_is_traced_on_the_stream_the_program_allocates_it_on():
     assert streams == {4096: 0, 8192: side.number, 16384: side.number, 32768: 0, 65536: cpu_side.number}
     assert 0 < side.number < cpu_side.number
     del on_default, on_side, also_on_side, after, gathered
+
+
+def test_the_cuda_facade_answers_that_nccl_is_there_as_a_cuda_build_would():
+    from memplan.hardware.devices import device_profile
+    from memplan.program import cuda_api
+
+    patches = Patches()
+    cuda_api.install(World("cuda", None), patches, device_profile("a100-80gb"), device_count=1, local_rank=0)
+    try:  # torchtune's bf16 check (verify_bf16_support) asks both
+        assert torch.distributed.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    finally:
+        patches.restore()
+    assert not torch.distributed.is_nccl_available()  # the CPU build's own answer is back
+
+
+def test_a_pack_hook_that_offloads_to_pinned_memory_makes_host_memory_inside_the_ops_handler():
+    from memplan.models import tracing
+    from memplan.program.world import redirect_in_saved_tensor_hooks
+
+    world, patches, offloaded = World("cuda", None), Patches(), []
+    redirect = DeviceRedirect(world)
+    redirect_in_saved_tensor_hooks(redirect, patches)
+
+    def pack(t):  # as torchtune's OffloadActivations packs a saved activation
+        host = torch.empty_like(t, pin_memory=True, device="cpu")
+        host.copy_(t, non_blocking=True)
+        offloaded.append(host)
+        return host
+
+    try:
+        with redirect:
+            x = torch.ones(3, device="cuda", requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda host: host.to("cuda")):
+                (x * x).sum().backward()
+    finally:
+        patches.restore()
+    host = offloaded[0]
+    assert is_fake(host) and not world.on_device(host)
+    assert tracing.host_kind(host.untyped_storage()) == "pinned" and is_fake(x.grad) and world.on_device(x.grad)

@@ -10,7 +10,10 @@ figures:
   processes per node: `visible_device_count`), `current_device` / `set_device` / `device(...)` (the rank's local
   device), `get_device_name`, `get_device_capability` (from the profile's generation),
   `get_device_properties` (name, `total_memory`, capability), `is_bf16_supported`, and the
-  same in `torch.accelerator`;
+  same in `torch.accelerator`; NCCL, which PyTorch's CUDA builds ship:
+  `torch.distributed.is_nccl_available` (True) and `torch.cuda.nccl.version` (`NCCL_VERSION`),
+  which torchtune asks before it trains in bf16 (torchtune/training/precision.py,
+  `verify_bf16_support`, torchtune 0.6.1: a CPU build has no NCCL and the check fails);
 - memory: `memory_allocated` / `max_memory_allocated` are the live and peak bytes of the
   device tensors memplan's recorder sees (each rounded to the caching allocator's 512-byte
   blocks, memplan.alloc.conf); `memory_reserved` / `max_memory_reserved` answer the same
@@ -59,6 +62,7 @@ from memplan.hardware.devices import DeviceProfile
 from memplan.program.patches import Patches
 from memplan.program.world import World
 
+NCCL_VERSION = (2, 27, 3)  # an NCCL 2.2x of the nvidia-nccl-cu12 wheels; programs check a floor (torchtune: 2.10)
 CAPABILITY = {"volta": (7, 0), "turing": (7, 5), "ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0),
               "blackwell": (10, 0)}
 
@@ -212,6 +216,8 @@ def install(world: World, patches: Patches, profile: DeviceProfile, *, device_co
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         patches.set(torch.cuda.nvtx, name, lambda *_a, **_k: None)
     patches.set(torch.cuda.nvtx, "range", _nothing)
+    patches.set(torch.cuda.nccl, "version", lambda: NCCL_VERSION)
+    patches.set(torch.distributed, "is_nccl_available", lambda: True)
     # functions of their own, not torch.cuda's: TorchDynamo keys its handlers by function
     # (torch/_dynamo/variables/torch.py, `_get_handlers`: `torch.accelerator.current_stream`
     # and `torch.cuda.current_stream` in one `register`), and refuses one function twice

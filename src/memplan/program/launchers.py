@@ -308,8 +308,11 @@ def _tune_launch(words: list[str]) -> Launch:
     """`tune run [TORCHRUN-OPTIONS] RECIPE --config CONFIG ...`, read by torchtune's own parser and lookup."""
     if words[1:2] != ["run"]:
         raise UserError(f"memplan run runs `tune run RECIPE --config CONFIG`, not `tune {' '.join(words[1:2])}`")
-    try:
-        from torchtune._cli.run import ROOT, Run
+    try:  # imported for the GPU the run is for: torchtune decides at import whether it has flex
+        # attention (torchtune/utils/_import_guard.py, `_SUPPORTS_FLEX_ATTENTION`: CUDA of
+        # capability >= 7.5), and the recipe runs in this process with that answer
+        with _GPU_FOR_PARSING.get()():
+            from torchtune._cli.run import ROOT, Run
     except ImportError as exc:  # torchtune imports torchao's internals, which move between releases
         raise UserError(f"`tune run` needs torchtune, which does not import here ({type(exc).__name__}: {exc}): "
                         "install a torchtune that imports with this torch and torchao (docs/run.md, tune run)") from None
@@ -421,7 +424,9 @@ def run_launched(launch: Launch) -> None:
 def parse_command(words: list[str], gpu: Callable[[], AbstractContextManager] | None = None) -> Launch:
     """The `Launch` of a training command (module docstring); `UserError` for one memplan cannot run.
     `gpu`: a context in which `torch.cuda` answers as the GPU the run is for
-    (`memplan.program.cuda_api.answering`), entered by a launcher whose own CLI checks it (trl)."""
+    (`memplan.program.cuda_api.answering`), entered by a launcher whose own CLI checks it (trl)
+    or whose package, imported to read the command, decides at import what the GPU can do
+    (torchtune)."""
     if not words:
         raise UserError("memplan run needs the training command after `--`, e.g. "
                         "`memplan run -- torchrun --nproc-per-node 8 train.py`")

@@ -48,7 +48,12 @@ from memplan.program.recording import ProgramRecorder
 from memplan.program.seen import Seen
 from memplan.program.side_effects import ProcessStartRefused
 from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
-from memplan.program.world import DeviceRedirect, World, redirect_in_backward
+from memplan.program.world import (
+    DeviceRedirect,
+    World,
+    redirect_in_backward,
+    redirect_in_saved_tensor_hooks,
+)
 from memplan.trace.model import Trace
 
 
@@ -196,6 +201,7 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
              options: RunOptions, writes: Any) -> list:
     """Every replacement of the run (module docstring); the hook handles to remove."""
     redirect_in_backward(redirect, patches)
+    redirect_in_saved_tensor_hooks(redirect, patches)
     fakes.patch_checkpoints(world, patches)
     fakes.swappable_fakes(patches)
     side_effects.skip_checkpoints(patches, writes)

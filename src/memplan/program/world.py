@@ -89,6 +89,30 @@ def redirect_in_backward(mode: TorchFunctionMode, patches: Patches) -> None:
     patches.set(torch.autograd, "_engine_run_backward", engine_run_backward)
 
 
+def redirect_in_saved_tensor_hooks(mode: TorchFunctionMode, patches: Patches) -> None:
+    """`mode` active in the pack and unpack hooks of every `saved_tensors_hooks`: autograd
+    calls a pack hook while the op that saves the tensor runs, inside `mode`'s own handler of
+    that op, where `mode` is off (torchtune's `OffloadActivations` makes its pinned host copy
+    there, torchtune/training/_activation_offloading.py, torchtune 0.6.1)."""
+    import torch.autograd.graph
+    from torch.overrides import _get_current_function_mode_stack
+
+    init = torch.autograd.graph.saved_tensors_hooks.__init__
+
+    def in_mode(hook: Any) -> Any:
+        def run(*args: Any) -> Any:
+            if any(m is mode for m in _get_current_function_mode_stack()):
+                return hook(*args)
+            with mode:
+                return hook(*args)
+        return run
+
+    def hooks_init(self: Any, pack_hook: Any, unpack_hook: Any) -> None:
+        init(self, in_mode(pack_hook), in_mode(unpack_hook))
+
+    patches.set(torch.autograd.graph.saved_tensors_hooks, "__init__", hooks_init)
+
+
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
     """The tensor under functorch's wrappers (`vmap`'s BatchedTensor, `grad`'s wrapper), which
     have no storage of their own: flex attention's `create_block_mask` runs its mask function
@@ -244,8 +268,9 @@ class DeviceRedirect(TorchFunctionMode):
         for_device = is_cuda(kwargs.get("device")) and world.cuda
         if for_device:
             kwargs = {**kwargs, "device": "cpu"}
-        if world.cuda:
-            kwargs.pop("pin_memory", None)
+        if world.cuda and kwargs.pop("pin_memory", False):
+            return self._pinned(func(*args, **kwargs) if not world.in_model_code() and not any(
+                is_fake(a) for a in args if isinstance(a, Tensor)) else world.fake(func, *args, **kwargs))
         source = args[0] if func in NEW_FACTORIES or func in LIKE_FACTORIES else None
         if source is not None and is_fake(source):
             out = func(*args, **kwargs)
@@ -255,6 +280,13 @@ class DeviceRedirect(TorchFunctionMode):
         out = func(*args, **kwargs)
         if source is not None and world.cuda and world.on_device(source):
             world.tag_device(out)
+        return out
+
+    def _pinned(self, out: Tensor) -> Tensor:
+        """A factory's `pin_memory=True` tensor: page-locked host memory, never the device's
+        (torchtune's activation offloading makes its host copies so, inside the model's forward)."""
+        self.world.tag_host(out)
+        tracing.mark_host(out, "pinned")
         return out
 
     def _move(self, func: Any, args: tuple, kwargs: dict) -> Any:
