@@ -90,3 +90,14 @@ def test_torchdynamo_traces_a_function_under_the_cuda_facade():
     finally:
         patches.restore()
         torch._dynamo.reset()
+
+
+def test_a_copy_to_cuda_by_keyword_is_a_new_device_tensor():
+    # GradScaler's per-device copy of found_inf: master.to(device=d, non_blocking=True, copy=True)
+    world = World("cuda", None)
+    with DeviceRedirect(world):
+        master = torch.full((1,), 0.0, device="cuda")
+        replica = master.to(device="cuda", non_blocking=True, copy=True)
+        half = master.to("cuda", torch.float16, False, True)
+    assert replica is not master and world.on_device(replica) and replica.dtype == torch.float32
+    assert half is not master and world.on_device(half) and half.dtype == torch.float16
