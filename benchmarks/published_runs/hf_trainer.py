@@ -36,10 +36,11 @@ NOTES = [
     "shapes-only bert-large-uncased checkpoint from memplan's bert-large config (2 labels)",
     "the page's dummy data (512 x 512 random ids in 100..30000, labels 0), made by its script",
     "evaluation_strategy='steps' left out: today's Trainer refuses it without an eval_dataset",
-    "transformers 5.23's Trainer, not 2022's: SDPA attention (2022: eager), AdamW fused "
-    "(adamw_torch_fused; 2022: adamw_hf's per-parameter loop), model.zero_grad() frees gradients "
-    "(PyTorch 1.10 kept them as zeros), gradient checkpointing non-reentrant (2022: reentrant)",
+    "transformers 5.23's Trainer, not 2022's: BERT's SDPA attention (2022: eager, its attention "
+    "probabilities and dropout mask saved), model.zero_grad() frees the gradients (PyTorch 1.10 kept them as zeros)",
 ]
+ADAMW_NOTE = "optim adamw_torch_fused, today's default (2022: adamw_hf, transformers.AdamW's per-parameter loop)"
+CHECKPOINTING_NOTE = "gradient checkpointing non-reentrant, today's default (2022: reentrant)"
 
 
 def write_bert_large(case: dict[str, Any], folder: Path) -> Path:
@@ -55,7 +56,9 @@ def _prepare(flags: list[str]):
     def prepare(case: dict[str, Any], workdir: Path) -> TrainerRun:
         model = write_bert_large(case, workdir / "bert-large-uncased")
         command = ["python", str(PROGRAM), "--model", str(model), "--output_dir", str(workdir / "tmp"), *flags]
-        return TrainerRun(command=command, cwd=workdir, notes=list(NOTES))
+        notes = NOTES + [ADAMW_NOTE] * ("--optim" not in flags and "--adam8bit" not in flags)
+        notes += [CHECKPOINTING_NOTE] * ("--gradient_checkpointing" in flags)
+        return TrainerRun(command=command, cwd=workdir, notes=notes)
     return prepare
 
 
