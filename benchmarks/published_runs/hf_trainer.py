@@ -56,8 +56,11 @@ def _prepare(flags: list[str]):
     def prepare(case: dict[str, Any], workdir: Path) -> TrainerRun:
         model = write_bert_large(case, workdir / "bert-large-uncased")
         command = ["python", str(PROGRAM), "--model", str(model), "--output_dir", str(workdir / "tmp"), *flags]
-        notes = NOTES + [ADAMW_NOTE] * ("--optim" not in flags and "--adam8bit" not in flags)
-        notes += [CHECKPOINTING_NOTE] * ("--gradient_checkpointing" in flags)
+        notes = list(NOTES)
+        if "--optim" not in flags and "--adam8bit" not in flags:
+            notes.append(ADAMW_NOTE)
+        if "--gradient_checkpointing" in flags:
+            notes.append(CHECKPOINTING_NOTE)
         return TrainerRun(command=command, cwd=workdir, notes=notes)
     return prepare
 
