@@ -59,6 +59,7 @@ from benchmarks_md import write_section  # noqa: E402
 from memplan import models  # noqa: E402
 from memplan.errors import UserError  # noqa: E402
 from memplan.estimation import estimate  # noqa: E402
+from memplan.hardware.devices import device_profile  # noqa: E402
 from memplan.parallel import Layout  # noqa: E402
 from published_runs import Prepare, trainer_runs  # noqa: E402
 
@@ -230,7 +231,15 @@ def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any
         answer = json.loads((out / "run.json").read_text())
     predicted = max(int(r[field]) for r in answer["per_rank"])
     published = published_bytes(case)
+    with_context = None
+    if case["metric"] == "nvidia_smi" and "context_measured" in case:
+        # device used with the source's own measured context in place of the profile's, as run_case
+        with_context = (predicted - device_profile(case["gpu"]).context_bytes()
+                        + figure_bytes(case["context_measured"]))
     return {"memplan_bytes": predicted, "error_pct": 100.0 * (predicted - published) / published,
+            "with_source_context_bytes": with_context,
+            "with_source_context_error_pct": (None if with_context is None
+                                              else 100.0 * (with_context - published) / published),
             "peak_phase": answer["per_rank"][0].get("peak_phase"), "seen": answer.get("seen", {}),
             "elapsed_s": elapsed_s, "command": run.command, "notes": run.notes}
 
@@ -251,6 +260,9 @@ def _trainer_notes(row: dict[str, Any]) -> list[str]:
         return []
     command = " ".join(trainer["command"])
     said = [f"through the trainer: `memplan run -- {command}`"] + trainer["notes"]
+    if trainer.get("with_source_context_bytes") is not None:
+        said.append(f"through the trainer with the source's measured context: "
+                    f"{_gib(trainer['with_source_context_bytes'])}, {trainer['with_source_context_error_pct']:+.1f}%")
     if "failed" in trainer:
         said.append(f"the run failed: {trainer['failed']}")
     return said

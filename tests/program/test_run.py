@@ -78,6 +78,13 @@ def test_cuda_run_of_a_trainer_script_sees_its_precision_checkpointing_and_optim
     assert any("__bool__" in site for site in result.runs[0].reads)  # logging_nan_inf_filter's isnan/isinf
 
 
+def test_cuda_run_of_an_fp16_trainer_script_takes_its_grad_scaler_steps(text_file, tiny_checkpoint, tmp_path):
+    # fp16=True: accelerate's GradScaler unscales through a per-device copy of found_inf (`copy=True`)
+    command = _trainer(tiny_checkpoint, text_file, tmp_path / "trainer", "--fp16")
+    result = run_program(command, device="cuda", out_dir=tmp_path / "run")
+    assert result.seen["autocast"] == "fp16" and result.runs[0].steps == 3
+
+
 def test_cuda_run_prints_one_json_object_with_the_estimate_and_what_it_saw(text_file, tiny_checkpoint, tmp_path,
                                                                            capsys):
     code = main(["run", "--json", "-o", str(tmp_path), "--", "python", PRETRAINED, "--model", str(tiny_checkpoint),

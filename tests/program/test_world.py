@@ -160,3 +160,14 @@ def test_a_pack_hook_that_offloads_to_pinned_memory_makes_host_memory_inside_the
     host = offloaded[0]
     assert is_fake(host) and not world.on_device(host)
     assert tracing.host_kind(host.untyped_storage()) == "pinned" and is_fake(x.grad) and world.on_device(x.grad)
+
+
+def test_a_copy_to_cuda_by_keyword_is_a_new_device_tensor():
+    # GradScaler's per-device copy of found_inf: master.to(device=d, non_blocking=True, copy=True)
+    world = World("cuda", None)
+    with DeviceRedirect(world):
+        master = torch.full((1,), 0.0, device="cuda")
+        replica = master.to(device="cuda", non_blocking=True, copy=True)
+        half = master.to("cuda", torch.float16, False, True)
+    assert replica is not master and world.on_device(replica) and replica.dtype == torch.float32
+    assert half is not master and world.on_device(half) and half.dtype == torch.float16

@@ -131,6 +131,20 @@ def is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+def _without_copy(to_args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """`Tensor.to`'s arguments after the tensor, less its `copy` flag, and that flag: every
+    form of `to` (Tensor.to in torch/_tensor_docs.py: `(dtype, non_blocking, copy)`,
+    `(device, dtype, non_blocking, copy)`, `(other, non_blocking, copy)`) takes `copy` as its
+    second positional bool or by keyword, and `torch._C._nn._parse_to` refuses it."""
+    kwargs = dict(kwargs)
+    copy = bool(kwargs.pop("copy", False))
+    flags = [i for i, a in enumerate(to_args) if isinstance(a, bool)]
+    if len(flags) == 2:
+        copy = copy or to_args[flags[1]]
+        to_args = to_args[:flags[1]] + to_args[flags[1] + 1:]
+    return to_args, kwargs, copy
+
+
 def _real_tensors(value: Any) -> list[torch.Tensor]:
     if type(value) is Tensor or (isinstance(value, Tensor) and not is_fake(value)):
         return [value]
@@ -309,14 +323,14 @@ class DeviceRedirect(TorchFunctionMode):
             return self._to_device(t, None, kwargs.get("non_blocking", False), copy=False)
         if func is Tensor.cpu:
             return self._to_host(t, None) if world.on_device(t) else t
-        if args[1:] and isinstance(args[1], Tensor):
-            target_device = "cuda" if world.on_device(args[1]) else "cpu"
-            dtype, copy = args[1].dtype, kwargs.get("copy", False)
+        to_args, to_kwargs, copy = _without_copy(args[1:], kwargs)
+        if to_args and isinstance(to_args[0], Tensor):
+            target_device = "cuda" if world.on_device(to_args[0]) else "cpu"
+            dtype = to_args[0].dtype
         else:
-            device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*to_args, **to_kwargs)
             target_device = "cuda" if device is not None and device.type == "cuda" else (
                 "cpu" if device is not None else None)
-            copy = kwargs.get("copy", False) or (len(args) > 3 and args[3] is True)
         if target_device == "cuda":
             return self._to_device(t, dtype, False, copy=copy)
         if target_device == "cpu" and world.on_device(t):
