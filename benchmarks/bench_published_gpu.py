@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -207,7 +208,14 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+
+
+def _shown(command: list[str], workdir: str) -> list[str]:
+    """The command as the table shows it: the run's scratch folder as DIR, the repository's
+    own files relative to its root."""
+    return [word.replace(workdir, "DIR").replace(f"{ROOT}/", "") for word in command]
 
 
 def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any]:
@@ -217,6 +225,7 @@ def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any
     field = METRIC_FIELD[case["metric"]]
     with tempfile.TemporaryDirectory(prefix=f"memplan-published-{case['id']}-") as tmp:
         run = prepare(case, Path(tmp))
+        shown = _shown(run.command, tmp)
         out = Path(tmp) / "memplan-run"
         memplan = [sys.executable, "-m", "memplan", "run", "--gpu", case["gpu"], "--json", "-o", str(out), "--"]
         env = {**os.environ, **run.env, "PYTHONPATH": os.pathsep.join(
@@ -227,7 +236,7 @@ def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any
         if done.returncode != 0:
             tail = " / ".join(done.stderr.strip().splitlines()[-4:]) or "(no output)"
             return {"failed": f"memplan run exit {done.returncode}: {tail}", "elapsed_s": elapsed_s,
-                    "command": run.command, "notes": run.notes}
+                    "command": shown, "notes": run.notes}
         answer = json.loads((out / "run.json").read_text())
     predicted = max(int(r[field]) for r in answer["per_rank"])
     published = published_bytes(case)
@@ -241,7 +250,7 @@ def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any
             "with_source_context_error_pct": (None if with_context is None
                                               else 100.0 * (with_context - published) / published),
             "peak_phase": answer["per_rank"][0].get("peak_phase"), "seen": answer.get("seen", {}),
-            "elapsed_s": elapsed_s, "command": run.command, "notes": run.notes}
+            "elapsed_s": elapsed_s, "command": shown, "notes": run.notes}
 
 
 def _trainer_cells(row: dict[str, Any]) -> str:
@@ -258,7 +267,10 @@ def _trainer_notes(row: dict[str, Any]) -> list[str]:
     trainer = row.get("trainer")
     if trainer is None:
         return []
-    command = " ".join(trainer["command"])
+    # rows stored before the commands were shown relative: the same spelling
+    command = re.sub(re.escape(tempfile.gettempdir()) + r"/memplan-published-[^/ ]*", "DIR",
+                     " ".join(trainer["command"]))
+    command = re.sub(r"\S*/benchmarks/published_runs/", "benchmarks/published_runs/", command)
     said = [f"through the trainer: `memplan run -- {command}`"] + trainer["notes"]
     if trainer.get("with_source_context_bytes") is not None:
         said.append(f"through the trainer with the source's measured context: "
@@ -277,9 +289,15 @@ def _trainer_summary(rows: list[dict[str, Any]]) -> list[str]:
         return []
     through = [abs(r["trainer"]["error_pct"]) for r in ran]
     flags = [abs(r["error_pct"]) for r in ran if "error_pct" in r]
+    groups: dict[str, list[float]] = {}
+    for r in ran:  # the trainer is the case id's first word: litgpt, torchtune, torchao, ...
+        groups.setdefault(r["id"].split("-")[0], []).append(abs(r["trainer"]["error_pct"]))
+    by_trainer = ", ".join(f"{name} {statistics.median(errs):.1f}% ({len(errs)})" for name, errs in groups.items())
     line = (f"Through the trainer (`memplan run`): median absolute error {statistics.median(through):.1f}% "
-            f"over {len(ran)} rows (mean {statistics.mean(through):.1f}%), where the flag-built estimate of the "
-            f"same rows has median {statistics.median(flags):.1f}%" if flags else "")
+            f"over {len(ran)} rows (mean {statistics.mean(through):.1f}%)"
+            + (f", where the flag-built estimate of the same rows has median {statistics.median(flags):.1f}%"
+               if flags else "")
+            + f"; median per trainer (rows): {by_trainer}")
     return [line + (f"; {len(failed)} row(s) failed to run: {', '.join(failed)}." if failed else ".")]
 
 
