@@ -49,3 +49,22 @@ def test_optimizers_stepped_inside_the_backward_are_one_step_taken_in_backward()
 
     [(stepped, in_backward)] = _counted(lambda: model(torch.ones(1, 2)).sum().backward())
     assert {id(o) for o in stepped} == {id(o) for o in optimizers.values()} and in_backward
+
+
+def test_a_timeout_the_interpreter_dropped_is_raised_again():
+    import time
+
+    from memplan.program.steps import ProgramTimeout
+
+    window = StepWindow(1, max_seconds=0.2)
+    window.install()
+    raised, deadline = 0, time.monotonic() + 10
+    try:
+        while raised < 2 and time.monotonic() < deadline:
+            try:
+                time.sleep(0.01)
+            except ProgramTimeout:  # the first, dropped as in a finaliser ("Exception ignored in")
+                raised += 1
+    finally:
+        window.remove()
+    assert raised == 2

@@ -35,7 +35,10 @@ counts iterations by (docs/watch.md). In the program's terms:
   batch have run, as in the watch's iterations;
 - `max_seconds`: a program that takes no optimizer step for that long (its first included,
   data loading counted) is stopped with `ProgramTimeout` (a real-time interval timer,
-  `signal.setitimer`, reset at each step; in the main thread only).
+  `signal.setitimer`, reset at each step; in the main thread only). The timer repeats every
+  `RETRY_S` after it first expires: Python runs a signal handler between bytecodes of
+  whatever runs then, a finaliser or weakref callback included, whose exception the
+  interpreter prints and drops ("Exception ignored in"); the next expiry raises again.
 
 The same window drives memplan's trace of the program (memplan.program.runner) and the
 profiler of its real run (memplan.program.groundtruth), so both cover the same steps.
@@ -57,6 +60,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+
+RETRY_S = 0.5  # the timeout's repeat once it has expired (module docstring)
 
 
 class ProgramStop(BaseException):  # noqa: N818 - a stop, not an error
@@ -151,7 +156,7 @@ class StepWindow:
 
         self._previous_handler = signal.signal(signal.SIGALRM, expired)
         self._expired = expired
-        signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
+        signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds), RETRY_S)
         self._timer = True
 
     def _top_level(self, module: torch.nn.Module) -> bool:
@@ -230,7 +235,7 @@ class StepWindow:
         if self._timer and signal.getsignal(signal.SIGALRM) is self._expired:
             # re-armed only while SIGALRM is still this window's: an alarm under another
             # handler (the default one terminates the process) is never set from here
-            signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds))
+            signal.setitimer(signal.ITIMER_REAL, float(self.max_seconds), RETRY_S)
         if self.on_step is not None:
             self.on_step(optimizers, self.steps)
 
