@@ -61,7 +61,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-RETRY_S = 0.5  # the timeout's repeat once it has expired (module docstring)
+RETRY_S = 2.0  # the timeout's repeat once it has expired (module docstring)
 
 
 class ProgramStop(BaseException):  # noqa: N818 - a stop, not an error
