@@ -160,3 +160,26 @@ def test_a_pack_hook_that_offloads_to_pinned_memory_makes_host_memory_inside_the
     host = offloaded[0]
     assert is_fake(host) and not world.on_device(host)
     assert tracing.host_kind(host.untyped_storage()) == "pinned" and is_fake(x.grad) and world.on_device(x.grad)
+
+
+def test_a_real_tensor_that_meets_a_fake_one_in_an_op_stays_real():
+    world = World("cpu", None)
+    weight = world.fake(torch.ones, 3)
+    batch = torch.arange(3.0)
+    with DeviceRedirect(world):
+        product = weight * batch
+        total = batch.sum().item()
+    assert is_fake(product) and not is_fake(batch) and total == 3.0  # the batch's values are its own
+
+
+def test_a_subclass_holding_fake_and_real_tensors_holds_their_fake_copies_once_an_op_meets_it():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    world = World("cuda", None)
+    codes, scale = world.fake(torch.zeros, 4096, dtype=torch.uint8), world.fake(torch.zeros, 16)
+    with DeviceRedirect(world):
+        qmap = torch.tensor(range(256), dtype=torch.float32, device="cuda")  # a lookup table, real
+        state = OptimState8bit(codes, scale, qmap, signed=True)
+        dequantized = state.float()
+    assert is_fake(state) and is_fake(state.qmap) and not is_fake(qmap) and qmap[255].item() == 255.0
+    assert is_fake(dequantized) and dequantized.shape == (4096,) and world.on_device(state.qmap)
