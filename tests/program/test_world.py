@@ -171,3 +171,26 @@ def test_a_copy_to_cuda_by_keyword_is_a_new_device_tensor():
         half = master.to("cuda", torch.float16, False, True)
     assert replica is not master and world.on_device(replica) and replica.dtype == torch.float32
     assert half is not master and world.on_device(half) and half.dtype == torch.float16
+
+
+def test_a_real_tensor_that_meets_a_fake_one_in_an_op_stays_real():
+    world = World("cpu", None)
+    weight = world.fake(torch.ones, 3)
+    batch = torch.arange(3.0)
+    with DeviceRedirect(world):
+        product = weight * batch
+        total = batch.sum().item()
+    assert is_fake(product) and not is_fake(batch) and total == 3.0  # the batch's values are its own
+
+
+def test_a_subclass_holding_fake_and_real_tensors_holds_their_fake_copies_once_an_op_meets_it():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    world = World("cuda", None)
+    codes, scale = world.fake(torch.zeros, 4096, dtype=torch.uint8), world.fake(torch.zeros, 16)
+    with DeviceRedirect(world):
+        qmap = torch.tensor(range(256), dtype=torch.float32, device="cuda")  # a lookup table, real
+        state = OptimState8bit(codes, scale, qmap, signed=True)
+        dequantized = state.float()
+    assert is_fake(state) and is_fake(state.qmap) and not is_fake(qmap) and qmap[255].item() == 255.0
+    assert is_fake(dequantized) and dequantized.shape == (4096,) and world.on_device(state.qmap)

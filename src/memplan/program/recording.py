@@ -17,7 +17,8 @@ run adds:
   input (`buffer.copy_(fake)`) runs on the fake copy FakeTensorMode makes of it (memoized:
   every later use of the real tensor is that fake copy). The copy is the same memory as the
   real tensor: its storage is recorded as another name of the real tensor's buffer, not as
-  a new allocation.
+  a new allocation. So is the fake copy a tensor subclass holds in place of a real inner
+  tensor (`World.fake_mixed_subclasses`: torchao's low-bit optimizer states).
 - **attention shapes.** The first SDPA kernel's sequence length, head size and dtype, which
   the GPU-only attention workspace terms need (`memplan.trace.edit.attention_kernel_buffers`).
 """
@@ -55,6 +56,7 @@ class ProgramRecorder(DistributedRecorder):
         self.attention: dict[str, Any] | None = None
         self._op_on_device = False
         self._charged: dict[int, int] = {}  # device buffer -> its 512-byte-rounded bytes
+        world.on_fake_copy = self.alias_fake_copy
 
     def _new_buffer(self, storage: Any, device: torch.device, *, preexisting: bool, op: int) -> int:
         fake = storage.device.type == "meta"
@@ -97,6 +99,7 @@ class ProgramRecorder(DistributedRecorder):
         if not self.active:
             return func(*args, **(kwargs or {}))
         tensors = _tensors((args, kwargs))
+        self.world.fake_mixed_subclasses(tensors)  # an op from C++ the world's function mode did not see
         fakes = [t for t in tensors if is_fake(t)]
         if fakes and len(fakes) < len(tensors):
             self._alias_written_reals(func, args)
@@ -115,12 +118,18 @@ class ProgramRecorder(DistributedRecorder):
             info = argument.alias_info
             if info is None or not info.is_write or not isinstance(value, torch.Tensor) or is_fake(value):
                 continue
-            idx = self.buffer_of(value)
-            fake_storage = self.world.fake_mode.from_tensor(value).untyped_storage()
-            if self._ids.get(fake_storage) is None:
-                self._ids[fake_storage] = idx
-                self._alias_count[idx] = self._alias_count.get(idx, 0) + 1
-                self._alias_refs.append(weakref.ref(fake_storage, self._make_free_callback(idx)))
+            self.alias_fake_copy(value, self.world.fake_mode.from_tensor(value))
+
+    def alias_fake_copy(self, real: torch.Tensor, fake: torch.Tensor) -> None:
+        """`fake`, the fake copy of `real`, is recorded as the same buffer (module docstring)."""
+        if not self.active:
+            return
+        idx = self.buffer_of(real)
+        fake_storage = fake.untyped_storage()
+        if self._ids.get(fake_storage) is None:
+            self._ids[fake_storage] = idx
+            self._alias_count[idx] = self._alias_count.get(idx, 0) + 1
+            self._alias_refs.append(weakref.ref(fake_storage, self._make_free_callback(idx)))
 
     def _note_attention(self, args: Any) -> None:
         query = args[0] if args and isinstance(args[0], torch.Tensor) else None

@@ -22,6 +22,17 @@ real.** Concretely (`DeviceRedirect`, a `TorchFunctionMode` active for the whole
   (FakeTensor's own dispatch), an op on real tensors a real one, tagged as device memory
   when one of its inputs is (a boolean mask too: `&`, `|`, `~` of real device tensors);
   functorch's wrappers (`vmap`'s BatchedTensor) are looked through to the tensor they wrap;
+- a real tensor that meets fake tensors is used as its fake copy (`World.fake_copy`): in one
+  op, FakeTensor's own dispatch makes that copy (`FakeTensorMode(allow_non_fake_inputs=True)`,
+  memoized per real tensor) and the real tensor is unchanged, so a batch stays real; in a
+  tensor subclass that holds both (torchao's low-bit optimizer states: fake `codes` and
+  `scale` made by size factories in the optimizer's step, a real lookup table `qmap` made by
+  `torch.tensor(QMAP, device=...)`, torchao/optim/subclass_8bit.py `OptimState8bit.zeros`),
+  the real inner tensors are swapped for the same fake copies the first time an op meets the
+  subclass (`fake_mixed_subclasses`): PyTorch refuses a subclass of mixed inner tensors
+  (`is_fake`, "got mixed fake and real tensors!", torch/_subclasses/fake_tensor.py). A value
+  factory is not made fake when it is created: its values may come from the data (lengths
+  read from the batch), and they stay exact until they meet a fake tensor;
 - reading a fake tensor's value follows `memplan.program.reads`;
 - `data_ptr()` of a fake tensor is an address of its own: a fake storage has none (PyTorch
   gives 0, with a warning), and code keys tensors by it (accelerate's FSDP2 preparation maps
@@ -46,12 +57,15 @@ The recorder reads the tags (`on_device`); `in_model_code` is what the factories
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
+from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,6 +83,7 @@ NEW_FACTORIES = frozenset({Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, 
                            Tensor.new_empty_strided})
 FAKE_ADDRESS_BASE = 1 << 44  # above any address a real CPU allocation of this process has
 _MOVES = frozenset({Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.pin_memory, Tensor.is_pinned})
+_PLAIN_TENSOR_TYPES = (Tensor, FakeTensor, Parameter)
 
 
 def redirect_in_backward(mode: TorchFunctionMode, patches: Patches) -> None:
@@ -153,6 +168,21 @@ def _real_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _subclasses(values: Iterable[Any]) -> list[Tensor]:
+    """The tensor subclasses with inner tensors among `values` and the lists in them."""
+    found = []
+    for value in values:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Tensor) and type(t) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(t):
+                found.append(t)
+    return found
+
+
+def _inner_tensors(t: Tensor) -> list[tuple[str, Tensor]]:
+    names, _ = t.__tensor_flatten__()
+    return [(name, value) for name in names if isinstance(value := getattr(t, name), Tensor)]
+
+
 class World:
     """One program run's device world (module docstring): the fake mode, the tags, the
     model-code regions and the reads."""
@@ -170,6 +200,8 @@ class World:
         self.allocated_bytes = 0  # live device tensors the recorder sees (512-byte blocks)
         self.peak_allocated_bytes = 0
         self.stream = 0  # the CUDA stream the program's work is on (memplan.program.cuda_api)
+        # told each real tensor a subclass now holds as its fake copy (the recorder: the same buffer)
+        self.on_fake_copy: Callable[[Tensor, Tensor], None] | None = None
 
     # --- tags ------------------------------------------------------------------------
     @property
@@ -228,6 +260,33 @@ class World:
         with self.fake_mode:
             return func(*args, **kwargs)
 
+    def fake_copy(self, real: Tensor) -> Tensor:
+        """The fake copy of a real tensor that meets fake ones: FakeTensorMode's memoized
+        conversion, the copy FakeTensor's dispatch uses for a real input of an op."""
+        fake = self.fake_mode.from_tensor(real)
+        if not self.on_device(real):
+            self.tag_host(fake)
+        if self.on_fake_copy is not None:
+            self.on_fake_copy(real, fake)
+        return fake
+
+    def fake_mixed_subclasses(self, values: Iterable[Any]) -> None:
+        """Each tensor subclass among `values` (and the lists in them) that holds fake and real
+        inner tensors holds the real ones' fake copies instead (module docstring)."""
+        for t in _subclasses(values):
+            self._fake_inner_reals(t)
+
+    def _fake_inner_reals(self, t: Tensor) -> None:
+        inner = _inner_tensors(t)
+        for _, value in inner:
+            if type(value) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(value):
+                self._fake_inner_reals(value)
+        fake = [is_fake(value) for _, value in inner]
+        if any(fake) and not all(fake):
+            for (name, value), is_fake_value in zip(inner, fake):
+                if not is_fake_value:
+                    setattr(t, name, self.fake_copy(value))
+
     def fake_like(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor of `t`'s shape, strides and dtype, made by a factory: a fake made by
         `FakeTensorMode.from_tensor` is weakly referenced by the mode's converter, and
@@ -246,6 +305,7 @@ class DeviceRedirect(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self.world.fake_mixed_subclasses(args)
         if func in READS:
             if args and is_fake_value(args[0]):
                 return self.world.reads.read(func, args, kwargs)
