@@ -194,3 +194,42 @@ def test_a_subclass_holding_fake_and_real_tensors_holds_their_fake_copies_once_a
         dequantized = state.float()
     assert is_fake(state) and is_fake(state.qmap) and not is_fake(qmap) and qmap[255].item() == 255.0
     assert is_fake(dequantized) and dequantized.shape == (4096,) and world.on_device(state.qmap)
+
+
+def test_a_checkpoint_saved_from_the_meta_device_loads_as_fake_tensors_whichever_unpickler(tmp_path):
+    from lightning.fabric.utilities.load import _lazy_load
+
+    with torch.device("meta"):
+        torch.save({"weight": torch.empty(1 << 16, 1 << 14, dtype=torch.bfloat16), "step": torch.empty(3, dtype=torch.int64)},
+                   tmp_path / "shapes.pth")
+    world, patches = World("cuda", None), Patches()
+    fakes.patch_meta_unpickling(world, patches)
+    try:
+        loaded, lazy = torch.load(tmp_path / "shapes.pth"), _lazy_load(tmp_path / "shapes.pth")
+    finally:
+        patches.restore()
+    for state in (loaded, lazy):
+        weight = state["weight"]
+        assert is_fake(weight) and weight.shape == (1 << 16, 1 << 14) and weight.dtype == torch.bfloat16
+        assert not world.on_device(weight)  # loaded on the host
+        assert state["step"].device.type == "meta"  # no data to give an integer tensor
+    assert torch.load(tmp_path / "shapes.pth")["weight"].device.type == "meta"  # after the run
+
+
+def test_a_params4bit_of_fake_data_quantises_when_moved_to_the_device():
+    import bitsandbytes as bnb
+
+    world, patches = World("cuda", None), Patches()
+    fakes.patch_params4bit(world, patches)
+    try:
+        with DeviceRedirect(world):
+            weight = torch.zeros(256, 128, dtype=torch.bfloat16, device="cuda")
+            param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=False)
+            moved = param.to("cuda")
+    finally:
+        patches.restore()
+    assert isinstance(param, bnb.nn.Params4bit) and is_fake(param) and not param.bnb_quantized
+    # 256 x 128 weights, two to a byte; one fp32 absmax per 64-weight block
+    assert isinstance(moved, bnb.nn.Params4bit) and moved.bnb_quantized and moved.dtype == torch.uint8
+    assert moved.numel() == 256 * 128 // 2 and moved.quant_state.absmax.numel() == 256 * 128 // 64
+    assert world.on_device(moved) and moved.quant_state.shape == (256, 128)

@@ -28,6 +28,21 @@
 - **torch.load.** The file is memory-mapped where its format allows (`mmap=True`) and every
   floating-point tensor in it is replaced by a fake copy (weights, optimizer states); integer
   and boolean tensors (token ids, masks: data) stay real, so data files load as they are.
+- **Checkpoints of shapes only.** A tensor saved from the `meta` device is pickled with no
+  data, as `torch._utils._rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad)`
+  (torch/_tensor.py, `Tensor._reduce_ex_internal`). For the run that function gives a fake
+  tensor (host memory) of a floating-point dtype, so a `state_dict` of a model built on
+  `meta` and `torch.save`d is a checkpoint of the model's shapes whichever unpickler reads
+  it: `torch.load`, or Lightning's lazy loader (`lightning.fabric.utilities.load._lazy_load`,
+  which LitGPT's `load_checkpoint` uses) that takes other classes from `torch._utils` by name.
+- **bitsandbytes' `Params4bit`.** Its constructor wraps its data with
+  `Tensor._make_subclass`, which a fake tensor refuses; for the run a `Params4bit` of fake
+  data is a fake tensor of that class (`memplan.models.quant`, `fake_params4bit_class`) with
+  the attributes the constructor sets. Its `.to(device)` quantises an unquantised weight as
+  bitsandbytes' `Params4bit.to` does (`_quantize`: `functional.quantize_4bit`, whose fake
+  kernels give the packed weight and its constants their shapes), else it is the weight
+  moved (bitsandbytes/nn/modules.py, bitsandbytes 0.50.0). Lightning Fabric's
+  `BitsandbytesPrecision` builds, quantises and loads its layers through these.
 """
 
 from __future__ import annotations
@@ -230,3 +245,143 @@ def patch_checkpoints(world: World, patches: Patches) -> None:
     patches.everywhere(original_load_file, load_file, prefixes)
     patches.set(safetensors.torch, "load", load)
     patches.set(torch, "load", torch_load)
+
+
+def patch_meta_unpickling(world: World, patches: Patches) -> None:
+    """A floating-point tensor unpickled from the `meta` device is a fake one for the run
+    (module docstring, "Checkpoints of shapes only")."""
+    import functools
+
+    import torch._utils
+
+    original = torch._utils._rebuild_meta_tensor_no_storage
+
+    @functools.wraps(original)  # torch.load's weights-only allowlist names it by module and qualname
+    def rebuild(dtype: torch.dtype, size: Any, stride: Any, requires_grad: bool) -> torch.Tensor:
+        t = original(dtype, size, stride, requires_grad)
+        if not (t.is_floating_point() or t.is_complex()):
+            return t
+        fake = world.tag_host(world.fake_like(t))
+        return fake.requires_grad_(requires_grad) if requires_grad else fake
+
+    patches.set(torch._utils, "_rebuild_meta_tensor_no_storage", rebuild)
+    # torch.load's weights-only allowlist is computed once (an lru_cache): not with this in it
+    # beyond the run
+    allowed = torch._weights_only_unpickler._get_allowed_globals
+    allowed.cache_clear()
+    patches.on_restore(allowed.cache_clear)
+
+
+def patch_params4bit(world: World, patches: Patches) -> None:
+    """bitsandbytes' `Params4bit` of fake data is a fake `Params4bit` (module docstring), from
+    when the program imports bitsandbytes."""
+
+    def apply(module: Any) -> None:
+        if module.__name__ == "bitsandbytes.nn.modules":
+            _fake_params4bit(world, patches, module.Params4bit)
+
+    patches.on_import("bitsandbytes", apply)
+    patches.on_import("lightning.fabric.plugins.precision.bitsandbytes",
+                      lambda module: _fabric_quantises_on_the_device(world, patches, module))
+
+
+def _fabric_quantises_on_the_device(world: World, patches: Patches, module: Any) -> None:
+    """Lightning Fabric's 4-bit layer quantises its weight in its constructor where it is made
+    on the GPU, which it asks as `torch.tensor(0, device=device).device.type == "cuda"`
+    (lightning/fabric/plugins/precision/bitsandbytes.py, `_Linear4bit.__init__`, lightning
+    2.6.6); in the run every tensor is on the cpu, so the question is asked of the world: is
+    that tensor device memory. Its classes are made by `_import_bitsandbytes`."""
+    if not hasattr(module, "_import_bitsandbytes"):
+        return
+    original_import = module._import_bitsandbytes
+
+    def import_bitsandbytes() -> Any:
+        bnb = original_import()
+        linear = module.__dict__.get("_Linear4bit")
+        if linear is not None and not getattr(linear.__init__, "_memplan", False):
+            original_init = linear.__init__
+
+            def init(self: Any, *args: Any, device: Any = None, **kwargs: Any) -> None:
+                original_init(self, *args, device=device, **kwargs)
+                if not self.weight.bnb_quantized and world.on_device(torch.tensor(0, device=device)):
+                    self.quantize_()
+
+            init._memplan = True  # type: ignore[attr-defined]
+            patches.set(linear, "__init__", init)
+        return bnb
+
+    patches.set(module, "_import_bitsandbytes", import_bitsandbytes)
+
+
+_PARAMS4BIT_FIELDS = ("blocksize", "compress_statistics", "quant_type", "quant_state", "quant_storage",
+                      "bnb_quantized", "module")
+
+
+def _fake_params4bit(world: World, patches: Patches, params4bit: type) -> None:
+    """Replace `Params4bit.__new__` so that fake data makes a fake `Params4bit` whose `to`
+    quantises or moves it as bitsandbytes' does (module docstring)."""
+    from memplan.models.quant import fake_parameter as fake_quantised_parameter
+    from memplan.models.quant import fake_params4bit_class
+
+    original_new = params4bit.__new__
+    fake: list[type] = []  # made at the first fake weight: bitsandbytes is still importing now
+
+    def make(data: torch.Tensor, requires_grad: bool, fields: dict[str, Any]) -> Any:
+        if not fake:
+            fake.append(type("Params4bit", (fake_params4bit_class(),), {
+                "__module__": __name__, "__doc__": "A fake Params4bit of the run (memplan.program.fakes).",
+                "to": to, "cuda": lambda self, device=None, non_blocking=False: self.to(device or "cuda"),
+                "cpu": lambda self: self.to("cpu"), "_quantize": quantize, "detach": detach}))
+        param = fake_quantised_parameter(data, fake[0])
+        param.__dict__.update(fields)
+        if requires_grad:
+            param.requires_grad_(True)
+        if not world.on_device(data):
+            world.tag_host(param)
+        return param
+
+    def new(cls: type, data: Any = None, requires_grad: bool = False, quant_state: Any = None,
+            blocksize: int | None = None, compress_statistics: bool = True, quant_type: str = "fp4",
+            quant_storage: torch.dtype = torch.uint8, module: Any = None, bnb_quantized: bool = False,
+            **kwargs: Any) -> Any:
+        if not is_fake(data):
+            return original_new(cls, data, requires_grad, quant_state, blocksize, compress_statistics, quant_type,
+                                quant_storage, module, bnb_quantized, **kwargs)
+        return make(data, requires_grad, {
+            "blocksize": 64 if blocksize is None else blocksize, "compress_statistics": compress_statistics,
+            "quant_type": quant_type, "quant_state": quant_state, "quant_storage": quant_storage,
+            "bnb_quantized": bnb_quantized, "module": module})
+
+    def where_it_is(self: Any) -> torch.Tensor:
+        """A plain fake tensor like `self`, in the same memory (device or host)."""
+        like = world.fake_like(self)
+        return like if world.on_device(self) else world.tag_host(like)
+
+    def detach(self: Any) -> Any:
+        """A fake `Params4bit` like `self` (`nn.Parameter(p)`, which `Module._apply` makes of
+        each moved fake parameter, asks `detach()` for one of `p`'s own class)."""
+        return make(where_it_is(self), False, {k: self.__dict__.get(k) for k in _PARAMS4BIT_FIELDS})
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device, _dtype, _non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type != "meta" and not self.bnb_quantized:
+            return quantize(self, device)
+        plain = torch.Tensor.to(where_it_is(self), *args, **kwargs)
+        if plain.dtype == self.dtype and world.on_device(plain) == world.on_device(self):
+            return self
+        return make(plain, self.requires_grad, {k: self.__dict__.get(k) for k in _PARAMS4BIT_FIELDS})
+
+    def quantize(self: Any, device: torch.device) -> Any:
+        import bitsandbytes as bnb
+
+        weight = torch.Tensor.to(where_it_is(self), device)
+        packed, state = bnb.functional.quantize_4bit(
+            weight, blocksize=self.blocksize, compress_statistics=self.compress_statistics,
+            quant_type=self.quant_type, quant_storage=self.quant_storage)
+        fields = {k: self.__dict__.get(k) for k in _PARAMS4BIT_FIELDS}
+        quantised = make(packed, self.requires_grad, {**fields, "quant_state": state, "bnb_quantized": True})
+        if self.module is not None:
+            self.module.quant_state = state
+        return quantised
+
+    patches.set(params4bit, "__new__", new)

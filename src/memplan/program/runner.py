@@ -203,6 +203,8 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
     redirect_in_backward(redirect, patches)
     redirect_in_saved_tensor_hooks(redirect, patches)
     fakes.patch_checkpoints(world, patches)
+    fakes.patch_meta_unpickling(world, patches)
+    fakes.patch_params4bit(world, patches)
     fakes.swappable_fakes(patches)
     side_effects.skip_checkpoints(patches, writes)
     side_effects.redirect_writes(patches, writes)
