@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memplan.capture import LiveCapture
+from memplan.capture import LiveCapture, inductor_runs
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
 from memplan.hardware.devices import DeviceProfile
@@ -51,6 +51,7 @@ from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
 from memplan.program.world import (
     DeviceRedirect,
     World,
+    compiled_outside_mode,
     redirect_in_backward,
     redirect_in_saved_tensor_hooks,
 )
@@ -202,6 +203,7 @@ def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: L
     """Every replacement of the run (module docstring); the hook handles to remove."""
     redirect_in_backward(redirect, patches)
     redirect_in_saved_tensor_hooks(redirect, patches)
+    compiled_outside_mode(redirect, patches)
     fakes.patch_checkpoints(world, patches)
     fakes.swappable_fakes(patches)
     side_effects.skip_checkpoints(patches, writes)
@@ -240,7 +242,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
             redirect = DeviceRedirect(world)
             handles = _install(world, redirect, patches, launch, rank, options, writes)
             window.install()
-            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), _compiled_as_eager(), redirect:
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), inductor_runs(fake=True, gpu=world.cuda, fake_mode=world.fake_mode), redirect:
                 ended = _execute(launch)
             facts = seen.describe()  # while the process group the program made is there
         except BaseException:

@@ -46,6 +46,9 @@ The recorder reads the tags (`on_device`); `in_model_code` is what the factories
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +114,56 @@ def redirect_in_saved_tensor_hooks(mode: TorchFunctionMode, patches: Patches) ->
         init(self, in_mode(pack_hook), in_mode(unpack_hook))
 
     patches.set(torch.autograd.graph.saved_tensors_hooks, "__init__", hooks_init)
+
+
+def compiled_outside_mode(mode: TorchFunctionMode, patches: Patches) -> None:
+    """Every function `torch.compile` makes (`torch.compile(fn)`, the forward of
+    `torch.compile(module)` and `module.compile()`, flex attention's own compile) is called
+    with `mode` off: Dynamo traces the function modes it finds active into the graph
+    (torch/_dynamo/variables/torch_function.py), and the world's handler, which keeps
+    Python state of its own, would break the graph at every op. The compiled code's own
+    allocations are fake (`memplan.capture.compiled.inductor_runs`' `fake_mode`); a
+    compiled backward runs in autograd's engine, with `mode` on (`redirect_in_backward`)."""
+    from torch._dynamo import eval_frame
+
+    call = eval_frame.OptimizeContext.__call__
+
+    def optimize_call(self: Any, fn: Any) -> Any:
+        compiled = call(self, fn)
+        if isinstance(compiled, torch.nn.Module) or not callable(compiled):
+            return compiled  # an OptimizedModule: its forward was made by this call
+
+        @functools.wraps(compiled)
+        def outside_mode(*args: Any, **kwargs: Any) -> Any:
+            with _without_function_mode(mode):
+                return compiled(*args, **kwargs)
+
+        return outside_mode
+
+    patches.set(eval_frame.OptimizeContext, "__call__", optimize_call)
+
+
+@contextlib.contextmanager
+def _without_function_mode(mode: TorchFunctionMode) -> Iterator[None]:
+    """`mode` off the function-mode stack, the modes above it kept, for the block."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        yield
+        return
+    above = []
+    while (top := _pop_mode()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in above:
+            _pop_mode()
+        _push_mode(mode)
+        for m in reversed(above):
+            _push_mode(m)
 
 
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -209,6 +262,13 @@ class World:
             return True
         return torch._C._current_graph_task_id() != -1
 
+    def compiling(self) -> bool:
+        """Whether torch.compile is compiling (AOTAutograd and Inductor trace and lower the
+        graph under a fake mode of their own, also when the backward is compiled lazily inside
+        autograd's engine): its tensors are PyTorch's, not the program's."""
+        mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        return mode is not None and mode is not self.fake_mode
+
     def fake(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """`func(*args, **kwargs)` under the run's fake mode."""
         with self.fake_mode:
@@ -232,6 +292,8 @@ class DeviceRedirect(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.world.compiling():
+            return func(*args, **kwargs)
         if func in READS:
             if args and is_fake_value(args[0]):
                 return self.world.reads.read(func, args, kwargs)

@@ -2,12 +2,14 @@
 the script, moved to the device, trained with AdamW, its loss logged with `loss.item()`.
 
 python plain_loop.py --data FILE [--steps N] [--batch B] [--block T] [--checkpoint]
-                     [--optimizer-in-backward] [--save DIR]
+                     [--optimizer-in-backward] [--compile] [--layers L] [--save DIR]
 
 With --save, each step appends a line to DIR/log.txt and the first saves DIR/ckpt.pt.
 With --optimizer-in-backward, each parameter has its own AdamW, stepped in the parameter's
 post-accumulate-grad hook (PyTorch's tutorial "How to save memory by fusing the optimizer
 step into the backward pass"): `loss.backward()` is the whole update.
+With --compile, each block is compiled in place (`module.compile()`, torch.compile with
+Inductor), as torchtitan and torchtune compile their transformer blocks.
 """
 
 import argparse
@@ -66,6 +68,8 @@ def main():
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--optimizer-in-backward", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
 
@@ -75,7 +79,10 @@ def main():
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = GPT(len(chars), block=args.block, use_checkpoint=args.checkpoint).to(device)
+    model = GPT(len(chars), layers=args.layers, block=args.block, use_checkpoint=args.checkpoint).to(device)
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     if args.optimizer_in_backward:
         optimizers = {p: torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()}
 
