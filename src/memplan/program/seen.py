@@ -177,6 +177,7 @@ class Seen:
             "layout": layout_of(self.models),
             "setup": setup.to_dict(),
             "setup_not_seen": unseen,
+            "compiled_eagerly": dict(self.world.compiled_eagerly),
         }
 
     def meta(self) -> dict[str, Any]:

@@ -116,31 +116,51 @@ def redirect_in_saved_tensor_hooks(mode: TorchFunctionMode, patches: Patches) ->
     patches.set(torch.autograd.graph.saved_tensors_hooks, "__init__", hooks_init)
 
 
-def compiled_outside_mode(mode: TorchFunctionMode, patches: Patches) -> None:
+def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
     """Every function `torch.compile` makes (`torch.compile(fn)`, the forward of
     `torch.compile(module)` and `module.compile()`, flex attention's own compile) is called
     with `mode` off: Dynamo traces the function modes it finds active into the graph
     (torch/_dynamo/variables/torch_function.py), and the world's handler, which keeps
     Python state of its own, would break the graph at every op. The compiled code's own
     allocations are fake (`memplan.capture.compiled.inductor_runs`' `fake_mode`); a
-    compiled backward runs in autograd's engine, with `mode` on (`redirect_in_backward`)."""
+    compiled backward runs in autograd's engine, with `mode` on (`redirect_in_backward`).
+
+    A function whose compile fails (Inductor's CPU lowering of flex attention in a cuda run)
+    runs its eager ops inside `mode`, from then on, and the run says so
+    (`World.compiled_eagerly`): the compile fails before any of the function's code has run."""
     from torch._dynamo import eval_frame
+    from torch._dynamo.exc import BackendCompilerFailed
 
     call = eval_frame.OptimizeContext.__call__
+    world = mode.world
 
     def optimize_call(self: Any, fn: Any) -> Any:
         compiled = call(self, fn)
         if isinstance(compiled, torch.nn.Module) or not callable(compiled):
             return compiled  # an OptimizedModule: its forward was made by this call
+        name = _compiled_name(fn)
 
         @functools.wraps(compiled)
         def outside_mode(*args: Any, **kwargs: Any) -> Any:
-            with _without_function_mode(mode):
-                return compiled(*args, **kwargs)
+            if name not in world.compiled_eagerly:
+                try:
+                    with _without_function_mode(mode):
+                        return compiled(*args, **kwargs)
+                except BackendCompilerFailed as failed:
+                    world.compiled_eagerly[name] = f"{type(failed.inner_exception).__name__}: {failed.inner_exception}"
+            return fn(*args, **kwargs)
 
         return outside_mode
 
     patches.set(eval_frame.OptimizeContext, "__call__", optimize_call)
+
+
+def _compiled_name(fn: Any) -> str:
+    """The compiled function's name in the run's report: a module's class for `module.compile()`."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return type(owner).__name__
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 @contextlib.contextmanager
@@ -209,6 +229,7 @@ class World:
         self.allocated_bytes = 0  # live device tensors the recorder sees (512-byte blocks)
         self.peak_allocated_bytes = 0
         self.stream = 0  # the CUDA stream the program's work is on (memplan.program.cuda_api)
+        self.compiled_eagerly: dict[str, str] = {}  # compiled function -> why its compile failed
 
     # --- tags ------------------------------------------------------------------------
     @property
