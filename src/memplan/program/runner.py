@@ -6,9 +6,12 @@
 (memplan.program.world) with the CUDA facade for a `cuda` run (memplan.program.cuda_api),
 fake weights and checkpoints (memplan.program.fakes), no reporting and no writes outside
 `OUT` (memplan.program.side_effects), and, for a distributed launch, the fake process
-group (memplan.program.distributed). `StepWindow` (memplan.program.steps) opens the trace
-at the program's first top-level forward and stops the program after `steps + 1`
-optimizer steps (the first, which makes the optimizer state, and `steps` more).
+group (memplan.program.distributed); the program's `torch.compile` is compiled with
+Inductor on the fake tensors and its generated code recorded as it runs
+(memplan.capture.compiled, `compiled_outside_mode` in memplan.program.world).
+`StepWindow` (memplan.program.steps) opens the trace at the program's first top-level
+forward and stops the program after `steps + 1` optimizer steps (the first, which makes
+the optimizer state, and `steps` more).
 
 What it returns (`RankRun`): the trace of every iteration run (one `.memtrace`), how the
 program ended, and what memplan saw it do (memplan.program.seen). Everything it changed is
@@ -188,14 +191,6 @@ def _visible_rng_state(world: World, patches: Patches) -> None:
         return out
 
     patches.set(torch, "get_rng_state", get_rng_state)
-
-
-def _compiled_as_eager() -> Any:
-    """`torch.compile`d functions run their eager ops, which the run traces (PyTorch's
-    `torch.compiler.set_stance("force_eager")`): Inductor would compile the fake tensors'
-    graph for the CPU, or, under the cuda facade, for a CUDA it does not have. What its
-    fusions save is not modelled: a compiled region is estimated as its eager ops."""
-    return torch.compiler.set_stance("force_eager")
 
 
 def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: Launch, rank: int,

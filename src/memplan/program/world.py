@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,10 +136,7 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
     call = eval_frame.OptimizeContext.__call__
     world = mode.world
 
-    def optimize_call(self: Any, fn: Any) -> Any:
-        compiled = call(self, fn)
-        if isinstance(compiled, torch.nn.Module) or not callable(compiled):
-            return compiled  # an OptimizedModule: its forward was made by this call
+    def outside(compiled: Any, fn: Any) -> Any:
         name = _compiled_name(fn)
 
         @functools.wraps(compiled)
@@ -152,7 +151,19 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
 
         return outside_mode
 
+    def optimize_call(self: Any, fn: Any) -> Any:
+        compiled = call(self, fn)
+        if isinstance(compiled, torch.nn.Module) or not callable(compiled):
+            return compiled  # an OptimizedModule: its forward was made by this call
+        return outside(compiled, fn)
+
     patches.set(eval_frame.OptimizeContext, "__call__", optimize_call)
+    # compiled functions made before the run, module globals of what memplan imported first
+    # (torchtune, to read `tune run`'s arguments: its `flex_attention_compiled`)
+    for module in list(sys.modules.values()):
+        for key, value in list(getattr(module, "__dict__", {}).items()):
+            if isinstance(value, types.FunctionType) and value.__dict__.get("_is_torch_compile") is True:
+                patches.set(module, key, outside(value, value.__dict__["_torchdynamo_orig_callable"]))
 
 
 def _compiled_name(fn: Any) -> str:
