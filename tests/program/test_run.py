@@ -155,6 +155,7 @@ def test_cpu_run_of_a_compiled_loop_runs_inductor_s_code_and_matches_the_profile
     trace = result.runs[0].trace
     names = [trace.op_names[i] for i in trace.ops["name"]]
     assert "memplan.inductor_kernel.default" in names and "aten.silu.default" not in names
+    assert result.seen["compiled_eagerly"] == {} and result.seen["graph_breaks"] == {}
     peak, event = trace.peak()
     assert trace.ops["iteration"][trace.events["op"][event]] >= 1  # the window the profiler measures
     _within_one_percent(result.estimate.peak_allocated_bytes, measure_program(command, warmup_steps=1)[0])

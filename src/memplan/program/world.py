@@ -132,6 +132,7 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
     (`World.compiled_eagerly`): the compile fails before any of the function's code has run."""
     from torch._dynamo import eval_frame
     from torch._dynamo.exc import BackendCompilerFailed
+    from torch._dynamo.utils import counters
 
     call = eval_frame.OptimizeContext.__call__
     world = mode.world
@@ -147,6 +148,8 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
                         return compiled(*args, **kwargs)
                 except BackendCompilerFailed as failed:
                     world.compiled_eagerly[name] = f"{type(failed.inner_exception).__name__}: {failed.inner_exception}"
+                finally:  # the code between graphs runs eagerly, outside the world too
+                    world.graph_breaks = {str(k): v for k, v in counters["graph_break"].items()}
             return fn(*args, **kwargs)
 
         return outside_mode
@@ -241,6 +244,7 @@ class World:
         self.peak_allocated_bytes = 0
         self.stream = 0  # the CUDA stream the program's work is on (memplan.program.cuda_api)
         self.compiled_eagerly: dict[str, str] = {}  # compiled function -> why its compile failed
+        self.graph_breaks: dict[str, int] = {}  # Dynamo's graph breaks in compiled functions, by reason
 
     # --- tags ------------------------------------------------------------------------
     @property
