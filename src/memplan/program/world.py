@@ -41,6 +41,11 @@ checkpoint's recomputation). `redirect_in_backward` enters the mode again around
 engine (`torch.autograd.graph._engine_run_backward`), whose thread-local state the engine
 carries into every node and hook it runs.
 
+Compiled functions (`compiled_outside_mode`) run with the mode off: Dynamo would trace the
+mode's handler into their graphs; the code Inductor generates allocates in the world's fake
+mode (memplan.capture.compiled), and the world steps aside while PyTorch compiles under a
+fake mode of its own (`World.compiling`).
+
 The recorder reads the tags (`on_device`); `in_model_code` is what the factories rule uses.
 """
 
