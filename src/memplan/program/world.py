@@ -132,15 +132,18 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
     allocations are fake (`memplan.capture.compiled.inductor_runs`' `fake_mode`); a
     compiled backward runs in autograd's engine, with `mode` on (`redirect_in_backward`).
 
-    A function whose compile fails (Inductor's CPU lowering of flex attention in a cuda run)
-    runs its eager ops inside `mode`, from then on, and the run says so
-    (`World.compiled_eagerly`): the compile fails before any of the function's code has run."""
+    A function whose compile fails (Dynamo or Inductor raise: flex attention's lowering, a
+    `device="cuda"` inside the compiled code, which the world does not redirect there) runs
+    its eager ops inside `mode` from then on, and the run says so (`World.compiled_eagerly`).
+    Assumed: the compile failed before any of the function's code ran (its first frame; a
+    frame after a graph break would have run the code before it)."""
     from torch._dynamo import eval_frame
-    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._dynamo.exc import TorchDynamoException
     from torch._dynamo.utils import counters
 
     call = eval_frame.OptimizeContext.__call__
     world = mode.world
+    before = dict(counters["graph_break"])  # breaks of earlier runs in this process
 
     def outside(compiled: Any, fn: Any) -> Any:
         name = _compiled_name(fn)
@@ -151,10 +154,12 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
                 try:
                     with _without_function_mode(mode):
                         return compiled(*args, **kwargs)
-                except BackendCompilerFailed as failed:
-                    world.compiled_eagerly[name] = f"{type(failed.inner_exception).__name__}: {failed.inner_exception}"
+                except TorchDynamoException as failed:
+                    why = getattr(failed, "inner_exception", None) or failed
+                    world.compiled_eagerly[name] = f"{type(why).__name__}: {str(why).splitlines()[0]}"
                 finally:  # the code between graphs runs eagerly, outside the world too
-                    world.graph_breaks = {str(k): v for k, v in counters["graph_break"].items()}
+                    world.graph_breaks = {str(k): v - before.get(k, 0) for k, v in counters["graph_break"].items()
+                                          if v > before.get(k, 0)}
             return fn(*args, **kwargs)
 
         return outside_mode
