@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch._inductor.async_compile as inductor_async_compile
 from torch._inductor import config as inductor_config
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.errors import MemplanBug, UserError
 
@@ -83,6 +84,16 @@ def _empty_strided(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
 
     A CUDA job is traced on (fake) cpu tensors, so the CUDA helper allocates there too."""
     return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _empty_strided_in(fake_mode: FakeTensorMode) -> Any:
+    """`_empty_strided` under `fake_mode`: the wrapper's buffers are fake tensors of that
+    mode, also where no fake mode is active (a program run: `memplan.program`)."""
+    def empty_strided(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        with fake_mode:
+            return _empty_strided(size, stride, dtype)
+
+    return empty_strided
 
 
 def _reinterpret_tensor(tensor: torch.Tensor, size: Any, stride: Any, offset: int) -> torch.Tensor:
@@ -144,7 +155,10 @@ class _VisibleAllocations(_AsyncCompile):
 class _NoKernels(_AsyncCompile):
     """Inductor's `AsyncCompile` for fake runs: no kernel is compiled (no C++ compiler runs),
     each is a `_RecordedKernel` with nothing to call, and the wrapper's allocation and view
-    helpers pass the dispatcher."""
+    helpers pass the dispatcher (`empty_strided`: `_empty_strided`, or one under a given fake
+    mode, `inductor_runs`)."""
+
+    empty_strided = staticmethod(_empty_strided)
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str) -> _RecordedKernel:
         return _RecordedKernel(None, argtypes)
@@ -155,23 +169,29 @@ class _NoKernels(_AsyncCompile):
 
     def wait(self, scope: dict[str, Any]) -> None:
         super().wait(scope)
-        scope["empty_strided_cpu"] = _empty_strided
-        scope["empty_strided_cuda"] = _empty_strided
+        scope["empty_strided_cpu"] = self.empty_strided
+        scope["empty_strided_cuda"] = self.empty_strided
         scope["reinterpret_tensor"] = _reinterpret_tensor
         scope["assert_alignment"] = lambda *args, **kwargs: None  # reads data pointers
 
 
 @contextlib.contextmanager
-def inductor_runs(*, fake: bool, gpu: bool = False) -> Iterator[None]:
+def inductor_runs(*, fake: bool, gpu: bool = False, fake_mode: FakeTensorMode | None = None) -> Iterator[None]:
     """Within this block, torch.compile compiles afresh and the code it generates allocates
     where the `Recorder` sees it; with `fake`, its kernels are no-ops (module docstring).
+
+    `fake_mode` (with `fake`): the mode the generated code allocates its buffers in, for a
+    step whose fake tensors run with no fake mode active (a program run, `memplan.program`);
+    without it, the mode active when the code runs.
 
     `gpu`: the step stands for a GPU job traced on (fake) cpu tensors: Inductor pads buffer
     strides as it does for GPU graphs (`comprehensive_padding`, which
     `maybe_disable_comprehensive_padding` in `torch/_inductor/compile_fx.py` turns off for
     graphs without a GPU input: `disable_padding_cpu`)."""
     torch._dynamo.reset()
-    inductor_async_compile.AsyncCompile = _NoKernels if fake else _VisibleAllocations
+    no_kernels = _NoKernels if fake_mode is None else type(
+        "_NoKernelsIn", (_NoKernels,), {"empty_strided": staticmethod(_empty_strided_in(fake_mode))})
+    inductor_async_compile.AsyncCompile = no_kernels if fake else _VisibleAllocations
     options = {"force_disable_caches": True, **({"disable_padding_cpu": False} if gpu else {})}
     try:
         with inductor_config.patch(options), warnings.catch_warnings():

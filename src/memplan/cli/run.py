@@ -88,6 +88,9 @@ def _seen_rows(result: ProgramRun) -> list[tuple[str, str]]:
              ("checkpointing", f"{seen['recomputed_ops']} ops recomputed in backward" if seen["recomputed_ops"]
               else "none (nothing recomputed in backward)"),
              ("layout", ", ".join(f"{k} {v}" for k, v in seen["layout"].items()))]
+    rows += [("ran eagerly", f"{name} (its compile failed: {why})") for name, why in seen["compiled_eagerly"].items()]
+    rows += [("graph break", f"{count}x {why} (the code between graphs ran eagerly)")
+             for why, count in seen["graph_breaks"].items()]
     return rows
 
 

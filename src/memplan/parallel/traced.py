@@ -88,8 +88,8 @@ GLOO_CLONED_OPS = ("c10d._reduce_scatter_base_.default", "c10d.reduce_scatter_te
 class DistributedRecorder(Recorder):
     """The dispatch-level recorder, seeing through DTensors to their local storages."""
 
-    def __init__(self, *, record_flops: bool = True) -> None:
-        super().__init__(record_flops=record_flops)
+    def __init__(self, *, record_flops: bool = True, compiled_regions: bool = False) -> None:
+        super().__init__(record_flops=record_flops, compiled_regions=compiled_regions)
         self._alias_count: dict[int, int] = {}  # buffer -> extra storages that stand for it
         self._alias_refs: list[weakref.ref] = []
 

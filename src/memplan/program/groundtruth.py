@@ -57,11 +57,14 @@ def _free_port() -> int:
 
 
 def measure_program(words: list[str], steps: int = 2, timeout_s: float = 600.0,
-                    whole_storages: bool = False) -> list[int]:
-    """Per rank, the profiler peak bytes of the real run of `words` (module docstring)."""
+                    whole_storages: bool = False, warmup_steps: int = 0) -> list[int]:
+    """Per rank, the profiler peak bytes of the real run of `words` (module docstring);
+    with `warmup_steps`, the profiler opens at the first top-level call after that many
+    optimizer steps (a compiled program compiles in its first step: Inductor's compile
+    under the profiler's Python tracer took more than the host's memory)."""
     failures = []
     for _ in range(PROFILER_ATTEMPTS):
-        peaks, failed = _measured_run(words, steps, timeout_s, whole_storages)
+        peaks, failed = _measured_run(words, steps, timeout_s, whole_storages, warmup_steps)
         if not failed:
             return peaks
         failures.append(failed)
@@ -69,7 +72,7 @@ def measure_program(words: list[str], steps: int = 2, timeout_s: float = 600.0,
 
 
 def _measured_run(words: list[str], steps: int, timeout_s: float,
-                  whole_storages: bool) -> tuple[list[int], list[str]]:
+                  whole_storages: bool, warmup_steps: int) -> tuple[list[int], list[str]]:
     """One fresh set of processes: the per-rank peaks, and the ranks whose analysis failed."""
     launch = parse_command(words)
     port = str(_free_port())
@@ -79,7 +82,8 @@ def _measured_run(words: list[str], steps: int, timeout_s: float,
             env = {**os.environ, **launch.rank_env(rank), "MASTER_PORT": port, "MASTER_ADDR": "127.0.0.1",
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
             spec = json.dumps({"words": words, "steps": steps, "out": f"{workdir}/rank{rank}.json", "rank": rank,
-                               "threads": 1 if launch.world_size > 1 else 0, "whole_storages": whole_storages})
+                               "threads": 1 if launch.world_size > 1 else 0, "whole_storages": whole_storages,
+                               "warmup_steps": warmup_steps})
             procs.append(subprocess.Popen([sys.executable, "-c",
                                            "from memplan.program.groundtruth import measure_rank; measure_rank()",
                                            spec], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
@@ -128,12 +132,16 @@ def measure_rank() -> None:
     launch = parse_command(spec["words"])
     profiler = memory_profiler()
 
-    def on_open(_call: Any) -> None:
-        profiler.start()
-        if spec["whole_storages"]:
-            _show_whole_storages()
+    started = []
 
-    window = StepWindow(spec["steps"] + 1, on_open=on_open)
+    def on_call(_call: Any) -> None:
+        if not started and window.steps >= spec["warmup_steps"]:
+            started.append(True)
+            profiler.start()
+            if spec["whole_storages"]:
+                _show_whole_storages()
+
+    window = StepWindow(spec["steps"] + 1, on_call=on_call)
     no_shm_comm_op(Patches())  # as in the traced run (memplan.program.deepspeed_engine)
     sys.argv = [launch.target, *launch.rank_args(spec["rank"])]
     if launch.path_entry is not None:

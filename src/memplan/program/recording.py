@@ -46,7 +46,7 @@ class ProgramRecorder(DistributedRecorder):
     """The recorder of a program run (module docstring)."""
 
     def __init__(self, world: World) -> None:
-        super().__init__(record_flops=True)
+        super().__init__(record_flops=True, compiled_regions=True)
         # a higher-order operator the program calls eagerly (flex attention's, whose fake
         # implementation gives the output and log-sum-exp the CUDA kernel allocates) is
         # one op, recorded with what it returns (memplan.capture.recorder)

@@ -6,9 +6,12 @@
 (memplan.program.world) with the CUDA facade for a `cuda` run (memplan.program.cuda_api),
 fake weights and checkpoints (memplan.program.fakes), no reporting and no writes outside
 `OUT` (memplan.program.side_effects), and, for a distributed launch, the fake process
-group (memplan.program.distributed). `StepWindow` (memplan.program.steps) opens the trace
-at the program's first top-level forward and stops the program after `steps + 1`
-optimizer steps (the first, which makes the optimizer state, and `steps` more).
+group (memplan.program.distributed); the program's `torch.compile` is compiled with
+Inductor on the fake tensors and its generated code recorded as it runs
+(memplan.capture.compiled, `compiled_outside_mode` in memplan.program.world).
+`StepWindow` (memplan.program.steps) opens the trace at the program's first top-level
+forward and stops the program after `steps + 1` optimizer steps (the first, which makes
+the optimizer state, and `steps` more).
 
 What it returns (`RankRun`): the trace of every iteration run (one `.memtrace`), how the
 program ended, and what memplan saw it do (memplan.program.seen). Everything it changed is
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memplan.capture import LiveCapture
+from memplan.capture import LiveCapture, inductor_runs
 from memplan.capture.cuda_kernels import kernels_as_on_cuda
 from memplan.errors import UserError
 from memplan.hardware.devices import DeviceProfile
@@ -51,6 +54,7 @@ from memplan.program.steps import Call, ProgramStop, ProgramTimeout, StepWindow
 from memplan.program.world import (
     DeviceRedirect,
     World,
+    compiled_outside_mode,
     redirect_in_backward,
     redirect_in_saved_tensor_hooks,
 )
@@ -189,19 +193,12 @@ def _visible_rng_state(world: World, patches: Patches) -> None:
     patches.set(torch, "get_rng_state", get_rng_state)
 
 
-def _compiled_as_eager() -> Any:
-    """`torch.compile`d functions run their eager ops, which the run traces (PyTorch's
-    `torch.compiler.set_stance("force_eager")`): Inductor would compile the fake tensors'
-    graph for the CPU, or, under the cuda facade, for a CUDA it does not have. What its
-    fusions save is not modelled: a compiled region is estimated as its eager ops."""
-    return torch.compiler.set_stance("force_eager")
-
-
 def _install(world: World, redirect: DeviceRedirect, patches: Patches, launch: Launch, rank: int,
              options: RunOptions, writes: Any) -> list:
     """Every replacement of the run (module docstring); the hook handles to remove."""
     redirect_in_backward(redirect, patches)
     redirect_in_saved_tensor_hooks(redirect, patches)
+    compiled_outside_mode(redirect, patches)
     fakes.patch_checkpoints(world, patches)
     fakes.patch_meta_unpickling(world, patches)
     fakes.patch_params4bit(world, patches)
@@ -242,7 +239,7 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
             redirect = DeviceRedirect(world)
             handles = _install(world, redirect, patches, launch, rank, options, writes)
             window.install()
-            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), _compiled_as_eager(), redirect:
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), inductor_runs(fake=True, gpu=world.cuda, fake_mode=world.fake_mode), redirect:
                 ended = _execute(launch)
             facts = seen.describe()  # while the process group the program made is there
         except BaseException:

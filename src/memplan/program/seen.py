@@ -177,6 +177,8 @@ class Seen:
             "layout": layout_of(self.models),
             "setup": setup.to_dict(),
             "setup_not_seen": unseen,
+            "compiled_eagerly": dict(self.world.compiled_eagerly),
+            "graph_breaks": dict(self.world.graph_breaks),
         }
 
     def meta(self) -> dict[str, Any]:

@@ -52,12 +52,21 @@ checkpoint's recomputation). `redirect_in_backward` enters the mode again around
 engine (`torch.autograd.graph._engine_run_backward`), whose thread-local state the engine
 carries into every node and hook it runs.
 
+Compiled functions (`compiled_outside_mode`) run with the mode off: Dynamo would trace the
+mode's handler into their graphs; the code Inductor generates allocates in the world's fake
+mode (memplan.capture.compiled), and the world steps aside while PyTorch compiles under a
+fake mode of its own (`World.compiling`).
+
 The recorder reads the tags (`on_device`); `in_model_code` is what the factories rule uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import functools
+import sys
+import types
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +135,93 @@ def redirect_in_saved_tensor_hooks(mode: TorchFunctionMode, patches: Patches) ->
         init(self, in_mode(pack_hook), in_mode(unpack_hook))
 
     patches.set(torch.autograd.graph.saved_tensors_hooks, "__init__", hooks_init)
+
+
+def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
+    """Every function `torch.compile` makes (`torch.compile(fn)`, the forward of
+    `torch.compile(module)` and `module.compile()`, flex attention's own compile) is called
+    with `mode` off: Dynamo traces the function modes it finds active into the graph
+    (torch/_dynamo/variables/torch_function.py), and the world's handler, which keeps
+    Python state of its own, would break the graph at every op. The compiled code's own
+    allocations are fake (`memplan.capture.compiled.inductor_runs`' `fake_mode`); a
+    compiled backward runs in autograd's engine, with `mode` on (`redirect_in_backward`).
+
+    A function whose compile fails (Dynamo or Inductor raise: flex attention's lowering, a
+    `device="cuda"` inside the compiled code, which the world does not redirect there) runs
+    its eager ops inside `mode` from then on, and the run says so (`World.compiled_eagerly`).
+    Assumed: the compile failed before any of the function's code ran (its first frame; a
+    frame after a graph break would have run the code before it)."""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._dynamo.utils import counters
+
+    call = eval_frame.OptimizeContext.__call__
+    world = mode.world
+    before = dict(counters["graph_break"])  # breaks of earlier runs in this process
+
+    def outside(compiled: Any, fn: Any) -> Any:
+        name = _compiled_name(fn)
+
+        @functools.wraps(compiled)
+        def outside_mode(*args: Any, **kwargs: Any) -> Any:
+            if name not in world.compiled_eagerly:
+                try:
+                    with _without_function_mode(mode):
+                        return compiled(*args, **kwargs)
+                except TorchDynamoException as failed:
+                    why = getattr(failed, "inner_exception", None) or failed
+                    world.compiled_eagerly[name] = f"{type(why).__name__}: {str(why).splitlines()[0]}"
+                finally:  # the code between graphs runs eagerly, outside the world too
+                    world.graph_breaks = {str(k): v - before.get(k, 0) for k, v in counters["graph_break"].items()
+                                          if v > before.get(k, 0)}
+            return fn(*args, **kwargs)
+
+        return outside_mode
+
+    def optimize_call(self: Any, fn: Any) -> Any:
+        compiled = call(self, fn)
+        if isinstance(compiled, torch.nn.Module) or not callable(compiled):
+            return compiled  # an OptimizedModule: its forward was made by this call
+        return outside(compiled, fn)
+
+    patches.set(eval_frame.OptimizeContext, "__call__", optimize_call)
+    # compiled functions made before the run, module globals of what memplan imported first
+    # (torchtune, to read `tune run`'s arguments: its `flex_attention_compiled`)
+    for module in list(sys.modules.values()):
+        for key, value in list(getattr(module, "__dict__", {}).items()):
+            if isinstance(value, types.FunctionType) and value.__dict__.get("_is_torch_compile") is True:
+                patches.set(module, key, outside(value, value.__dict__["_torchdynamo_orig_callable"]))
+
+
+def _compiled_name(fn: Any) -> str:
+    """The compiled function's name in the run's report: a module's class for `module.compile()`."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return type(owner).__name__
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+@contextlib.contextmanager
+def _without_function_mode(mode: TorchFunctionMode) -> Iterator[None]:
+    """`mode` off the function-mode stack, the modes above it kept, for the block."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        yield
+        return
+    above = []
+    while (top := _pop_mode()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in above:
+            _pop_mode()
+        _push_mode(mode)
+        for m in reversed(above):
+            _push_mode(m)
 
 
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -202,6 +298,8 @@ class World:
         self.stream = 0  # the CUDA stream the program's work is on (memplan.program.cuda_api)
         # told each real tensor a subclass now holds as its fake copy (the recorder: the same buffer)
         self.on_fake_copy: Callable[[Tensor, Tensor], None] | None = None
+        self.compiled_eagerly: dict[str, str] = {}  # compiled function -> why its compile failed
+        self.graph_breaks: dict[str, int] = {}  # Dynamo's graph breaks in compiled functions, by reason
 
     # --- tags ------------------------------------------------------------------------
     @property
@@ -255,6 +353,13 @@ class World:
             return True
         return torch._C._current_graph_task_id() != -1
 
+    def compiling(self) -> bool:
+        """Whether torch.compile is compiling (AOTAutograd and Inductor trace and lower the
+        graph under a fake mode of their own, also when the backward is compiled lazily inside
+        autograd's engine): its tensors are PyTorch's, not the program's."""
+        mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        return mode is not None and mode is not self.fake_mode
+
     def fake(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """`func(*args, **kwargs)` under the run's fake mode."""
         with self.fake_mode:
@@ -305,6 +410,8 @@ class DeviceRedirect(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.world.compiling():
+            return func(*args, **kwargs)
         self.world.fake_mixed_subclasses(args)
         if func in READS:
             if args and is_fake_value(args[0]):

@@ -2,12 +2,15 @@
 the script, moved to the device, trained with AdamW, its loss logged with `loss.item()`.
 
 python plain_loop.py --data FILE [--steps N] [--batch B] [--block T] [--checkpoint]
-                     [--optimizer-in-backward] [--save DIR]
+                     [--optimizer-in-backward] [--compile] [--layers L] [--swiglu]
+                     [--save DIR]
 
 With --save, each step appends a line to DIR/log.txt and the first saves DIR/ckpt.pt.
 With --optimizer-in-backward, each parameter has its own AdamW, stepped in the parameter's
 post-accumulate-grad hook (PyTorch's tutorial "How to save memory by fusing the optimizer
 step into the backward pass"): `loss.backward()` is the whole update.
+With --swiglu, each block's MLP is Llama's. With --compile, each block is compiled in place (`module.compile()`, torch.compile with
+Inductor), as torchtitan and torchtune compile their transformer blocks.
 """
 
 import argparse
@@ -20,14 +23,27 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP, `w2(silu(w1(x)) * w3(x))`."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class Block(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, swiglu=False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = SwiGLU(dim, 4 * dim) if swiglu else nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.heads = heads
 
     def forward(self, x):
@@ -40,11 +56,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, dim=64, heads=4, layers=2, block=32, use_checkpoint=False):
+    def __init__(self, vocab, dim=64, heads=4, layers=2, block=32, use_checkpoint=False, swiglu=False):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(block, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, swiglu) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.use_checkpoint = use_checkpoint
@@ -66,6 +82,9 @@ def main():
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--optimizer-in-backward", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--swiglu", action="store_true")
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
 
@@ -75,7 +94,11 @@ def main():
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = GPT(len(chars), block=args.block, use_checkpoint=args.checkpoint).to(device)
+    model = GPT(len(chars), layers=args.layers, block=args.block, use_checkpoint=args.checkpoint,
+                swiglu=args.swiglu).to(device)
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     if args.optimizer_in_backward:
         optimizers = {p: torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()}
 
