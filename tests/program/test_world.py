@@ -233,3 +233,26 @@ def test_a_params4bit_of_fake_data_quantises_when_moved_to_the_device():
     assert isinstance(moved, bnb.nn.Params4bit) and moved.bnb_quantized and moved.dtype == torch.uint8
     assert moved.numel() == 256 * 128 // 2 and moved.quant_state.absmax.numel() == 256 * 128 // 64
     assert world.on_device(moved) and moved.quant_state.shape == (256, 128)
+
+
+def test_a_compiled_function_called_with_a_subclass_of_fake_and_real_tensors_gets_their_fake_copies():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from memplan.program.world import compiled_outside_mode
+
+    world, patches = World("cuda", None), Patches()
+    redirect = DeviceRedirect(world)
+    compiled_outside_mode(redirect, patches)
+    codes, scale = world.fake(torch.zeros, 4096, dtype=torch.uint8), world.fake(torch.zeros, 16)
+    try:
+        torch._dynamo.reset()
+        with redirect:
+            qmap = torch.tensor(range(256), dtype=torch.float32, device="cuda")  # a lookup table, real
+            state = OptimState8bit(codes, scale, qmap, signed=True)
+            # torchao's step, compiled: Dynamo refuses a subclass of mixed inner tensors when it wraps one
+            dequantized = torch.compile(lambda s: s.float(), backend="eager", fullgraph=True)(state)
+    finally:
+        patches.restore()
+        torch._dynamo.reset()
+    assert is_fake(state.qmap) and not is_fake(qmap) and world.compiled_eagerly == {}
+    assert is_fake(dequantized) and dequantized.shape == (4096,)

@@ -165,6 +165,9 @@ def compiled_outside_mode(mode: DeviceRedirect, patches: Patches) -> None:
         @functools.wraps(compiled)
         def outside_mode(*args: Any, **kwargs: Any) -> Any:
             if name not in world.compiled_eagerly:
+                # the world's rule for subclasses of fake and real tensors, which its mode,
+                # off in here, would apply at the first op (Dynamo refuses them when it wraps)
+                world.fake_mixed_subclasses([*args, *kwargs.values()])
                 try:
                     with _without_function_mode(mode):
                         return compiled(*args, **kwargs)
