@@ -209,6 +209,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# memplan run's limit on the time to an optimizer step: Inductor compiling an 8B model's
+# blocks (and torchao's float8 ones) on two loaded cores takes more than its default 600 s
+MAX_SECONDS = 1800
 SRC = ROOT / "src"
 
 
@@ -227,7 +230,8 @@ def run_through_trainer(case: dict[str, Any], prepare: Prepare) -> dict[str, Any
         run = prepare(case, Path(tmp))
         shown = _shown(run.command, tmp)
         out = Path(tmp) / "memplan-run"
-        memplan = [sys.executable, "-m", "memplan", "run", "--gpu", case["gpu"], "--json", "-o", str(out), "--"]
+        memplan = [sys.executable, "-m", "memplan", "run", "--gpu", case["gpu"], "--json", "-o", str(out),
+                   "--max-seconds", str(MAX_SECONDS), "--"]
         env = {**os.environ, **run.env, "PYTHONPATH": os.pathsep.join(
             [str(SRC), *filter(None, [run.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])])}
         start = time.perf_counter()
