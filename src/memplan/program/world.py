@@ -74,7 +74,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TraceableWrapperSubclass, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -267,9 +267,9 @@ def _real_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _subclasses(values: Iterable[Any]) -> list[Tensor]:
+def _subclasses(values: Iterable[Any]) -> list[TraceableWrapperSubclass]:
     """The tensor subclasses with inner tensors among `values` and the lists in them."""
-    found = []
+    found: list[TraceableWrapperSubclass] = []
     for value in values:
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, Tensor) and type(t) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(t):
@@ -277,7 +277,7 @@ def _subclasses(values: Iterable[Any]) -> list[Tensor]:
     return found
 
 
-def _inner_tensors(t: Tensor) -> list[tuple[str, Tensor]]:
+def _inner_tensors(t: TraceableWrapperSubclass) -> list[tuple[str, Tensor]]:
     names, _ = t.__tensor_flatten__()
     return [(name, value) for name in names if isinstance(value := getattr(t, name), Tensor)]
 
