@@ -53,6 +53,13 @@ def test_cpu_run_with_torchaos_8bit_adamw_matches_the_profiler_of_the_real_run(t
     assert result.seen["optimizer"]["class"] == "AdamW8bit"
 
 
+def test_a_programs_compiler_stance_is_its_own_not_the_next_runs(tmp_path):
+    from torch._dynamo import eval_frame
+
+    run_program([sys.executable, str(PROGRAMS / "sets_compiler_stance.py")], device="cpu", out_dir=tmp_path)
+    assert eval_frame._stance.stance == "default"
+
+
 def test_optimizers_stepped_inside_the_backward_are_one_step(text_file, tmp_path):
     command = ["python", PLAIN, "--data", str(text_file), "--optimizer-in-backward", "--steps", "5"]
     result = run_program(command, device="cpu", out_dir=tmp_path, steps=1)  # the first step and one more

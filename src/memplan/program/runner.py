@@ -239,7 +239,8 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
             redirect = DeviceRedirect(world)
             handles = _install(world, redirect, patches, launch, rank, options, writes)
             window.install()
-            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), inductor_runs(fake=True, gpu=world.cuda, fake_mode=world.fake_mode), redirect:
+            with kernels_as_on_cuda() if world.cuda else contextlib.nullcontext(), inductor_runs(fake=True, gpu=world.cuda, fake_mode=world.fake_mode), redirect, \
+                    _compiler_stance_kept():
                 ended = _execute(launch)
             facts = seen.describe()  # while the process group the program made is there
         except BaseException:
@@ -260,6 +261,20 @@ def run_rank(launch: Launch, rank: int, options: RunOptions) -> RankRun:
     return RankRun(rank, trace, window.steps, ended, time.perf_counter() - start, seen, facts, dict(world.reads.answered),
                    list(writes.skipped), dict(writes.redirected),
                    recording.recorder.attention if recording.recorder is not None else None, groups)
+
+
+@contextlib.contextmanager
+def _compiler_stance_kept() -> Iterator[None]:
+    """The process's `torch.compiler` stance as it was before the program, after it: a
+    program's `torch.compiler.set_stance(...)` (torch/_dynamo/eval_frame.py, `_set_stance`)
+    is its own, not the next run's in the same process."""
+    from torch._dynamo import eval_frame
+
+    before = eval_frame._stance
+    try:
+        yield
+    finally:
+        eval_frame._set_stance(before)
 
 
 def _execute(launch: Launch) -> str:
