@@ -298,7 +298,8 @@ def _trainer_summary(rows: list[dict[str, Any]]) -> list[str]:
     flags = [abs(r["error_pct"]) for r in ran if "error_pct" in r]
     groups: dict[str, list[float]] = {}
     for r in ran:  # the trainer is the case id's first word: litgpt, torchtune, torchao, ...
-        groups.setdefault(r["id"].split("-")[0], []).append(abs(r["trainer"]["error_pct"]))
+        name = "hf-trainer" if r["id"].startswith(PAST_SOFTWARE) else r["id"].split("-")[0]
+        groups.setdefault(name, []).append(abs(r["trainer"]["error_pct"]))
     by_trainer = ", ".join(f"{name} {statistics.median(errs):.1f}% ({len(errs)})" for name, errs in groups.items())
     line = (f"Through the trainer (`memplan run`): median absolute error {statistics.median(through):.1f}% "
             f"over {len(ran)} rows (mean {statistics.mean(through):.1f}%)"
