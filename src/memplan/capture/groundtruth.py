@@ -6,6 +6,28 @@ and returns the peak of the total of `MemoryProfileTimeline` (every category,
 pre-existing tensors included) on the device, which is what
 `prof.export_memory_timeline` plots. memplan's captures are tested against it.
 
+`events_peak_bytes(prof)` is the same peak read from the profiler's allocation events
+alone, without torch's data-flow analysis (`DataFlowGraph`), which refuses some real
+distributed runs ("version mismatch", torch/profiler/_memory_profiler.py `DataFlowNode`,
+torch 2.13): c10's CPU allocator reports no free of a block allocated before the profile
+started (c10/core/CPUAllocator.cpp, `ProfiledCPUMemoryReporter::Delete`: "Memory block of
+unknown size was allocated before the profiling started"), nor one made on a thread the
+profiler does not follow (gloo's), so the profiler's storage ids (torch/csrc/profiler/
+data_flow.cpp `calculateUniqueTensorIDs`: a new id for an address only after its free)
+give the next allocation at that address the id of the block freed unseen, and the analysis
+finds an allocation of a storage it has seen mutated. Lightning's DDP does this when its
+reducer rebuilds its buckets after the first step (the old flat bucket, allocated before
+the window, freed unseen; an activation allocated at its address).
+
+`events_peak_bytes` counts what the timeline counts: the storages alive before the profile
+that it sees (an op's input, a module's parameter or gradient, an optimizer's state, or a
+free with no allocation; sized as torch's `SizeMap` sizes them), then every allocation
+and free on the device in time order, totalled per microsecond as the timeline coalesces
+them. One rule more: an allocation at an address whose block was never seen freed
+means that block was freed first (an allocator never hands out an address still held),
+and its bytes leave the total there; the timeline counts the new block as a new version
+of the old one, of the old one's size, or fails as above.
+
 `transient_bytes(fn)` measures, from the same profiler's allocation events, how much
 more than what it returns one call of `fn` holds at its peak: memory a kernel takes
 for itself (copies, scratch buffers) and gives back before it returns. Every
@@ -78,6 +100,56 @@ def _all_events(roots: list[Any]) -> list[Any]:
         out.append(node)
         stack.extend(node.children)
     return out
+
+
+def events_peak_bytes(prof: Any, device: str = "cpu") -> int:
+    """Peak bytes of a stopped `memory_profiler()` from its allocation events (module docstring)."""
+    from torch._C._profiler import _EventType
+
+    events = sorted([(e.start_time_ns, e.extra_fields)
+                     for e in _all_events(prof.profiler.kineto_results.experimental_event_tree())
+                     if e.tag == _EventType.Allocation and e.extra_fields.device == torch.device(device)],
+                    key=lambda pair: pair[0])
+    held = _preexisting_blocks(prof, [fields for _t, fields in events], torch.device(device))
+    return held_peak_bytes(held, [(t, fields.ptr, fields.alloc_size) for t, fields in events])
+
+
+def held_peak_bytes(preexisting: dict[int, int], events: list[tuple[int, int, int]]) -> int:
+    """Peak of the bytes held: `preexisting` (address -> bytes of each block alive at the start),
+    then `events` (time in ns, address, bytes: > 0 an allocation, < 0 a free) in time order,
+    totalled per microsecond as torch's memory timeline coalesces them. An allocation at an
+    address still held replaces the block there (module docstring)."""
+    held = dict(preexisting)
+    total = peak = sum(held.values())
+    microsecond = None
+    for time_ns, address, size in events:
+        if int(time_ns / 1000) != microsecond:  # the timeline's own rounding (float division)
+            peak, microsecond = max(peak, total), int(time_ns / 1000)
+        if size > 0:
+            total += size - held.get(address, 0)
+            held[address] = size
+        else:
+            total -= held.pop(address, 0)
+    return max(peak, total)
+
+
+def _preexisting_blocks(prof: Any, events: list[Any], device: torch.device) -> dict[int, int]:
+    """Address -> bytes of each block on `device` alive when the profile started that the
+    profile sees: a storage an op, module or optimizer shows it that no allocation event
+    made, sized by torch's `SizeMap` as the timeline sizes it, or a block freed before any
+    allocation at its address."""
+    from torch.profiler._memory_profiler import OpTree, SizeMap
+
+    allocated_ids = {e.allocation_id for e in events if e.alloc_size > 0}
+    held = {key.storage.ptr: size for key, size in SizeMap(OpTree(prof.profiler.kineto_results))._values.items()
+            if key.device == device and key.storage.allocation_id not in allocated_ids}
+    allocated: set[int] = set()
+    for fields in events:
+        if fields.alloc_size > 0:
+            allocated.add(fields.ptr)
+        elif fields.ptr not in allocated and fields.ptr not in held:
+            held[fields.ptr] = -fields.alloc_size
+    return held
 
 
 def timeline_peak_bytes(prof: Any, device: str = "cpu") -> int:
