@@ -1,7 +1,9 @@
 """`measure_program`'s ground truth, the peak of the profiler's allocation events
 (`memplan.capture.groundtruth.events_peak_bytes`), against the peak of torch's memory timeline
 of the same profile, which it replaces: to the byte on every rank the timeline's analysis reads
-(on a 2-rank FSDP2 run it refuses some ranks: "version mismatch"; those are not compared)."""
+(on a 2-rank FSDP2 run it refuses some ranks, its own warnings saying an address was freed with
+another size than it was allocated with: gloo's thread frees blocks the profiler does not see;
+those ranks are not compared)."""
 
 import sys
 
@@ -32,8 +34,8 @@ def test_every_rank_of_fsdp2_has_its_timeline_peak_to_the_byte_where_the_timelin
     command = ["torchrun", "--nproc-per-node", "2", str(PROGRAMS / "fsdp2_loop.py"), "--data", str(text_file),
                "--param-dtype", "fp64"]
     compared: set[int] = set()
-    for _ in range(3):  # fresh runs until the timeline has read each rank once
+    for _ in range(2):  # fresh runs until the timeline has read each rank once
         compared |= _equal_where_the_timeline_reads(measure_program_ranks(command, steps=1, with_timeline=True))
         if compared == {0, 1}:
             return
-    pytest.skip(f"the timeline's analysis read only ranks {sorted(compared)} in 3 runs")
+    pytest.skip(f"the timeline's analysis read only ranks {sorted(compared)} in 2 runs")

@@ -71,6 +71,23 @@ def memory_profiler() -> Any:
     return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
 
 
+def report_every_cpu_free() -> None:
+    """From now on, c10's CPU allocator keeps the size of every block it hands out, so that a
+    profile reports the free of a block allocated before it started (on a thread the profiler
+    follows) instead of dropping it ("Memory block of unknown size was allocated before the
+    profiling started"): c10/core/CPUAllocator.cpp, `ProfiledCPUMemoryReporter::New` and
+    `Delete` keep their table of sizes when the c10 flag `caffe2_report_cpu_memory_usage` is
+    set or a profile records memory. The flag's own messages are at INFO, which c10 does not
+    print by default. No Python binding sets c10 flags; the flag is libc10's exported global
+    (`FLAGS_caffe2_report_cpu_memory_usage`). Call it first in a process measured from the
+    middle of its run: blocks allocated before the call stay unknown."""
+    import ctypes
+    import os
+
+    libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
 def transient_bytes(fn: Callable[[], Any]) -> int:
     """Peak bytes one call of `fn` holds beyond what it still holds when it returns.
 

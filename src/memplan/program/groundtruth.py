@@ -135,9 +135,14 @@ def measure_rank() -> None:
     """The body of one ground-truth process (spec as JSON in `sys.argv[1]`)."""
     import torch
 
-    from memplan.capture.groundtruth import events_peak_bytes, memory_profiler
+    from memplan.capture.groundtruth import (
+        events_peak_bytes,
+        memory_profiler,
+        report_every_cpu_free,
+    )
     from memplan.program.steps import ProgramStop, StepWindow
 
+    report_every_cpu_free()
     spec: dict[str, Any] = json.loads(sys.argv[1])
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
