@@ -1,4 +1,4 @@
-"""Ground truth for real CPU runs: torch.profiler's memory timeline.
+"""Ground truth for real CPU runs: torch.profiler's memory timeline and allocation events.
 
 `profiler_peak_bytes(step_fn)` runs the step once under
 `torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True)`
@@ -7,26 +7,32 @@ pre-existing tensors included) on the device, which is what
 `prof.export_memory_timeline` plots. memplan's captures are tested against it.
 
 `events_peak_bytes(prof)` is the same peak read from the profiler's allocation events
-alone, without torch's data-flow analysis (`DataFlowGraph`), which refuses some real
-distributed runs ("version mismatch", torch/profiler/_memory_profiler.py `DataFlowNode`,
-torch 2.13): c10's CPU allocator reports no free of a block allocated before the profile
-started (c10/core/CPUAllocator.cpp, `ProfiledCPUMemoryReporter::Delete`: "Memory block of
-unknown size was allocated before the profiling started"), nor one made on a thread the
-profiler does not follow (gloo's), so the profiler's storage ids (torch/csrc/profiler/
-data_flow.cpp `calculateUniqueTensorIDs`: a new id for an address only after its free)
-give the next allocation at that address the id of the block freed unseen, and the analysis
-finds an allocation of a storage it has seen mutated. Lightning's DDP does this when its
-reducer rebuilds its buckets after the first step (the old flat bucket, allocated before
-the window, freed unseen; an activation allocated at its address).
+alone, without torch's data-flow analysis (`DataFlowGraph`, torch/profiler/_memory_profiler.py
+in torch 2.13), which refuses some real distributed runs ("version mismatch" in `DataFlowNode`,
+"duplicate outputs" in `DataFlowGraph.validate`). c10's CPU allocator reports no free of a block
+allocated before the profile started (c10/core/CPUAllocator.cpp,
+`ProfiledCPUMemoryReporter::Delete`: "Memory block of unknown size was allocated before the
+profiling started"), nor any allocation or free on a thread the profiler does not follow
+(gloo's); the profiler's storage ids (torch/csrc/profiler/data_flow.cpp
+`calculateUniqueTensorIDs`) give an address a new id only after a free there, so the next
+allocation at the address of a block freed unseen gets that block's id, and the analysis finds
+the allocation of a storage it has seen mutated. Lightning's DDP did this on every run: its
+reducer rebuilds its buckets after the first step, freeing the flat bucket allocated before the
+window, and an activation took its address. `report_every_cpu_free()`, called when the measured
+process starts, has c10 report those frees of blocks from before the profile (the DDP run's
+timeline then reads too); a block freed on gloo's thread stays unseen, and the analysis still
+refuses some FSDP2 and DeepSpeed runs.
 
 `events_peak_bytes` counts what the timeline counts: the storages alive before the profile
 that it sees (an op's input, a module's parameter or gradient, an optimizer's state, or a
 free with no allocation; sized as torch's `SizeMap` sizes them), then every allocation
 and free on the device in time order, totalled per microsecond as the timeline coalesces
-them. One rule more: an allocation at an address whose block was never seen freed
-means that block was freed first (an allocator never hands out an address still held),
-and its bytes leave the total there; the timeline counts the new block as a new version
-of the old one, of the old one's size, or fails as above.
+them (`held_peak_bytes`). One rule more: an allocation at an address whose block was never
+seen freed means that block was freed first (an allocator never hands out an address still
+held), and its bytes leave the total there; the timeline keeps the old block's bytes for the
+new one, or fails as above. tests/capture/test_groundtruth_events.py and
+tests/program/test_groundtruth_events.py show the two peaks equal to the byte wherever the
+timeline reads the profile.
 
 `transient_bytes(fn)` measures, from the same profiler's allocation events, how much
 more than what it returns one call of `fn` holds at its peak: memory a kernel takes

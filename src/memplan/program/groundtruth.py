@@ -12,15 +12,20 @@ peak of the bytes the profiler's allocation events hold on the cpu
 (`memplan.capture.groundtruth.events_peak_bytes`: the storages the profile sees from before
 it, then every allocation and free). It returns the per-rank peaks in rank order.
 
-That measure, not the peak of torch's memory timeline (`timeline_peak_bytes`), is the ground
-truth: the timeline's data-flow analysis refuses ("version mismatch") a run in which a block
-allocated before the window is freed in it and its address reused (Lightning's DDP rebuilding
-its buckets after the first step, every time), and reports itself inconsistent ("Mismatch
-between allocation and free") when gloo's thread frees a block unseen; the allocation events
-measure every run, and equal the timeline's peak to the byte where the analysis succeeds
-(tests/program/test_groundtruth_events.py: the plain loop, the 2-rank FSDP2 program).
-`measure_program_ranks(..., with_timeline=True)` gives both per rank, the timeline's failure
-where it fails.
+Each process first has c10 report the free of every CPU block it allocates
+(`report_every_cpu_free`): a block allocated before the window and freed in it (the first
+batch of a loop, the flat bucket Lightning's DDP frees when it rebuilds its buckets after the
+first step) leaves the profile where it is freed, instead of counting to its end.
+
+The allocation events, not the peak of torch's memory timeline (`timeline_peak_bytes`), are the
+ground truth: the timeline's data-flow analysis refuses some runs ("version mismatch",
+"duplicate outputs", or its own warnings that an address was freed with another size than it
+was allocated with) where gloo's thread frees a block the profiler does not see and its
+address is reused (FSDP2 and DeepSpeed ZeRO runs on gloo, about half of them here); the events
+measure every run, and equal the timeline's peak to the byte where it reads
+(tests/program/test_groundtruth_events.py: the plain loop, each rank of the 2-rank FSDP2
+program). `measure_program_ranks(..., with_timeline=True)` gives both per rank, or why the
+timeline refused a rank. A run is measured once: nothing is repeated or chosen among runs.
 
 The profiler learns the size of a block allocated before it started only from the ops that
 take it, as the span of the tensors those ops see: a buffer used only through views
