@@ -64,6 +64,29 @@ def test_the_timeline_refuses_a_profile_in_which_a_block_from_before_it_is_freed
     assert out == [str(1_048_576 + 4_096), "version", "mismatch"]
 
 
+FREE_SCRIPT = """
+import sys
+import torch
+from memplan.capture.groundtruth import events_peak_bytes, memory_profiler, report_every_cpu_free, timeline_peak_bytes
+if sys.argv[1] == "reported":
+    report_every_cpu_free()
+held = torch.empty(1 << 18)  # 1 MiB allocated before the profile
+with memory_profiler() as prof:
+    held.zero_()  # seen by the profile
+    del held
+    extra = torch.empty(1024)  # 4,096 B
+print(events_peak_bytes(prof), timeline_peak_bytes(prof))
+"""
+
+
+@pytest.mark.parametrize(("frees", "peak_bytes"), [("reported", 1_048_576), ("dropped", 1_048_576 + 4_096)])
+def test_a_block_from_before_the_profile_leaves_it_where_it_is_freed_once_c10_reports_every_free(frees, peak_bytes):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", FREE_SCRIPT, frees], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
+    assert out == [str(peak_bytes), str(peak_bytes)]
+
+
 def test_an_allocation_at_an_address_still_held_replaces_the_block_there():
     # 100 B held from before, its free unseen; 120 B allocated at its address, then 8 B beside
     events = [(1_000, 0xA0, 120), (2_000, 0xB0, 8)]
