@@ -1,8 +1,9 @@
 """`memplan run` on trainers' own entry points: TRL's `SFTTrainer` (a script and `trl sft`),
-a Lightning `Trainer` script and LitGPT's `litgpt finetune lora`.
+a Lightning `Trainer` script (on one device, and as DDP under `torchrun` on 2 gloo ranks) and
+LitGPT's `litgpt finetune lora`.
 
 Ground truth as in test_run.py: the same command run for real on the CPU in a fresh process,
-measured by torch.profiler's memory timeline over the same optimizer steps
+measured by torch.profiler's allocation events over the same optimizer steps
 (`memplan.program.groundtruth.measure_program`), against `memplan run --device cpu`'s peak,
 within 1%. Every real run is in fp32: bf16 CPU kernels allocate differently on CPUs with
 AVX-512 (oneDNN's path), which the suite must not depend on.
