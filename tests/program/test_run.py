@@ -1,9 +1,10 @@
 """`memplan run -- COMMAND`: the user's own program, run on fake weights and real data.
 
 Ground truth: the same command run for real on the CPU in a fresh process, measured by
-torch.profiler's memory timeline over the same optimizer steps
+torch.profiler's allocation events over the same optimizer steps
 (`memplan.program.groundtruth.measure_program`), against `memplan run --device cpu`'s
-peak: within 1% (measured: +0 B on the plain loop, +32 B on `from_pretrained`).
+peak: within 1% (measured: +2,048 B on the plain loop, the size of its first batch, which
+the real run frees in its second step; +32 B on `from_pretrained`: docs/run.md).
 """
 
 import json

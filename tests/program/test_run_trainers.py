@@ -1,8 +1,9 @@
 """`memplan run` on trainers' own entry points: TRL's `SFTTrainer` (a script and `trl sft`),
-a Lightning `Trainer` script and LitGPT's `litgpt finetune lora`.
+a Lightning `Trainer` script (on one device, and as DDP under `torchrun` on 2 gloo ranks) and
+LitGPT's `litgpt finetune lora`.
 
 Ground truth as in test_run.py: the same command run for real on the CPU in a fresh process,
-measured by torch.profiler's memory timeline over the same optimizer steps
+measured by torch.profiler's allocation events over the same optimizer steps
 (`memplan.program.groundtruth.measure_program`), against `memplan run --device cpu`'s peak,
 within 1%. Every real run is in fp32: bf16 CPU kernels allocate differently on CPUs with
 AVX-512 (oneDNN's path), which the suite must not depend on.
@@ -98,6 +99,21 @@ def test_every_rank_of_a_lightning_ddp_run_is_traced_past_its_broadcast_of_the_l
     result = run_program(command, device="cpu", steps=0, ranks="all", out_dir=tmp_path)
     peaks = [r.peak_allocated_bytes for r in result.estimate.per_rank]
     assert len(peaks) == 2 and peaks[0] == peaks[1] > 0
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_cpu_run_of_a_lightning_ddp_torchrun_matches_every_rank_of_the_real_gloo_run(text_file, tmp_path):
+    # the real run's ground truth is the profiler's allocation events: its memory timeline refuses
+    # this run ("version mismatch": DDP's rebuilt buckets take the address of one freed unseen)
+    command = ["torchrun", "--nproc-per-node", "2", LIGHTNING, "--data", str(text_file), "--accelerator", "cpu",
+               "--devices", "2"]
+    result = run_program(command, device="cpu", ranks="all", out_dir=tmp_path)
+    estimated = [r.peak_allocated_bytes for r in result.estimate.per_rank]
+    measured = measure_program(command)
+    assert len(estimated) == len(measured) == 2
+    for e, m in zip(estimated, measured):
+        _within_one_percent(e, m)
 
 
 def _litgpt_finetune_lora(checkpoint, data, out_dir):
