@@ -70,6 +70,21 @@ def _class_name(model: torch.nn.Module) -> str:
     return cls.__name__
 
 
+def _shapes_only(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's top-level tensors as meta tensors of their shapes and dtypes (what
+    `infer_setup` reads), made outside every mode so that nothing records them. Holding the
+    call's own tensors would keep the program's first batch alive to the end of the run,
+    where the program frees it at its second step."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        def meta(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return torch.empty(value.shape, dtype=value.dtype, device="meta")
+            return value
+
+        return tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
+
 class Seen:
     """The program's model, optimizer and calls, as the run saw them (module docstring)."""
 
@@ -94,7 +109,7 @@ class Seen:
         if not torch.is_grad_enabled():
             return
         if self.first_call is None:
-            self.first_call = (args, kwargs)
+            self.first_call = _shapes_only(args, kwargs)
             self.note_autocast()
         self._calls_since_step += 1
 
