@@ -102,6 +102,24 @@ def test_trainer_with_a_deepspeed_zero2_config_under_the_deepspeed_launcher(tiny
     assert [r.rank for r in result.estimate.per_rank] == [0, 1]
 
 
+def test_trainer_with_a_deepspeed_zero3_config_loads_its_checkpoint_into_the_partitioned_model(tiny_checkpoint,
+                                                                                                text_file, tmp_path):
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                  "zero_optimization": {"stage": 3, "reduce_bucket_size": 100_000,
+                                                        "stage3_param_persistence_threshold": 0}}))
+    command = ["deepspeed", "--num_gpus", "2", str(PROGRAMS / "hf_trainer.py"), "--model", str(tiny_checkpoint),
+               "--data", str(text_file), "--output_dir", str(tmp_path / "trainer"), "--per_device_train_batch_size",
+               "2", "--max_steps", "50", "--deepspeed", str(config)]
+    # from_pretrained builds the model under zero.Init and loads each module's weights inside
+    # GatheredParameters(..., modifier_rank=0) (transformers' _load_state_dict_into_zero3_model)
+    result = run_program(command, device="cpu", steps=1, out_dir=tmp_path / "run")
+    assert (result.seen["model"]["class"], result.seen["models_called"]) == ("LlamaForCausalLM", ["DeepSpeedEngine"])
+    for rank in result.estimate.per_rank:  # at the peak, each rank holds its half of every fp32 parameter
+        assert rank.breakdown["parameters"] == 155_968 // 2 * 4
+    assert [r.rank for r in result.estimate.per_rank] == [0, 1]
+
+
 def test_cuda_run_of_a_trainer_under_accelerate_launch_with_a_deepspeed_config(tiny_checkpoint, text_file, tmp_path):
     from .test_launchers import DEEPSPEED_CONFIG
 
