@@ -110,3 +110,12 @@ def test_a_count_of_finite_checks_is_refused():
         count = torch.zeros([1], device="cuda")
         count += torch.isfinite(grad).all()  # 1 under the assumption: only a zero count is answered
         count.byte().item()
+
+
+def test_a_count_whose_data_is_rebound_is_refused():
+    world = World("cuda", None)
+    grads = [world.fake(torch.empty, (8,))]
+    with DeviceRedirect(world), pytest.raises(ReadRefused, match="item"):
+        flag = _non_finite_count(grads)
+        flag.data = grads[0][:1].byte()
+        flag.item()

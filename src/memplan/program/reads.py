@@ -142,9 +142,9 @@ _IN_PLACE_OPERATOR = re.compile(r"__i(add|sub|mul|truediv|floordiv|div|mod|pow|a
 
 def _writes(func: Any) -> bool:
     """Whether `func` writes its tensor arguments in place (`add_`, `_foreach_mul_`, `__iadd__`,
-    `__setitem__`)."""
+    `__setitem__`, a property's setter: `x.data = y`)."""
     name = getattr(func, "__name__", "")
-    return ((name.endswith("_") and not name.endswith("__")) or name == "__setitem__"
+    return ((name.endswith("_") and not name.endswith("__")) or name in ("__setitem__", "__set__")
             or _IN_PLACE_OPERATOR.fullmatch(name) is not None)
 
 
