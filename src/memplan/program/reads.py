@@ -29,8 +29,8 @@ as they would be. For fake ones the policy is:
   deepspeed/runtime/utils.py:205-228, DeepSpeed 0.19.8). The all-reduce is no torch function
   and leaves the rank's value as it is: under the assumption every rank's count is 0, and the
   MAX (or SUM) of zeros is 0. Only the value 0 is carried (a sum with a check known True is
-  not), and any other op that writes the tensor (an in-place op, `out=`, `__setitem__`)
-  forgets it, so a counter the program changes otherwise is refused as before;
+  not), and any other op that writes the tensor (an in-place op, `out=`, `__setitem__`, `.data =`)
+  forgets it, so a counter the program changes otherwise is refused;
 - a boolean read inside PyTorch's own initialisation functions (`torch.nn.init`) is False:
   `trunc_normal_` draws samples until none is rejected, asking `mask.any()` or
   `pending.any()` after each draw (`_no_grad_trunc_normal_`, torch/nn/init.py:86-160,
