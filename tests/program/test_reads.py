@@ -73,3 +73,49 @@ def test_a_dtensor_over_a_fake_shard_is_read_as_its_shard():
             assert loss.item() == 0.0
     finally:
         dist.destroy_process_group()
+
+
+def _non_finite_count(grads):
+    """DeepSpeed's ZeRO-1/2 overflow check (`has_overflow_partitioned_grads_serial` and
+    `has_overflow`, deepspeed/runtime/zero/stage_1_and_2.py; `has_inf_or_nan`,
+    deepspeed/runtime/utils.py, DeepSpeed 0.19.8): a one-element count of the gradients with a
+    non-finite value, made a byte flag and read."""
+    count = torch.zeros([1], dtype=torch.float, device="cuda")
+    for g in grads:
+        count += torch.isfinite(g.amax()).logical_and(torch.isfinite(g.amin())).logical_not()
+    return count.bool().byte().to("cuda")
+
+
+def test_a_count_of_non_finite_checks_of_fake_gradients_reads_zero_as_an_integer():
+    world = World("cuda", None)
+    grads = [world.fake(torch.empty, (8,)), world.fake(torch.empty, (4, 4))]
+    with DeviceRedirect(world):
+        flag = _non_finite_count(grads)
+        assert (flag[0].item(), bool(flag[0]), int(flag)) == (0, False, 0)
+
+
+def test_a_count_changed_by_any_other_op_is_refused():
+    world = World("cuda", None)
+    grads = [world.fake(torch.empty, (8,))]
+    with DeviceRedirect(world), pytest.raises(ReadRefused, match="item"):
+        flag = _non_finite_count(grads)
+        flag.add_(grads[0].sum().byte())  # a value of the weights, not a finiteness check
+        flag[0].item()
+
+
+def test_a_count_of_finite_checks_is_refused():
+    world = World("cuda", None)
+    grad = world.fake(torch.empty, (8,))
+    with DeviceRedirect(world), pytest.raises(ReadRefused, match="item"):
+        count = torch.zeros([1], device="cuda")
+        count += torch.isfinite(grad).all()  # 1 under the assumption: only a zero count is answered
+        count.byte().item()
+
+
+def test_a_count_whose_data_is_rebound_is_refused():
+    world = World("cuda", None)
+    grads = [world.fake(torch.empty, (8,))]
+    with DeviceRedirect(world), pytest.raises(ReadRefused, match="item"):
+        flag = _non_finite_count(grads)
+        flag.data = grads[0][:1].byte()
+        flag.item()

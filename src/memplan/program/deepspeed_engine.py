@@ -48,7 +48,12 @@ optimizers on memplan's world (memplan.program.world) and fake process group
   gradient partitions, `stage_1_and_2.py` `independent_gradient_partition_epilogue`),
   `DeepSpeedEngine.step`, and the whole `with deepspeed.zero.Init(...):` block (its post-init
   hook partitions each module as it is built: ZeRO-3's `ds_tensor` partitions, the
-  `param.data = torch.empty(0)` of each freed parameter). In a cpu run those factories name the CPU, which the world keeps
+  `param.data = torch.empty(0)` of each freed parameter), and the entry and exit of
+  `deepspeed.zero.GatheredParameters` (deepspeed/runtime/zero/partition_parameters.py:2465-2569:
+  its all-gather buffers, which `param.data` is bound to, and the partitions made again at its
+  exit; transformers loads a checkpoint into a ZeRO-3 model inside it, module by module,
+  `_load_state_dict_into_zero3_model`, transformers/integrations/deepspeed.py:455-524, transformers
+  5.23). In a cpu run those factories name the CPU, which the world keeps
   real outside the model's code (data); DeepSpeed's code is the model's code for the world
   (`World.engine_depth`), so what it makes is fake, at any size, as on a GPU.
 
@@ -171,6 +176,9 @@ def engine_code(world: World, patches: Patches) -> None:
             patches.set(torch.nn.functional, "linear", torch.nn.functional.linear)  # put back at the end (above)
             patches.set(module.Init, "__init__", _counted_as_engine_code(world, module.Init.__init__))
             _zero_init_block_counted(world, patches, module.Init)
+            for name in ("__enter__", "__exit__"):
+                patches.set(module.GatheredParameters, name,
+                            _counted_as_engine_code(world, getattr(module.GatheredParameters, name)))
 
     patches.on_import(PACKAGE + ".runtime", patch)
 

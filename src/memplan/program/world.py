@@ -80,7 +80,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.models import tracing
 from memplan.program.patches import Patches
-from memplan.program.reads import KNOWN_BOOL_OPS, READS, ReadLog, is_fake_value
+from memplan.program.reads import KNOWN_OPS, READS, ReadLog, is_fake_value
 
 Tensor = torch.Tensor
 
@@ -420,6 +420,14 @@ class DeviceRedirect(TorchFunctionMode):
             if args and is_fake_value(args[0]):
                 return self.world.reads.read(func, args, kwargs)
             return func(*args, **kwargs)
+        result = self._call(func, args, kwargs)
+        reads = self.world.reads
+        if func in KNOWN_OPS or reads.known:  # a value the reads policy knows, carried on or forgotten
+            reads.note_known(func, args, kwargs, result)
+        return result
+
+    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func` of `args`, as the world runs it (module docstring)."""
         if func in _MOVES:
             return self._move(func, args, kwargs)
         if func is Tensor.data_ptr and args and isinstance(args[0], FakeTensor):
@@ -432,8 +440,6 @@ class DeviceRedirect(TorchFunctionMode):
             kwargs.pop("pin_memory", None)
             return self._tagged(func(*args, **kwargs))
         result = func(*args, **kwargs)
-        if func in KNOWN_BOOL_OPS:  # a check of fake values carried on; of real ones, a device mask
-            self.world.reads.note_known(func, args, result)
         if self.world.cuda and _real_tensors(result) and any(
                 self.world.on_device(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)):
             self._tagged(result)
