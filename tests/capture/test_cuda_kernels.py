@@ -6,7 +6,7 @@ import torch
 
 from memplan import models
 from memplan.capture import capture_model
-from memplan.capture.cuda_kernels import cuda_sdpa, sdpa_as_on_cuda
+from memplan.capture.cuda_kernels import cuda_dropout, cuda_sdpa, dropout_as_on_cuda, sdpa_as_on_cuda
 
 
 def attention_matrices(trace, batch, heads, seq):
@@ -56,3 +56,43 @@ def test_the_swap_is_undone_after_the_block():
     with sdpa_as_on_cuda():
         assert torch.nn.functional.scaled_dot_product_attention is cuda_sdpa
     assert torch.nn.functional.scaled_dot_product_attention is original
+
+
+def saved_for_backward(fn, x):
+    """(dtype, shape) of each tensor autograd keeps for the backward of `fn(x)`."""
+    kept = []
+
+    def pack(tensor):
+        kept.append((tensor.dtype, tuple(tensor.shape)))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn(x)
+    return kept
+
+
+def test_dropout_on_cuda_keeps_a_bool_mask_where_the_cpu_keeps_noise_of_the_input_dtype():
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_for_backward(lambda t: torch.nn.functional.dropout(t, 0.1), x) == [(torch.bfloat16, (4, 8))]
+    with dropout_as_on_cuda():
+        assert saved_for_backward(lambda t: torch.nn.functional.dropout(t, 0.1), x) == [(torch.bool, (4, 8))]
+
+
+@pytest.mark.parametrize("p,training,inplace", [(0.0, True, False), (0.1, False, False), (1.0, True, False)])
+def test_dropout_that_cuda_does_not_fuse_keeps_the_cpu_path(p, training, inplace):
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = saved_for_backward(lambda t: torch.nn.functional.dropout(t, p, training, inplace), x)
+    assert saved_for_backward(lambda t: cuda_dropout(t, p, training, inplace), x) == expected
+
+
+def test_gpt2_on_cuda_holds_one_byte_less_per_bf16_dropout_element_than_on_cpu():
+    # tiny GPT-2 with SDPA dropout off, so that only nn.Dropout differs: embedding, attention
+    # output and MLP output dropout of each block hold B*S*H elements each (3 per layer + 1)
+    config = models.tiny_config("gpt2", attn_pdrop=0.0)
+    setup = models.TrainingSetup(batch=2, seq=64, precision="bf16-true")
+    cuda = capture_model(config, setup, fake=True, device="cuda")
+    assert "aten.native_dropout.default" in cuda.op_names
+    masks = [b for b in range(cuda.num_buffers)
+             if cuda.op_name(int(cuda.buffers["alloc_op"][b])) == "aten.native_dropout.default"
+             and int(cuda.buffers["nbytes"][b]) == 2 * 64 * config.n_embd]  # bool: 1 byte each
+    assert len(masks) == 2 * config.n_layer + 1

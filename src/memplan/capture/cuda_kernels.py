@@ -18,6 +18,17 @@ tensors of any device and their backward ops (`_scaled_dot_product_flash_attenti
 output sizes (the efficient kernel's logsumexp is padded to a multiple of 32, as on GPU).
 Grouped-query attention is expanded to the query heads first (`repeat_interleave`),
 which is what PyTorch does before its fused kernels when `enable_gqa` is set.
+
+Dropout differs too. ATen's `dropout` (aten/src/ATen/native/Dropout.cpp, PyTorch 2.x: lines
+43-45 `is_fused_kernel_acceptable`, 132-145 `dropout`) takes the fused `native_dropout`
+kernel on CUDA when training with 0 < p < 1 on a non-empty input: it keeps a *bool* mask
+(1 byte an element) for backward. On the CPU the same call multiplies the input by a noise
+tensor of the input's dtype (`_dropout_impl`: `empty_like(input).bernoulli_(1 - p)`), which
+autograd keeps: 2 bytes an element in bf16, 4 in fp32. `dropout_as_on_cuda()` sends
+`torch.nn.functional.dropout` (what `nn.Dropout` and the model libraries call) to
+`torch.native_dropout` under the same conditions; its CPU kernel makes the same bool mask
+and output (Dropout.cpp lines 104-125, `native_dropout_cpu`), and autograd keeps the mask.
+In-place dropout (`dropout_`) takes the noise path on CUDA too, and is left alone.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import torch
 from memplan.capture.cuda_autocast import autocast_as_on_cuda
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+_DROPOUT = torch.nn.functional.dropout
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -90,10 +102,30 @@ def sdpa_as_on_cuda() -> Iterator[None]:
         functional.scaled_dot_product_attention = _SDPA
 
 
+def cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,  # noqa: A002 (F.dropout's names)
+                 inplace: bool = False) -> torch.Tensor:
+    """`torch.nn.functional.dropout` through the kernel CUDA takes (module docstring)."""
+    if training and not inplace and 0.0 < p < 1.0 and input.numel() > 0:
+        return torch.native_dropout(input, p, True)[0]
+    return _DROPOUT(input, p, training, inplace)
+
+
+@contextlib.contextmanager
+def dropout_as_on_cuda() -> Iterator[None]:
+    """Within this block, `torch.nn.functional.dropout` keeps a bool mask as CUDA's fused
+    kernel does (module docstring); swapped like SDPA, for the same reason."""
+    functional = torch.nn.functional
+    functional.dropout = cuda_dropout
+    try:
+        yield
+    finally:
+        functional.dropout = _DROPOUT
+
+
 @contextlib.contextmanager
 def kernels_as_on_cuda() -> Iterator[None]:
     """What a CUDA job runs differently from the cpu it is traced on: SDPA's fused
-    kernels (`sdpa_as_on_cuda`) and autocast's CUDA op lists
-    (`memplan.capture.cuda_autocast.autocast_as_on_cuda`)."""
-    with sdpa_as_on_cuda(), autocast_as_on_cuda():
+    kernels (`sdpa_as_on_cuda`), dropout's fused kernel (`dropout_as_on_cuda`) and
+    autocast's CUDA op lists (`memplan.capture.cuda_autocast.autocast_as_on_cuda`)."""
+    with sdpa_as_on_cuda(), dropout_as_on_cuda(), autocast_as_on_cuda():
         yield
