@@ -1,4 +1,4 @@
-"""A CUDA job traced on fake cpu tensors runs CUDA's fused attention kernels."""
+"""A CUDA job traced on fake cpu tensors runs CUDA's fused attention and dropout kernels."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,12 @@ import torch
 
 from memplan import models
 from memplan.capture import capture_model
-from memplan.capture.cuda_kernels import cuda_dropout, cuda_sdpa, dropout_as_on_cuda, sdpa_as_on_cuda
+from memplan.capture.cuda_kernels import (
+    cuda_dropout,
+    cuda_sdpa,
+    dropout_as_on_cuda,
+    sdpa_as_on_cuda,
+)
 
 
 def attention_matrices(trace, batch, heads, seq):
