@@ -137,6 +137,25 @@ def events_peak_bytes(prof: Any, device: str = "cpu") -> int:
     return held_peak_bytes(held, [(t, fields.ptr, fields.alloc_size) for t, fields in events])
 
 
+def c10_total_peak_bytes(prof: Any, device: str = "cpu") -> int:
+    """Peak of c10's own running total of the device's allocated bytes over a stopped
+    `memory_profiler()`: each allocation event's `total_allocated`
+    (c10/core/CPUAllocator.cpp, `ProfiledCPUMemoryReporter::New`). Once
+    `report_every_cpu_free()` has run, that total counts every block allocated since, and
+    every free on every thread, the frees on gloo's thread included, which the events do not
+    report: where a run frees blocks there (DeepSpeed ZeRO-3's gathers), `events_peak_bytes`
+    keeps them until their address is reused and reads more, by a different amount from run
+    to run; this total does not. It also counts blocks the profile never sees (made before
+    the window and untouched in it), so it is the process's peak, equal to the events' when
+    every storage alive at the window's start is shown to the profile (`whole_storages`)."""
+    from torch._C._profiler import _EventType
+
+    totals = [e.extra_fields.total_allocated
+              for e in _all_events(prof.profiler.kineto_results.experimental_event_tree())
+              if e.tag == _EventType.Allocation and e.extra_fields.device == torch.device(device)]
+    return max(totals) if totals else 0
+
+
 def held_peak_bytes(preexisting: dict[int, int], events: list[tuple[int, int, int]]) -> int:
     """Peak of the bytes held: `preexisting` (address -> bytes of each block alive at the start),
     then `events` (time in ns, address, bytes: > 0 an allocation, < 0 a free) in time order,

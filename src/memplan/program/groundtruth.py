@@ -70,11 +70,13 @@ def _free_port() -> int:
 @dataclass(frozen=True)
 class RankPeaks:
     """One rank's measured peaks: `peak_bytes` from the allocation events (the ground truth),
-    and torch's memory timeline's peak of the same profile when asked for, or why its
-    analysis refused the profile (`timeline_error`)."""
+    `c10_peak_bytes` from c10's own running total of the same profile (every thread's frees:
+    `memplan.capture.groundtruth.c10_total_peak_bytes`), and torch's memory timeline's peak
+    when asked for, or why its analysis refused the profile (`timeline_error`)."""
 
     rank: int
     peak_bytes: int
+    c10_peak_bytes: int | None = None
     timeline_peak_bytes: int | None = None
     timeline_error: str | None = None
 
@@ -141,6 +143,7 @@ def measure_rank() -> None:
     import torch
 
     from memplan.capture.groundtruth import (
+        c10_total_peak_bytes,
         events_peak_bytes,
         memory_profiler,
         report_every_cpu_free,
@@ -177,7 +180,8 @@ def measure_rank() -> None:
     finally:
         window.remove()
     profiler.stop()
-    result: dict[str, Any] = {"peak_bytes": events_peak_bytes(profiler, "cpu")}
+    result: dict[str, Any] = {"peak_bytes": events_peak_bytes(profiler, "cpu"),
+                              "c10_peak_bytes": c10_total_peak_bytes(profiler, "cpu")}
     if spec["with_timeline"]:
         result.update(_timeline_peak(profiler))
     Path(spec["out"]).write_text(json.dumps(result))
