@@ -102,14 +102,8 @@ def instruction_json(tmp_path_factory) -> Path:
 
 def measured_ranks(command, **options):
     """Per rank, the profiler peaks of the real multi-process run of `command`
-    (`measure_program`), or the test skipped where torch's memory-profiler analysis failed on
-    every attempt ("version mismatch": torch/profiler/_memory_profiler.py): that run has no
-    ground truth, and the skip says so; a run the analysis reads is compared as it is."""
+    (`measure_program`: the allocation events, which torch's memory-profiler analysis cannot
+    refuse, so every run is a ground truth)."""
     from memplan.program import measure_program
 
-    try:
-        return measure_program(command, **options)
-    except RuntimeError as exc:
-        if "memory analysis failed" not in str(exc):
-            raise
-        pytest.skip(f"no ground truth this run: {str(exc)[:160]}")
+    return measure_program(command, **options)
